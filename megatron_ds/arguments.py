@@ -1,0 +1,245 @@
+"""Megatron-LM's command-line flags, parsed and validated before any process group exists.
+
+Validation errors are collected and raised together as one ArgumentsError whose message names each
+flag and value; `pretrain.py` prints it on every rank and exits with status 2, so no rank reaches a
+collective that could hang.
+"""
+import argparse
+import os
+
+import torch
+
+from megatron_ds.core.transformer import TransformerConfig
+
+
+class ArgumentsError(Exception):
+    """Bad command line or DeepSpeed JSON; the message is meant for the user as is."""
+
+
+def _add_model_args(parser):
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, required=True)
+    group.add_argument("--hidden-size", type=int, required=True)
+    group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--num-key-value-heads", "--num-query-groups", dest="num_key_value_heads", type=int,
+                       default=None, help="grouped-query attention: number of key/value heads (default: heads)")
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="accepted for Megatron-LM compatibility; GQA is on when --num-query-groups < heads")
+    group.add_argument("--ffn-hidden-size", type=int, default=None)
+    group.add_argument("--kv-channels", type=int, default=None)
+    group.add_argument("--seq-length", type=int, required=True)
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                       default="learned_absolute")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="same as --position-embedding-type rope")
+    group.add_argument("--rotary-base", type=float, default=10000.0)
+    group.add_argument("--disable-bias-linear", action="store_true")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa")
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=None, help="default: from the DeepSpeed JSON, or 1")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: from the DeepSpeed JSON, or micro batch x data-parallel size")
+    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--lr", type=float, default=1e-4)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-fraction", type=float, default=None)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=None, help="default: DeepSpeed JSON, or 1.0")
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--bf16", action="store_true", default=None)
+    group.add_argument("--fp16", action="store_true", default=None)
+    group.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    group.add_argument("--min-loss-scale", type=float, default=1.0)
+    group.add_argument("--loss-scale-window", type=int, default=1000)
+    group.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_parallel_args(parser):
+    group = parser.add_argument_group("parallelism and distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--zero-stage", type=int, default=None, help="default: DeepSpeed JSON, or 1")
+    group.add_argument("--no-pipeline-parallel", action="store_true",
+                       help="Megatron-DeepSpeed compatibility: PP = 1 always uses the plain DeepSpeed engine")
+    group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                       help="default: nccl with CUDA, gloo without")
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                       help="set by the deepspeed launcher")
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100)
+    group.add_argument("--tensorboard-dir", default=None)
+    group.add_argument("--peak-tflops", type=float, default=None,
+                       help="per-device peak TFLOP/s for MFU (default: known GPU table, or measured matmul rate)")
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group("data")
+    group.add_argument("--mock-data", action="store_true", help="deterministic synthetic token stream")
+    group.add_argument("--tokenizer-type", choices=["NullTokenizer"], default="NullTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer")
+
+
+def _add_deepspeed_args(parser):
+    group = parser.add_argument_group("DeepSpeed")
+    group.add_argument("--deepspeed", action="store_true", help="accepted; DeepSpeed is always the engine")
+    group.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                       help="DeepSpeed JSON, reconciled with the flags (see README)")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="pretrain.py", allow_abbrev=False,
+                                     description="Megatron-style GPT pretraining on DeepSpeed")
+    for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_data_args,
+                _add_deepspeed_args):
+        add(parser)
+    return parser
+
+
+def launcher_world_size():
+    """World size announced by the launcher (torchrun, deepspeed, mpirun, srun) before any process group."""
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def parse_args(argv=None, world_size=None):
+    """Parse, reconcile with the DeepSpeed JSON and validate. Raises ArgumentsError.
+    Unknown flags make argparse exit with status 2 and its usage message."""
+    from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
+
+    args = build_parser().parse_args(argv)
+    args.world_size = launcher_world_size() if world_size is None else world_size
+    _fill_model_defaults(args)
+    errors = _size_errors(args)
+    if not errors:
+        args.data_parallel_size = args.world_size // (args.tensor_model_parallel_size *
+                                                      args.pipeline_model_parallel_size)
+        errors = reconcile_with_deepspeed_config(args)
+    if not errors:
+        errors = _batch_and_precision_errors(args)
+    if errors:
+        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return args
+
+
+def _fill_model_defaults(args):
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.num_key_value_heads is None:
+        args.num_key_value_heads = args.num_attention_heads
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+
+
+def _size_errors(args):
+    errors = []
+    positive = ["num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "seq_length",
+                "max_position_embeddings", "train_iters", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "make_vocab_size_divisible_by", "log_interval"]
+    optional_positive = ["ffn_hidden_size", "kv_channels", "micro_batch_size", "global_batch_size", "vocab_size"]
+    for name in positive + [n for n in optional_positive if getattr(args, n) is not None]:
+        if getattr(args, name) <= 0:
+            errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if errors:
+        return errors
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    if world % (tp * pp):
+        errors.append(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
+                      f"does not divide the world size {world} (the number of launched ranks)")
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    if heads % tp:
+        errors.append(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if kv_heads % tp:
+        errors.append(f"--num-key-value-heads {kv_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if heads % kv_heads:
+        errors.append(f"--num-key-value-heads {kv_heads} does not divide --num-attention-heads {heads}")
+    if args.kv_channels is None and args.hidden_size % heads:
+        errors.append(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads} "
+                      f"(or give --kv-channels)")
+    if args.num_layers % pp:
+        errors.append(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
+        errors.append(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                      f"--tensor-model-parallel-size {tp}")
+    if args.seq_length > args.max_position_embeddings:
+        errors.append(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                      f"{args.max_position_embeddings}")
+    if args.bf16 and args.fp16:
+        errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
+    if not args.mock_data:
+        errors.append("no training data: pass --mock-data (the indexed-dataset pipeline is not in this version)")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    return errors
+
+
+def _batch_and_precision_errors(args):
+    """Checks on values that may come from the DeepSpeed JSON (run after reconciliation)."""
+    errors = []
+    micro, global_batch, dp = args.micro_batch_size, args.global_batch_size, args.data_parallel_size
+    if global_batch % (micro * dp):
+        errors.append(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
+                      f"data-parallel size {dp} = {micro * dp} (data-parallel size = world size "
+                      f"{args.world_size} / (TP {args.tensor_model_parallel_size} x PP "
+                      f"{args.pipeline_model_parallel_size}))")
+    if args.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    elif args.zero_stage >= 2 and args.pipeline_model_parallel_size > 1:
+        errors.append(f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size "
+                      f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports only ZeRO "
+                      f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
+                      f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3")
+    return errors
+
+
+def padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size):
+    """Pad the vocabulary to a multiple of divisible_by x TP so every TP rank holds an equal slice."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, gated_linear_unit=args.swiglu,
+        bias=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, attention_backend=args.attention_backend,
+        init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype)

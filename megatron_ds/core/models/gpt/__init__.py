@@ -1,0 +1,2 @@
+from megatron_ds.core.models.gpt.gpt_model import (GPTModel, gpt_layer_specs, language_model_loss,
+                                                   model_flops_per_iteration)

@@ -1,0 +1,137 @@
+"""GPT as a list of layer specs; GPTModel (one process per model replica stage-wise) and the DeepSpeed
+pipeline form are both built from `gpt_layer_specs`, so they cannot drift apart.
+
+Data flow: input ids [b, s] -> embedding -> [s, b, h] -> transformer layers -> final norm -> logits
+[s, b, vocab/tp] -> vocab-parallel cross entropy against labels [b, s].
+"""
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_ds.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron_ds.core.tensor_parallel.random import (init_method_normal, initialize_deterministically,
+                                                     set_init_method)
+from megatron_ds.core.transformer.norms import build_norm
+from megatron_ds.core.transformer.transformer_layer import TransformerLayer
+
+TIED_EMBEDDING_KEY = "embedding"
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Word embeddings (vocab-parallel), learned absolute positions when configured, dropout.
+    Takes input ids [b, s]; returns [s, b, h]."""
+
+    def __init__(self, config, vocab_size, max_sequence_length):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size, config=config,
+                                                      init_method=init_method_normal(config.init_method_std))
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
+                                                          dtype=config.params_dtype)
+            set_init_method(self.position_embeddings.weight, init_method_normal(config.init_method_std))
+        initialize_deterministically(self, "embedding", config.init_seed)
+
+    def forward(self, input_ids, position_ids=None):
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        return F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+
+
+class FinalLayerNorm(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm = build_norm(config)
+
+    def forward(self, hidden_states):
+        return self.norm(hidden_states)
+
+
+class OutputLayer(torch.nn.Module):
+    """Untied output head: [s, b, h] -> logits [s, b, vocab/tp]."""
+
+    def __init__(self, config, vocab_size):
+        super().__init__()
+        self.linear = ColumnParallelLinear(config.hidden_size, vocab_size, config=config, bias=False,
+                                           init_method=init_method_normal(config.init_method_std))
+        initialize_deterministically(self, "output_layer", config.init_seed)
+
+    def forward(self, hidden_states):
+        logits, _ = self.linear(hidden_states)
+        return logits
+
+
+def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
+    """Output head that reuses the input word embeddings: [s, b, h] -> logits [s, b, vocab/tp]."""
+    return F.linear(copy_to_tensor_model_parallel_region(hidden_states), embedding.word_embeddings.weight)
+
+
+def language_model_loss(logits, labels):
+    """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair."""
+    loss_mask = None
+    if isinstance(labels, (tuple, list)):
+        labels, loss_mask = labels
+    per_token = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+    if loss_mask is None:
+        return per_token.mean()
+    mask = loss_mask.transpose(0, 1).float()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
+    """The model as an ordered list of DeepSpeed layer specs (embedding, layers, final norm, head)."""
+    if share_embeddings_and_output_weights:
+        embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, LanguageModelEmbedding, config, vocab_size,
+                                  max_sequence_length, tied_weight_attr="word_embeddings.weight")
+        head = TiedLayerSpec(TIED_EMBEDDING_KEY, LanguageModelEmbedding, config, vocab_size, max_sequence_length,
+                             forward_fn=tied_output_logits, tied_weight_attr="word_embeddings.weight")
+    else:
+        embedding = LayerSpec(LanguageModelEmbedding, config, vocab_size, max_sequence_length)
+        head = LayerSpec(OutputLayer, config, vocab_size)
+    layers = [LayerSpec(TransformerLayer, config, number) for number in range(1, config.num_layers + 1)]
+    return [embedding, *layers, LayerSpec(FinalLayerNorm, config), head]
+
+
+class GPTModel(torch.nn.Module):
+    """The whole model in one process (per TP rank): used with PP = 1 and by the library API.
+    forward(input_ids, labels=None) returns the mean loss when labels are given, else the logits."""
+
+    def __init__(self, config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
+        super().__init__()
+        self.config = config
+        specs = gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights)
+        self.embedding = specs[0].build()
+        self.layers = torch.nn.ModuleList(spec.build() for spec in specs[1:-2])
+        self.final_layernorm = specs[-2].build()
+        self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
+        hidden_states = self.embedding(input_ids, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask)
+        hidden_states = self.final_layernorm(hidden_states)
+        logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
+                  else self.output_layer(hidden_states))
+        return logits if labels is None else language_model_loss(logits, labels)
+
+
+def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):
+    """Model FLOPs of one training iteration (forward + backward = 3x forward; no recompute).
+
+    Per token and layer the forward does 2 x (QKV, projection, MLP weights) + 4 s h for QK^T and
+    attention x V; the head adds 2 h V. For a GPT-2 shape this is Megatron's
+    72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    h, d = config.hidden_size, config.kv_channels
+    qkv = h * (config.num_attention_heads + 2 * config.num_query_groups) * d
+    projection = config.num_attention_heads * d * h
+    mlp = h * config.ffn_hidden_size * (3 if config.gated_linear_unit else 2)
+    per_layer = 2 * (qkv + projection + mlp) + 4 * seq_length * config.num_attention_heads * d
+    per_token_forward = config.num_layers * per_layer + 2 * h * vocab_size
+    return 3 * per_token_forward * global_batch_size * seq_length

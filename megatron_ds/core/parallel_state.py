@@ -1,0 +1,159 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+One topology object is the single source of truth for rank placement: DeepSpeed's
+`PipeModelDataParallelTopology` (axes pipe, data, model; TP fastest, then DP, then PP slowest).
+The same object is handed to DeepSpeed's `PipelineModule`, so Megatron's groups and DeepSpeed's
+pipeline grid are the same groups; `assert_matches_deepspeed_grid` checks that at start-up.
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+
+@dataclass
+class _ParallelGroups:
+    topology: PipeModelDataParallelTopology
+    tensor_ranks: List[int]
+    pipeline_ranks: List[int]
+    data_ranks: List[int]
+    tensor_group: object
+    pipeline_group: object
+    data_group: object
+
+
+_GROUPS: Optional[_ParallelGroups] = None
+
+
+def _new_groups_along(topology, axis):
+    """Create one process group per list along `axis` (every rank must call this in the same order);
+    return (ranks, group) of the list holding this rank."""
+    me = dist.get_rank()
+    mine = None
+    for ranks in topology.get_axis_comm_lists(axis):
+        group = dist.new_group(ranks=ranks)
+        if me in ranks:
+            mine = (ranks, group)
+    return mine
+
+
+def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size):
+    """The (pipe, data, model) topology for a world; raises ValueError when the sizes do not divide it."""
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if tensor_model_parallel_size < 1 or pipeline_model_parallel_size < 1 or world_size % model_parallel:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) = {model_parallel} must be positive and divide the world "
+            f"size ({world_size})")
+    return PipeModelDataParallelTopology(num_pp=pipeline_model_parallel_size,
+                                         num_mp=tensor_model_parallel_size,
+                                         num_dp=world_size // model_parallel)
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              topology: Optional[PipeModelDataParallelTopology] = None):
+    """Create the TP, PP and DP groups for this rank. torch.distributed must be initialized."""
+    global _GROUPS
+    if _GROUPS is not None:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    if topology is None:
+        topology = build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size())
+    tensor_ranks, tensor_group = _new_groups_along(topology, "model")
+    data_ranks, data_group = _new_groups_along(topology, "data")
+    pipeline_ranks, pipeline_group = _new_groups_along(topology, "pipe")
+    _GROUPS = _ParallelGroups(topology, tensor_ranks, pipeline_ranks, data_ranks,
+                              tensor_group, pipeline_group, data_group)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None
+
+
+def destroy_model_parallel():
+    global _GROUPS
+    _GROUPS = None
+
+
+def _groups() -> _ParallelGroups:
+    if _GROUPS is None:
+        raise RuntimeError("model parallel groups are not initialized: call initialize_model_parallel() first")
+    return _GROUPS
+
+
+def get_topology() -> PipeModelDataParallelTopology:
+    return _groups().topology
+
+
+def get_tensor_model_parallel_group():
+    return _groups().tensor_group
+
+
+def get_tensor_model_parallel_ranks() -> List[int]:
+    return list(_groups().tensor_ranks)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return len(_groups().tensor_ranks) if _GROUPS is not None else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _groups().tensor_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
+
+
+def get_pipeline_model_parallel_group():
+    return _groups().pipeline_group
+
+
+def get_pipeline_model_parallel_ranks() -> List[int]:
+    return list(_groups().pipeline_ranks)
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return len(_groups().pipeline_ranks) if _GROUPS is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _groups().pipeline_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
+
+
+def get_data_parallel_group():
+    return _groups().data_group
+
+
+def get_data_parallel_ranks() -> List[int]:
+    return list(_groups().data_ranks)
+
+
+def get_data_parallel_world_size() -> int:
+    return len(_groups().data_ranks) if _GROUPS is not None else 1
+
+
+def get_data_parallel_rank() -> int:
+    return _groups().data_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def all_groups_by_axis():
+    """{'tensor': [...], 'data': [...], 'pipeline': [...]}: every group's ranks, for start-up logs."""
+    topology = get_topology()
+    return {"tensor": topology.get_axis_comm_lists("model"),
+            "data": topology.get_axis_comm_lists("data"),
+            "pipeline": topology.get_axis_comm_lists("pipe")}
+
+
+def assert_matches_deepspeed_grid(grid):
+    """DeepSpeed's PipelineParallelGrid must hold exactly our groups (it was built from our topology)."""
+    ours = _groups()
+    theirs = {"data": list(grid.dp_group), "pipeline": list(grid.pp_group), "tensor": list(grid.slice_group)}
+    mine = {"data": ours.data_ranks, "pipeline": ours.pipeline_ranks, "tensor": ours.tensor_ranks}
+    if theirs != mine:
+        raise AssertionError(f"rank {dist.get_rank()}: DeepSpeed's pipeline grid groups {theirs} differ from "
+                             f"megatron_ds parallel_state groups {mine}")

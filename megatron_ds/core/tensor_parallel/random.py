@@ -1,0 +1,135 @@
+"""RNG states for tensor-parallel regions, and deterministic full-model initialization.
+
+Dropout inside a TP region (attention probabilities of this rank's heads) must differ per TP rank;
+dropout in replicated regions must be identical on every TP rank. The tracker keeps a separate
+generator state, seeded per TP rank, and `fork()` swaps it in. It works on CPU and CUDA: it swaps the
+state of the generator that drives the current device.
+"""
+import contextlib
+import hashlib
+
+import torch
+
+from megatron_ds.core.parallel_state import (get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank,
+                                             get_tensor_model_parallel_world_size)
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+
+
+def _device_rng_state():
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+
+
+def _set_device_rng_state(state):
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def _manual_seed_device(seed):
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class RNGStatesTracker:
+    """Named generator states; `fork(name)` runs a block under that state and saves its advance."""
+
+    def __init__(self):
+        self.states = {}
+
+    def reset(self):
+        self.states = {}
+
+    def get_states(self):
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states):
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = _device_rng_state()
+        _manual_seed_device(seed)
+        self.states[name] = _device_rng_state()
+        _set_device_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} is not added; call model_parallel_cuda_manual_seed(seed) first")
+        saved = _device_rng_state()
+        _set_device_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _device_rng_state()
+            _set_device_rng_state(saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron's name; it serves CPU and CUDA alike)."""
+    return _TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed: int):
+    """Seed the default generator identically on every TP rank of a stage (replicated regions) and the
+    tracker's model-parallel generator differently per TP rank (tensor-parallel regions)."""
+    default_seed = seed + 100 * get_pipeline_model_parallel_rank()
+    torch.manual_seed(default_seed)
+    _manual_seed_device(default_seed)
+    _TRACKER.reset()
+    _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, default_seed + 2718 + get_tensor_model_parallel_rank())
+
+
+def _generator_for(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def init_method_normal(std: float):
+    """Fill a full (unsharded) fp32 tensor from N(0, std) with the given generator."""
+    def init_(tensor, generator):
+        return tensor.normal_(0.0, std, generator=generator)
+    return init_
+
+
+def set_init_method(param: torch.nn.Parameter, init_method):
+    param.init_method = init_method
+
+
+def _shard_of_full(full, param):
+    """This rank's shard of a full tensor, honouring `partition_dim` and `partition_stride`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    stride_blocks = full.chunk(param.partition_stride, dim=param.partition_dim)
+    return torch.cat([block.chunk(world, dim=param.partition_dim)[rank] for block in stride_blocks],
+                     dim=param.partition_dim)
+
+
+def full_shape(param):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= get_tensor_model_parallel_world_size()
+    return shape
+
+
+@torch.no_grad()
+def initialize_deterministically(module: torch.nn.Module, prefix: str, seed: int):
+    """Initialize every parameter that carries an `init_method`: draw the full tensor from a generator
+    seeded by (seed, prefix.name), then keep this rank's shard. The same seed therefore gives the same
+    full model for every (tp, pp, dp) layout."""
+    for name, param in module.named_parameters():
+        init_method = getattr(param, "init_method", None)
+        if init_method is None:
+            continue
+        full = torch.empty(full_shape(param), dtype=torch.float32)
+        init_method(full, _generator_for(seed, f"{prefix}.{name}"))
+        param.copy_(_shard_of_full(full, param))

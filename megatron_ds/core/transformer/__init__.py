@@ -1,0 +1,2 @@
+from megatron_ds.core.transformer.transformer_config import TransformerConfig
+from megatron_ds.core.transformer.transformer_layer import TransformerLayer

@@ -1,0 +1,82 @@
+"""Self-attention: QKV column-parallel (each TP rank owns whole query groups), core attention on this
+rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_ds.core.tensor_parallel.random import get_cuda_rng_tracker, init_method_normal
+from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+
+
+def _causal_mask(seq_len, device):
+    """True where attention is forbidden (Megatron's convention)."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def local_attention(query, key, value, attention_mask, dropout_p, training):
+    """Explicit QK^T -> scale + mask + softmax (fp32) -> dropout -> x V on [b, heads, s, d] tensors."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(query.size(-1))
+    mask = attention_mask if attention_mask is not None else _causal_mask(query.size(-2), query.device)
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(query.dtype)
+    probs = F.dropout(probs, p=dropout_p, training=training)
+    return torch.matmul(probs, value)
+
+
+def sdpa_attention(query, key, value, attention_mask, dropout_p, training):
+    """torch's scaled_dot_product_attention (flash / memory-efficient kernels where available)."""
+    dropout_p = dropout_p if training else 0.0
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p)
+
+
+_BACKENDS = {"local": local_attention, "sdpa": sdpa_attention}
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, config, layer_number):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.config = config
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.num_heads = divide(config.num_attention_heads, tp, "--num-attention-heads over TP:")
+        self.num_groups = divide(config.num_query_groups, tp, "--num-key-value-heads over TP:")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, config=config, bias=config.bias,
+                                               init_method=init_method_normal(config.init_method_std))
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                             config=config, bias=config.bias, input_is_parallel=True,
+                                             skip_bias_add=True,
+                                             init_method=init_method_normal(config.output_layer_init_std))
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.core_attention = _BACKENDS[config.attention_backend]
+
+    def _split_qkv(self, mixed):
+        """[s, b, groups*(heads_per_group+2)*d] -> q [s, b, heads, d], k and v expanded to [s, b, heads, d]."""
+        s, b, _ = mixed.shape
+        grouped = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        query, key, value = grouped.split([self.heads_per_group, 1, 1], dim=3)
+        expand = (s, b, self.num_groups, self.heads_per_group, self.head_dim)
+        heads = (s, b, self.num_heads, self.head_dim)
+        return (query.reshape(heads), key.expand(expand).reshape(heads), value.expand(expand).reshape(heads))
+
+    def forward(self, hidden_states, attention_mask=None):
+        mixed, _ = self.linear_qkv(hidden_states)
+        query, key, value = self._split_qkv(mixed)
+        if self.rotary is not None:
+            cos, sin = self.rotary(query.size(0), query.device)
+            query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        # [s, b, heads, d] -> [b, heads, s, d]
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        with get_cuda_rng_tracker().fork():
+            context = self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
+                                          self.training)
+        s, b = hidden_states.shape[:2]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.linear_proj(context)

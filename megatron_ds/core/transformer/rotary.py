@@ -1,0 +1,29 @@
+"""Rotary position embedding (RoPE), rotate-half convention (as in LLaMA and Hugging Face)."""
+import torch
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, head_dim, base=10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, seq_len, device, offset=0):
+        """cos, sin of shape [s, 1, 1, d] for positions offset .. offset + seq_len - 1."""
+        positions = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq.to(device))
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        return angles.cos(), angles.sin()
+
+
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    """x: [s, b, heads, d]; rotation in fp32, result in x's dtype."""
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)

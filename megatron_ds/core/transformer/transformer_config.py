@@ -1,0 +1,72 @@
+"""TransformerConfig: the one validated description of a transformer's shape and numerics."""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+ATTENTION_BACKENDS = ("sdpa", "local")
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None      # None: multi-head attention (one group per head)
+    ffn_hidden_size: Optional[int] = None       # None: 4h, or Megatron's 8h/3 rounded to 64 with a GLU
+    kv_channels: Optional[int] = None           # None: hidden_size // num_attention_heads
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"
+    gated_linear_unit: bool = False             # SwiGLU when True (with SiLU)
+    bias: bool = True                           # biases on the linear layers
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    attention_backend: str = "sdpa"
+    init_method_std: float = 0.02
+    init_seed: int = 1234                       # full-model initialization seed (same for every layout)
+    params_dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_query_groups ({self.num_query_groups})")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                                 f"({self.num_attention_heads}) unless kv_channels is given")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (int(8 * self.hidden_size / 3 / 64) * 64 if self.gated_linear_unit
+                                    else 4 * self.hidden_size)
+        self._check_choice("normalization", NORMALIZATIONS)
+        self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
+        self._check_choice("attention_backend", ATTENTION_BACKENDS)
+        if self.sequence_parallel:
+            raise NotImplementedError("sequence_parallel is not implemented yet")
+        if self.recompute_granularity is not None:
+            raise NotImplementedError("recompute_granularity is not implemented yet")
+
+    def _check_choice(self, name, choices):
+        if getattr(self, name) not in choices:
+            raise ValueError(f"TransformerConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    @property
+    def add_bias_linear(self) -> bool:
+        """Megatron-Core's name for `bias`."""
+        return self.bias
+
+    @property
+    def output_layer_init_std(self) -> float:
+        """Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L)."""
+        return self.init_method_std / (2.0 * self.num_layers) ** 0.5

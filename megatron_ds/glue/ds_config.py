@@ -1,0 +1,133 @@
+"""Megatron flags <-> DeepSpeed JSON.
+
+Rules (also in the README):
+- a value given in only one place (flag or JSON) is used and filled into the other;
+- a value given in both places must agree, else an error names both and where they came from;
+- values given nowhere get Megatron's defaults (micro batch 1, global batch = micro x DP,
+  ZeRO stage 1, clip 1.0, fp32);
+- the JSON must not define `optimizer` or `scheduler`: AdamW and the LR schedule come from the flags.
+"""
+import copy
+import json
+import math
+
+_DEFAULT_ZERO_STAGE = 1
+_DEFAULT_CLIP_GRAD = 1.0
+
+
+def load_deepspeed_json(path):
+    """The user's JSON as a dict; (None, error) when it is missing, unreadable or not a JSON object."""
+    try:
+        with open(path) as handle:
+            config = json.load(handle)
+    except FileNotFoundError:
+        return None, f"--deepspeed_config {path}: file not found"
+    except (OSError, ValueError) as error:
+        return None, f"--deepspeed_config {path}: cannot read it as JSON ({error})"
+    if not isinstance(config, dict):
+        return None, f"--deepspeed_config {path}: expected a JSON object, got {type(config).__name__}"
+    return config, None
+
+
+def _agree(errors, flag, flag_value, key, json_value, path):
+    """Pick the value given; record a conflict when both are given and differ."""
+    if flag_value is not None and json_value is not None and flag_value != json_value:
+        errors.append(f"{flag} {flag_value} conflicts with \"{key}\": {json_value} in {path}")
+    return flag_value if flag_value is not None else json_value
+
+
+def _json_precision(config):
+    """'bf16', 'fp16', 'fp32' (a block present but disabled), or None when the JSON says nothing."""
+    enabled = [name for name in ("bf16", "fp16") if config.get(name, {}).get("enabled", False)]
+    if len(enabled) == 2:
+        return "both"
+    if enabled:
+        return enabled[0]
+    return "fp32" if any(name in config for name in ("bf16", "fp16")) else None
+
+
+def _reconcile_batch(args, config, path, errors):
+    dp = args.data_parallel_size
+    micro = _agree(errors, "--micro-batch-size", args.micro_batch_size, "train_micro_batch_size_per_gpu",
+                   config.get("train_micro_batch_size_per_gpu"), path)
+    global_batch = _agree(errors, "--global-batch-size", args.global_batch_size, "train_batch_size",
+                          config.get("train_batch_size"), path)
+    accumulation = config.get("gradient_accumulation_steps")
+    if micro is None and global_batch is not None and accumulation is not None:
+        micro = global_batch // (accumulation * dp)
+    micro = micro or 1
+    if global_batch is None:
+        global_batch = micro * dp * (accumulation or 1)
+    if accumulation is not None and micro * dp * accumulation != global_batch:
+        errors.append(f"\"gradient_accumulation_steps\": {accumulation} in {path} does not match global batch "
+                      f"{global_batch} = micro batch {micro} x data-parallel size {dp} x accumulation steps")
+    args.micro_batch_size, args.global_batch_size = micro, global_batch
+
+
+def _reconcile_precision(args, config, path, errors):
+    precision = _json_precision(config)
+    if precision == "both":
+        errors.append(f"{path} enables both \"bf16\" and \"fp16\"; choose one")
+        return
+    for flag, name in (("--bf16", "bf16"), ("--fp16", "fp16")):
+        if getattr(args, name) and precision not in (None, name):
+            errors.append(f"{flag} conflicts with {path}, which selects {precision} "
+                          f"(\"bf16\"/\"fp16\" blocks)")
+    if precision in ("bf16", "fp16") and not (args.bf16 or args.fp16):
+        setattr(args, precision, True)
+    args.bf16, args.fp16 = bool(args.bf16), bool(args.fp16)
+
+
+def reconcile_with_deepspeed_config(args):
+    """Fill batch sizes, precision, ZeRO stage and clipping from the flags and the JSON (if any).
+    Returns a list of error messages; stores the user's JSON on args.user_deepspeed_config."""
+    errors = []
+    config, path = {}, "the DeepSpeed JSON"
+    if args.deepspeed_config is not None:
+        path = args.deepspeed_config
+        config, error = load_deepspeed_json(path)
+        if error:
+            return [error]
+    for block in ("optimizer", "scheduler"):
+        if block in config:
+            errors.append(f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate "
+                          f"schedule from --lr, --min-lr, --lr-decay-style, --weight-decay, --adam-*: "
+                          f"remove the block and use those flags")
+    _reconcile_batch(args, config, path, errors)
+    _reconcile_precision(args, config, path, errors)
+    zero = _agree(errors, "--zero-stage", args.zero_stage, "zero_optimization.stage",
+                  config.get("zero_optimization", {}).get("stage"), path)
+    args.zero_stage = _DEFAULT_ZERO_STAGE if zero is None else zero
+    clip = _agree(errors, "--clip-grad", args.clip_grad, "gradient_clipping", config.get("gradient_clipping"), path)
+    args.clip_grad = _DEFAULT_CLIP_GRAD if clip is None else clip
+    args.user_deepspeed_config = config
+    return errors
+
+
+def _fp16_block(args, user_block):
+    block = {"enabled": True, "loss_scale": args.loss_scale or 0,
+             "initial_scale_power": int(round(math.log2(args.initial_loss_scale))),
+             "loss_scale_window": args.loss_scale_window, "hysteresis": args.hysteresis,
+             "min_loss_scale": args.min_loss_scale}
+    block.update(user_block)
+    return block
+
+
+def build_deepspeed_config(args):
+    """The effective DeepSpeed config: the user's JSON with every reconciled value written in."""
+    config = copy.deepcopy(args.user_deepspeed_config)
+    accumulation = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    config.update({"train_batch_size": args.global_batch_size,
+                   "train_micro_batch_size_per_gpu": args.micro_batch_size,
+                   "gradient_accumulation_steps": accumulation,
+                   "gradient_clipping": args.clip_grad})
+    config.setdefault("steps_per_print", 10 ** 9)  # our own iteration line replaces DeepSpeed's
+    config.setdefault("wall_clock_breakdown", False)
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
+    if args.bf16:
+        config["bf16"] = {**config.get("bf16", {}), "enabled": True}
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    elif args.fp16:
+        config["fp16"] = _fp16_block(args, config.get("fp16", {}))
+    return config

@@ -1,0 +1,19 @@
+"""The `mpu` object DeepSpeed's plain engine (PP = 1) expects, served by core.parallel_state."""
+from megatron_ds.core import parallel_state
+
+
+class ModelParallelUnit:
+    """DeepSpeed calls TP "model parallel"; our parallel_state stays the one source of groups."""
+
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(parallel_state.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(parallel_state.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(parallel_state.get_pipeline_model_parallel_world_size)

@@ -1,0 +1,240 @@
+"""pretrain(): parse and validate, build the 3D-parallel model inside a DeepSpeed engine, train, evaluate, log.
+
+PP > 1: the model is a DeepSpeed PipelineModule (1F1B schedule) over our topology, and `train_batch`
+runs a whole global batch. PP = 1: the plain DeepSpeed engine runs GPTModel with our mpu (so ZeRO-2/3
+also work), and this loop runs the micro-batches.
+"""
+import json
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
+from megatron_ds.core import parallel_state
+from megatron_ds.core.models.gpt import GPTModel, gpt_layer_specs, language_model_loss, model_flops_per_iteration
+from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron_ds.data.mock import MockGPTDataset, micro_batches
+from megatron_ds.glue.ds_config import build_deepspeed_config
+from megatron_ds.glue.mpu import ModelParallelUnit
+from megatron_ds.glue.runtime import device, init_distributed
+from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_ds.throughput import peak_tflops_per_device
+
+
+def print_rank_0(message):
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def is_logging_rank():
+    """The first rank of the last pipeline stage: it holds the loss."""
+    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def build_model(args, config):
+    tied = not args.untie_embeddings_and_output_weights
+    if args.pipeline_model_parallel_size == 1:
+        return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
+    specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
+    return deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
+                                         loss_fn=language_model_loss, partition_method="type:TransformerLayer")
+
+
+def build_optimizer(args, model):
+    """AdamW; no weight decay on biases and norm weights (the 1-D parameters), as in Megatron."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  fused=torch.cuda.is_available())
+    scheduler = OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                                        args.lr_decay_style)
+    return optimizer, scheduler
+
+
+def setup_engine(args, config, ds_config):
+    model = build_model(args, config)
+    optimizer, scheduler = build_optimizer(args, model)
+    pipelined = args.pipeline_model_parallel_size > 1
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, mpu=None if pipelined else ModelParallelUnit(),
+                                           dist_init_required=False)
+    if pipelined:
+        parallel_state.assert_matches_deepspeed_grid(engine.grid)
+    return engine
+
+
+def _to_device(batch):
+    return tuple(t.to(device()) for t in batch)
+
+
+def data_iterator(args, split, consumed_samples):
+    dataset = MockGPTDataset(args.vocab_size, args.seq_length, args.seed, split)
+    batches = micro_batches(dataset, consumed_samples, args.micro_batch_size,
+                            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    return map(_to_device, batches)
+
+
+def _mean_over_data_parallel(value):
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return value / parallel_state.get_data_parallel_world_size()
+
+
+def run_global_batch(engine, iterator, accumulation_steps, train):
+    """One global batch; returns its mean loss over all micro-batches and data-parallel ranks."""
+    if isinstance(engine, deepspeed.PipelineEngine):
+        loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
+        return loss.item()
+    total = torch.zeros((), device=device())
+    for _ in range(accumulation_steps):
+        input_ids, labels = next(iterator)
+        if train:
+            loss = engine(input_ids, labels=labels)
+            engine.backward(loss)
+            engine.step()
+        else:
+            with torch.no_grad():
+                loss = engine(input_ids, labels=labels)
+        total += loss.detach()
+    return _mean_over_data_parallel(total / accumulation_steps).item()
+
+
+def evaluate(args, engine, accumulation_steps, iteration):
+    engine.eval()
+    iterator = data_iterator(args, "valid", 0)
+    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False) for _ in range(args.eval_iters)]
+    engine.train()
+    return sum(losses) / len(losses)
+
+
+class MetricsLogger:
+    """Megatron's iteration line on the logging rank, plus TensorBoard scalars."""
+
+    def __init__(self, args, config, peak_tflops):
+        self.args = args
+        self.flops_per_iteration = model_flops_per_iteration(config, args.padded_vocab_size,
+                                                             args.global_batch_size, args.seq_length)
+        self.peak_tflops = peak_tflops
+        self.writer = None
+        if args.tensorboard_dir and is_logging_rank():
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        self.losses, self.interval_start = [], time.perf_counter()
+
+    def iteration(self, iteration, loss, lr, engine):
+        self.losses.append(loss)
+        if iteration % self.args.log_interval:
+            return
+        args = self.args
+        seconds = (time.perf_counter() - self.interval_start) / len(self.losses)
+        tflops = self.flops_per_iteration / seconds / args.world_size / 1e12
+        scalars = {"lm loss": sum(self.losses) / len(self.losses), "learning-rate": lr,
+                   "batch-size": args.global_batch_size, "loss-scale": _loss_scale(engine),
+                   "grad-norm": engine.get_global_grad_norm(),
+                   "tokens-per-second": args.global_batch_size * args.seq_length / seconds,
+                   "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
+        if is_logging_rank():
+            print(self._line(iteration, seconds, scalars, engine), flush=True)
+            self._write(scalars, iteration)
+        self.losses, self.interval_start = [], time.perf_counter()
+
+    def _line(self, iteration, seconds, s, engine):
+        args = self.args
+        grad_norm = "nan" if s["grad-norm"] is None else f"{float(s['grad-norm']):.3f}"
+        skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
+        return (f" iteration {iteration}/{args.train_iters} | consumed samples: {iteration * args.global_batch_size} |"
+                f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
+                f" global batch size: {args.global_batch_size} | lm loss: {s['lm loss']:.6E} |"
+                f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{skipped}"
+                f" tokens per second: {s['tokens-per-second']:.1f} | TFLOP/s per device: {s['tflops-per-device']:.3f} |"
+                f" MFU: {100 * s['mfu']:.1f}% |")
+
+    def validation(self, iteration, loss):
+        if is_logging_rank():
+            print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |", flush=True)
+            self._write({"validation lm loss": loss}, iteration)
+
+    def _write(self, scalars, iteration):
+        if self.writer is None:
+            return
+        for name, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(name, float(value), iteration)
+        self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _loss_scale(engine):
+    if not engine.fp16_enabled():
+        return 1.0
+    optimizer = engine.optimizer
+    return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
+
+
+def train(args, engine, logger):
+    accumulation_steps = engine.gradient_accumulation_steps()
+    iterator = data_iterator(args, "train", consumed_samples=0)
+    engine.train()
+    for iteration in range(1, args.train_iters + 1):
+        lr = engine.optimizer.param_groups[0]["lr"]
+        loss = run_global_batch(engine, iterator, accumulation_steps, train=True)
+        logger.iteration(iteration, loss, lr, engine)
+        if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
+            logger.validation(iteration, evaluate(args, engine, accumulation_steps, iteration))
+
+
+def log_startup(args, engine, ds_config, peak, peak_source):
+    print_rank_0(f"megatron_ds: world size {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+                 f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; global batch "
+                 f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
+                 f"gradient accumulation {engine.gradient_accumulation_steps()}; padded vocab "
+                 f"{args.padded_vocab_size}; dtype {str(args.params_dtype).replace('torch.', '')}; "
+                 f"ZeRO stage {args.zero_stage}")
+    for axis, groups in parallel_state.all_groups_by_axis().items():
+        print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
+    _log_parameters_per_stage(engine)
+    print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(ds_config, sort_keys=True)}")
+    print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
+
+
+def _log_parameters_per_stage(engine):
+    local = sum(p.numel() for p in engine.module.parameters())
+    entry = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(), local)
+    entries = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, entry)
+    per_stage = {}
+    for stage, data_rank, count in entries:
+        if data_rank == 0:
+            per_stage[stage] = per_stage.get(stage, 0) + count
+    for stage in sorted(per_stage):
+        print_rank_0(f"megatron_ds: parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
+
+
+def pretrain(argv=None):
+    try:
+        args = parse_args(argv)
+    except ArgumentsError as error:
+        print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config_from_args(args)
+    ds_config = build_deepspeed_config(args)
+    engine = setup_engine(args, config, ds_config)
+    peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
+    log_startup(args, engine, ds_config, peak, peak_source)
+    logger = MetricsLogger(args, config, peak)
+    train(args, engine, logger)
+    logger.close()
+    dist.barrier()
+    print_rank_0("megatron_ds: training done")
+    return 0
