@@ -218,6 +218,9 @@ def _batch_and_precision_errors(args):
                       f"data-parallel size {dp} = {micro * dp} (data-parallel size = world size "
                       f"{args.world_size} / (TP {args.tensor_model_parallel_size} x PP "
                       f"{args.pipeline_model_parallel_size}))")
+    if args.fp16 and not torch.cuda.is_available():
+        errors.append("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 or fp32 "
+                      "on CPU")
     if args.zero_stage not in (0, 1, 2, 3):
         errors.append(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
     elif args.zero_stage >= 2 and args.pipeline_model_parallel_size > 1:

@@ -127,7 +127,8 @@ def build_deepspeed_config(args):
     config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
-        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+        if args.zero_stage == 1:  # DeepSpeed's BF16_Optimizer: fp32 master weights and gradient accumulation
+            config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     elif args.fp16:
         config["fp16"] = _fp16_block(args, config.get("fp16", {}))
     return config

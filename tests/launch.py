@@ -1,0 +1,28 @@
+"""Launch pretrain.py through a real launcher (torchrun or deepspeed) and read its log."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+
+
+def launch(nproc, flags, launcher="torchrun", timeout=300, env=None):
+    """Run pretrain.py on nproc local ranks; return the CompletedProcess (stdout and stderr merged)."""
+    from tests.distributed import free_port
+    port = str(free_port())
+    if launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
+    else:
+        command = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(command + ["pretrain.py", *flags], cwd=REPO, env=environment, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def losses(output):
+    """{iteration: lm loss} from the iteration lines of a run's output."""
+    return {int(it): float(loss) for it, loss in LOSS_LINE.findall(output)}
