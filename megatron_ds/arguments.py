@@ -203,6 +203,12 @@ def _size_errors(args):
         errors.append("no training data: pass --mock-data (the indexed-dataset pipeline is not in this version)")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "loss_scale"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")

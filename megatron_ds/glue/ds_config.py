@@ -36,14 +36,33 @@ def _agree(errors, flag, flag_value, key, json_value, path):
     return flag_value if flag_value is not None else json_value
 
 
-def _json_precision(config):
-    """'bf16', 'fp16', 'fp32' (a block present but disabled), or None when the JSON says nothing."""
-    enabled = [name for name in ("bf16", "fp16") if config.get(name, {}).get("enabled", False)]
-    if len(enabled) == 2:
-        return "both"
-    if enabled:
-        return enabled[0]
-    return "fp32" if any(name in config for name in ("bf16", "fp16")) else None
+_POSITIVE_INT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_BLOCK_KEYS = ("bf16", "fp16", "zero_optimization")
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_errors(config, path):
+    """The keys we reconcile must have the types DeepSpeed expects ("auto" is not resolved here)."""
+    errors = [f"\"{key}\": {json.dumps(config[key])} in {path} must be a positive integer"
+              for key in _POSITIVE_INT_KEYS if key in config and not (_is_int(config[key]) and config[key] > 0)]
+    errors += [f"\"{key}\": {json.dumps(config[key])} in {path} must be an object" for key in _BLOCK_KEYS
+               if key in config and not isinstance(config[key], dict)]
+    if errors:
+        return errors
+    for key in ("bf16", "fp16"):
+        enabled = config.get(key, {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            errors.append(f"\"{key}\": {{\"enabled\": {json.dumps(enabled)}}} in {path} must be true or false")
+    stage = config.get("zero_optimization", {}).get("stage")
+    if stage is not None and not _is_int(stage):
+        errors.append(f"\"zero_optimization\": {{\"stage\": {json.dumps(stage)}}} in {path} must be an integer")
+    clip = config.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        errors.append(f"\"gradient_clipping\": {json.dumps(clip)} in {path} must be a number >= 0")
+    return errors
 
 
 def _reconcile_batch(args, config, path, errors):
@@ -65,16 +84,20 @@ def _reconcile_batch(args, config, path, errors):
 
 
 def _reconcile_precision(args, config, path, errors):
-    precision = _json_precision(config)
-    if precision == "both":
+    """A flag conflicts with a JSON block that enables the other precision or disables its own."""
+    enabled = {name: config[name].get("enabled", False) for name in ("bf16", "fp16") if name in config}
+    if enabled.get("bf16") and enabled.get("fp16"):
         errors.append(f"{path} enables both \"bf16\" and \"fp16\"; choose one")
         return
-    for flag, name in (("--bf16", "bf16"), ("--fp16", "fp16")):
-        if getattr(args, name) and precision not in (None, name):
-            errors.append(f"{flag} conflicts with {path}, which selects {precision} "
-                          f"(\"bf16\"/\"fp16\" blocks)")
-    if precision in ("bf16", "fp16") and not (args.bf16 or args.fp16):
-        setattr(args, precision, True)
+    for name, other in (("bf16", "fp16"), ("fp16", "bf16")):
+        if not getattr(args, name):
+            continue
+        if enabled.get(other):
+            errors.append(f"--{name} conflicts with \"{other}\": {{\"enabled\": true}} in {path}")
+        elif enabled.get(name) is False:
+            errors.append(f"--{name} conflicts with \"{name}\": {{\"enabled\": false}} in {path}")
+    if not (args.bf16 or args.fp16):
+        args.bf16, args.fp16 = enabled.get("bf16", False), enabled.get("fp16", False)
     args.bf16, args.fp16 = bool(args.bf16), bool(args.fp16)
 
 
@@ -88,6 +111,9 @@ def reconcile_with_deepspeed_config(args):
         config, error = load_deepspeed_json(path)
         if error:
             return [error]
+        errors = _type_errors(config, path)
+        if errors:
+            return errors
     for block in ("optimizer", "scheduler"):
         if block in config:
             errors.append(f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate "
