@@ -40,8 +40,9 @@ def build_model(args, config):
     if args.pipeline_model_parallel_size == 1:
         return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
-    return deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
-                                         loss_fn=language_model_loss, partition_method="type:TransformerLayer")
+    with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
+        return deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
+                                             loss_fn=language_model_loss, partition_method="type:TransformerLayer")
 
 
 def build_optimizer(args, model):
@@ -57,7 +58,7 @@ def build_optimizer(args, model):
 
 
 def setup_engine(args, config, ds_config):
-    model = build_model(args, config)
+    model = build_model(args, config).to(device())
     optimizer, scheduler = build_optimizer(args, model)
     pipelined = args.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

@@ -19,10 +19,10 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 _reference_cache = {}
 
 
-def run_layout(family, tp, pp, dp):
+def run_layout(family, tp, pp, dp, extra=()):
     flags = COMMON + FAMILIES[family] + ["--tensor-model-parallel-size", str(tp),
                                          "--pipeline-model-parallel-size", str(pp),
-                                         "--make-vocab-size-divisible-by", str(256 // tp)]
+                                         "--make-vocab-size-divisible-by", str(256 // tp), *extra]
     result = launch(tp * pp * dp, flags)
     assert result.returncode == 0, result.stdout[-4000:]
     trajectory = losses(result.stdout)
@@ -43,3 +43,20 @@ def test_loss_trajectory_matches_single_rank(family, layout):
     assert expected[ITERATIONS] < expected[1], f"the reference run did not learn: {expected}"
     for iteration, loss in expected.items():
         assert observed[iteration] == pytest.approx(loss, rel=1e-4), (iteration, observed, expected)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_zero_stages_without_pipeline_match_single_rank(zero_stage):
+    """PP = 1 runs the plain DeepSpeed engine with our mpu; ZeRO-2/3 are allowed there and change no loss."""
+    expected = reference("gpt2")
+    observed = run_layout("gpt2", 2, 1, 2, ["--zero-stage", str(zero_stage)])
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-4), (iteration, observed, expected)
+
+
+def test_bf16_pipeline_tracks_fp32():
+    """bf16 with ZeRO-1 in the pipeline (DeepSpeed's BF16_Optimizer, fp32 master weights) follows the fp32 run."""
+    expected = reference("llama")
+    observed = run_layout("llama", 2, 2, 1, ["--bf16"])
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=2e-2), (iteration, observed, expected)
