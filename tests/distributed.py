@@ -20,6 +20,7 @@ def _worker(rank, world_size, port, fn, args, errors):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(*args)
+        dist.barrier()  # rank 0 hosts the store: it must outlive the others' collectives
     except BaseException:  # report any failure, including assertion errors, to the parent
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         errors.close()

@@ -51,8 +51,10 @@ class ColumnParallelLinear(torch.nn.Module):
                  stride=1, skip_bias_add=False):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
-        self.output_size_per_partition = divide(output_size, tp, "ColumnParallelLinear output size")
+        divide(output_size, tp * stride, f"ColumnParallelLinear output size (stride {stride} x TP)")
+        self.output_size_per_partition = output_size // tp
         self.gather_output = gather_output
+        self.stride = stride
         self.skip_bias_add = skip_bias_add
         self.weight = _sharded_parameter((self.output_size_per_partition, input_size), config.params_dtype,
                                          partition_dim=0, stride=stride, init_method=init_method)
@@ -64,8 +66,18 @@ class ColumnParallelLinear(torch.nn.Module):
         added_bias = None if self.skip_bias_add else self.bias
         output = F.linear(parallel_input, self.weight, added_bias)
         if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output)
+            output = self._full_column_order(gather_from_tensor_model_parallel_region(output))
         return output, (self.bias if self.skip_bias_add else None)
+
+
+    def _full_column_order(self, gathered):
+        """The gather yields [rank][stride block][columns]; the full layer's order is [block][rank][columns]."""
+        if self.stride == 1:
+            return gathered
+        *lead, size = gathered.shape
+        tp = get_tensor_model_parallel_world_size()
+        blocks = gathered.view(*lead, tp, self.stride, size // (tp * self.stride))
+        return blocks.transpose(-3, -2).reshape(*lead, size)
 
 
 class RowParallelLinear(torch.nn.Module):

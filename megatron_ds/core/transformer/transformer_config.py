@@ -49,6 +49,9 @@ class TransformerConfig:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (int(8 * self.hidden_size / 3 / 64) * 64 if self.gated_linear_unit
                                     else 4 * self.hidden_size)
+        if self.ffn_hidden_size <= 0:
+            raise ValueError(f"TransformerConfig.ffn_hidden_size must be positive, got {self.ffn_hidden_size} "
+                             f"(the SwiGLU default 8h/3 rounded down to 64 is 0 below hidden size 96)")
         self._check_choice("normalization", NORMALIZATIONS)
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)

@@ -165,18 +165,13 @@ def _save_initialized_full_weights(path):
         torch.save(full, path)
 
 
-STRIDED_GATHER_BUG = ("ColumnParallelLinear(stride>1, gather_output=True) concatenates the rank outputs "
-                      "[rank0 blocks..., rank1 blocks...] instead of restoring the full column order "
-                      "[block0 ranks..., block1 ranks...]")
-
-
 @pytest.mark.parametrize("gather_output, bias, stride", [
     (True, True, 1),
     (True, False, 1),
     (False, True, 1),
     (False, False, 1),
     (False, True, 2),
-    pytest.param(True, True, 2, marks=pytest.mark.xfail(strict=True, reason=STRIDED_GATHER_BUG)),
+    (True, True, 2),
 ])
 def test_column_parallel_linear_matches_serial_linear(gather_output, bias, stride):
     _tp2(_check_column_parallel_linear, gather_output, bias, stride)
