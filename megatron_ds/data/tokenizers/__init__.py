@@ -1,0 +1,39 @@
+"""Tokenizers by Megatron's `--tokenizer-type` names, built from local files only (never a download).
+
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model="data/demo.model")
+    ids = tokenizer.encode("Hello world") + [tokenizer.eod]
+"""
+from .base import MegatronTokenizer
+from .gpt2_bpe_tokenizer import GPT2BPETokenizer
+from .huggingface_tokenizer import HuggingFaceTokenizer
+from .null_tokenizer import NullTokenizer
+from .sentencepiece_tokenizer import SentencePieceTokenizer
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(tokenizer_type, *, tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None):
+    """The tokenizer named by tokenizer_type; a ValueError naming the flag when an argument is missing."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        _require(tokenizer_type, ("--tokenizer-model", tokenizer_model))
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        _require(tokenizer_type, ("--vocab-file", vocab_file), ("--merge-file", merge_file))
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        _require(tokenizer_type, ("--tokenizer-model", tokenizer_model))
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        _require(tokenizer_type, ("--vocab-size", vocab_size))
+        return NullTokenizer(vocab_size)
+    raise ValueError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def _require(tokenizer_type, *flags_and_values):
+    if any(value is None for _, value in flags_and_values):
+        needed = " and ".join(flag for flag, _ in flags_and_values)
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {needed}")
+
+
+__all__ = ["build_tokenizer", "MegatronTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer",
+           "HuggingFaceTokenizer", "NullTokenizer", "TOKENIZER_TYPES"]
