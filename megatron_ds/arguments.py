@@ -10,6 +10,10 @@ import os
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.data.blended_dataset import parse_data_path
+from megatron_ds.data.gpt_dataset import parse_split
+from megatron_ds.data.indexed_dataset import bin_path, idx_path
+from megatron_ds.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 class ArgumentsError(Exception):
@@ -99,8 +103,22 @@ def _add_logging_args(parser):
 
 def _add_data_args(parser):
     group = parser.add_argument_group("data")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (blended); split by --split")
+    group.add_argument("--split", default="969, 30, 1", help="train, valid, test weights for --data-path")
+    group.add_argument("--train-data-path", nargs="*", default=None)
+    group.add_argument("--valid-data-path", nargs="*", default=None)
+    group.add_argument("--test-data-path", nargs="*", default=None)
+    group.add_argument("--data-cache-path", default=None, help="where sample indices are cached "
+                       "(default: a cache/ folder beside the data)")
     group.add_argument("--mock-data", action="store_true", help="deterministic synthetic token stream")
-    group.add_argument("--tokenizer-type", choices=["NullTokenizer"], default="NullTokenizer")
+    group.add_argument("--reset-position-ids", action="store_true", help="positions restart after each eod")
+    group.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod tokens")
+    group.add_argument("--eod-mask-loss", action="store_true", help="no loss on eod tokens")
+    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES), default="NullTokenizer")
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model, or tokenizer.json / folder")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer")
 
 
@@ -197,12 +215,11 @@ def _size_errors(args):
     if args.seq_length > args.max_position_embeddings:
         errors.append(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                       f"{args.max_position_embeddings}")
+    if args.no_pipeline_parallel and pp > 1:
+        errors.append(f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp}")
     if args.bf16 and args.fp16:
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
-    if not args.mock_data:
-        errors.append("no training data: pass --mock-data (the indexed-dataset pipeline is not in this version)")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    errors += _data_source_errors(args) + _tokenizer_errors(args)
     for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "loss_scale"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -213,6 +230,47 @@ def _size_errors(args):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
     return errors
+
+
+def _data_source_errors(args):
+    """Exactly one source of training data, and its files exist."""
+    sources = [flag for flag, given in (("--mock-data", args.mock_data), ("--data-path", args.data_path),
+                                        ("--train-data-path", args.train_data_path)) if given]
+    if len(sources) != 1:
+        return [f"give exactly one source of training data (--mock-data, --data-path or --train-data-path), "
+                f"got {', '.join(sources) or 'none'}"]
+    errors = []
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        values = getattr(args, flag[2:].replace("-", "_"))
+        if not values:
+            continue
+        try:
+            prefixes, _ = parse_data_path(values)
+        except ValueError as error:
+            errors.append(str(error))
+            continue
+        errors += [f"{flag} {prefix}: {path} not found (run tools/preprocess_data.py)" for prefix in prefixes
+                   for path in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(path)]
+    if args.data_path:
+        try:
+            parse_split(args.split)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def _tokenizer_errors(args):
+    """Build the tokenizer once to check its files; it fixes --vocab-size and the eod id."""
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+    except ValueError as error:
+        return [str(error)]
+    if args.tokenizer_type != "NullTokenizer" and args.vocab_size not in (None, tokenizer.vocab_size):
+        return [f"--vocab-size {args.vocab_size} differs from the {args.tokenizer_type}'s vocabulary of "
+                f"{tokenizer.vocab_size}; drop --vocab-size"]
+    args.vocab_size, args.eod = tokenizer.vocab_size, tokenizer.eod
+    return []
 
 
 def _batch_and_precision_errors(args):

@@ -5,6 +5,7 @@ runs a whole global batch. PP = 1: the plain DeepSpeed engine runs GPTModel with
 also work), and this loop runs the micro-batches.
 """
 import json
+import logging
 import sys
 import time
 
@@ -16,7 +17,7 @@ from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, gpt_layer_specs, language_model_loss, model_flops_per_iteration
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.data.mock import MockGPTDataset, micro_batches
+from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.ds_config import build_deepspeed_config
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed
@@ -69,17 +70,6 @@ def setup_engine(args, config, ds_config):
     return engine
 
 
-def _to_device(batch):
-    return tuple(t.to(device()) for t in batch)
-
-
-def data_iterator(args, split, consumed_samples):
-    dataset = MockGPTDataset(args.vocab_size, args.seq_length, args.seed, split)
-    batches = micro_batches(dataset, consumed_samples, args.micro_batch_size,
-                            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
-    return map(_to_device, batches)
-
-
 def _mean_over_data_parallel(value):
     value = value.detach().float().clone()
     dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
@@ -93,21 +83,21 @@ def run_global_batch(engine, iterator, accumulation_steps, train):
         return loss.item()
     total = torch.zeros((), device=device())
     for _ in range(accumulation_steps):
-        input_ids, labels = next(iterator)
+        inputs, labels = next(iterator)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)  # GPTModel(input_ids, position_ids, mask)
         if train:
-            loss = engine(input_ids, labels=labels)
+            loss = engine(*inputs, labels=labels)
             engine.backward(loss)
             engine.step()
         else:
             with torch.no_grad():
-                loss = engine(input_ids, labels=labels)
+                loss = engine(*inputs, labels=labels)
         total += loss.detach()
     return _mean_over_data_parallel(total / accumulation_steps).item()
 
 
-def evaluate(args, engine, accumulation_steps, iteration):
+def evaluate(args, engine, iterator, accumulation_steps):
     engine.eval()
-    iterator = data_iterator(args, "valid", 0)
     losses = [run_global_batch(engine, iterator, accumulation_steps, train=False) for _ in range(args.eval_iters)]
     engine.train()
     return sum(losses) / len(losses)
@@ -180,16 +170,18 @@ def _loss_scale(engine):
     return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
 
 
-def train(args, engine, logger):
+def train(args, engine, datasets, logger):
     accumulation_steps = engine.gradient_accumulation_steps()
-    iterator = data_iterator(args, "train", consumed_samples=0)
+    train_iterator = batch_iterator(datasets.get("train"), args, 0, device())
+    valid_iterator = batch_iterator(datasets.get("valid"), args, 0, device())
+    evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
     engine.train()
     for iteration in range(1, args.train_iters + 1):
         lr = engine.optimizer.param_groups[0]["lr"]
-        loss = run_global_batch(engine, iterator, accumulation_steps, train=True)
+        loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
         logger.iteration(iteration, loss, lr, engine)
-        if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
-            logger.validation(iteration, evaluate(args, engine, accumulation_steps, iteration))
+        if evaluating and iteration % args.eval_interval == 0:
+            logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps))
 
 
 def log_startup(args, engine, ds_config, peak, peak_source):
@@ -219,6 +211,16 @@ def _log_parameters_per_stage(engine):
         print_rank_0(f"megatron_ds: parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
 
 
+def _configure_logging():
+    """megatron_ds's own log records (dataset index building, fallbacks) on stdout; INFO on rank 0 only."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"megatron_ds [rank {dist.get_rank()}]: %(message)s"))
+    package_logger = logging.getLogger("megatron_ds")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO if dist.get_rank() == 0 else logging.WARNING)
+    package_logger.propagate = False
+
+
 def pretrain(argv=None):
     try:
         args = parse_args(argv)
@@ -226,6 +228,7 @@ def pretrain(argv=None):
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
     init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args)
@@ -233,8 +236,9 @@ def pretrain(argv=None):
     engine = setup_engine(args, config, ds_config)
     peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
     log_startup(args, engine, ds_config, peak, peak_source)
+    datasets = build_datasets(args)
     logger = MetricsLogger(args, config, peak)
-    train(args, engine, logger)
+    train(args, engine, datasets, logger)
     logger.close()
     dist.barrier()
     print_rank_0("megatron_ds: training done")

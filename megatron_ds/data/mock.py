@@ -25,14 +25,3 @@ class MockGPTDataset:
         positions = np.arange(self.seq_length + 1, dtype=np.int64)
         return torch.from_numpy((start + step * positions) % self.vocab_size)
 
-
-def micro_batches(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
-    """Endless (input_ids, labels) micro-batches for this data-parallel rank, starting at the global sample
-    position `consumed_samples`. Each step of micro_batch_size x DP consecutive samples is split between
-    the data-parallel ranks, as Megatron's pretraining sampler does."""
-    position = consumed_samples
-    while True:
-        first = position + data_parallel_rank * micro_batch_size
-        tokens = torch.stack([dataset[i] for i in range(first, first + micro_batch_size)])
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        position += micro_batch_size * data_parallel_size

@@ -45,13 +45,50 @@ class LanguageModelEmbedding(torch.nn.Module):
         return F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
 
 
+# Pipeline stages exchange one object: the hidden states [s, b, h], or (hidden states, attention mask)
+# when the batch carries its own mask (--reset-attention-mask). The model inputs are the input ids
+# [b, s], or (input ids, position ids[, attention mask]).
+
+def _split_activation(activation):
+    return activation if isinstance(activation, tuple) else (activation, None)
+
+
+def _join_activation(hidden_states, attention_mask):
+    return hidden_states if attention_mask is None else (hidden_states, attention_mask)
+
+
+def pack_model_inputs(input_ids, position_ids=None, attention_mask=None):
+    """The first stage's input in the form the pipeline layers take."""
+    if position_ids is None and attention_mask is None:
+        return input_ids
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    return (input_ids, position_ids) if attention_mask is None else (input_ids, position_ids, attention_mask)
+
+
+class EmbeddingPipe(LanguageModelEmbedding):
+    def forward(self, inputs):
+        if not isinstance(inputs, tuple):
+            return super().forward(inputs)
+        input_ids, position_ids, *mask = inputs
+        return _join_activation(super().forward(input_ids, position_ids), mask[0] if mask else None)
+
+
+class TransformerLayerPipe(TransformerLayer):
+    def forward(self, activation):
+        hidden_states, attention_mask = _split_activation(activation)
+        return _join_activation(super().forward(hidden_states, attention_mask), attention_mask)
+
+
 class FinalLayerNorm(torch.nn.Module):
+    """Final norm; also drops the attention mask from the activation."""
+
     def __init__(self, config):
         super().__init__()
         self.norm = build_norm(config)
 
-    def forward(self, hidden_states):
-        return self.norm(hidden_states)
+    def forward(self, activation):
+        return self.norm(_split_activation(activation)[0])
 
 
 class OutputLayer(torch.nn.Module):
@@ -88,20 +125,21 @@ def language_model_loss(logits, labels):
 def gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
     """The model as an ordered list of DeepSpeed layer specs (embedding, layers, final norm, head)."""
     if share_embeddings_and_output_weights:
-        embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, LanguageModelEmbedding, config, vocab_size,
+        embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, vocab_size,
                                   max_sequence_length, tied_weight_attr="word_embeddings.weight")
-        head = TiedLayerSpec(TIED_EMBEDDING_KEY, LanguageModelEmbedding, config, vocab_size, max_sequence_length,
+        head = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, vocab_size, max_sequence_length,
                              forward_fn=tied_output_logits, tied_weight_attr="word_embeddings.weight")
     else:
-        embedding = LayerSpec(LanguageModelEmbedding, config, vocab_size, max_sequence_length)
+        embedding = LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length)
         head = LayerSpec(OutputLayer, config, vocab_size)
-    layers = [LayerSpec(TransformerLayer, config, number) for number in range(1, config.num_layers + 1)]
+    layers = [LayerSpec(TransformerLayerPipe, config, number) for number in range(1, config.num_layers + 1)]
     return [embedding, *layers, LayerSpec(FinalLayerNorm, config), head]
 
 
 class GPTModel(torch.nn.Module):
-    """The whole model in one process (per TP rank): used with PP = 1 and by the library API.
-    forward(input_ids, labels=None) returns the mean loss when labels are given, else the logits."""
+    """The whole model in one process (per TP rank): used with PP = 1 and by the library API. It runs the
+    same layers as the pipeline form. forward returns the mean loss when labels are given, else the logits
+    [s, b, vocab/tp]. attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal."""
 
     def __init__(self, config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
         super().__init__()
@@ -113,10 +151,10 @@ class GPTModel(torch.nn.Module):
         self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
-        hidden_states = self.embedding(input_ids, position_ids)
+        activation = self.embedding(pack_model_inputs(input_ids, position_ids, attention_mask))
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask)
-        hidden_states = self.final_layernorm(hidden_states)
+            activation = layer(activation)
+        hidden_states = self.final_layernorm(activation)
         logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
                   else self.output_layer(hidden_states))
         return logits if labels is None else language_model_loss(logits, labels)
