@@ -128,7 +128,7 @@ def initialize_deterministically(module: torch.nn.Module, prefix: str, seed: int
     full model for every (tp, pp, dp) layout."""
     for name, param in module.named_parameters():
         init_method = getattr(param, "init_method", None)
-        if init_method is None:
+        if init_method is None or param.is_meta:  # meta: shapes only (planning), nothing to fill
             continue
         full = torch.empty(full_shape(param), dtype=torch.float32)
         init_method(full, _generator_for(seed, f"{prefix}.{name}"))
