@@ -47,7 +47,24 @@ def _add_model_args(parser):
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
     group.add_argument("--attention-dropout", type=float, default=0.1)
-    group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa")
+    group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa",
+                       help="sdpa: torch's scaled_dot_product_attention (flash/memory-efficient kernels, no "
+                            "s x s tensor kept); local: explicit softmax(QK^T)V")
+
+
+def _add_memory_args(parser):
+    group = parser.add_argument_group("activation memory")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="split LayerNorm/dropout/residual regions along the sequence across TP ranks")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="selective recompute of the core attention (= --recompute-granularity selective)")
+    group.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
+    group.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                       help="full recompute: uniform = chunks of --recompute-num-layers layers; block = only the "
+                            "first --recompute-num-layers layers of each pipeline stage (default uniform)")
+    group.add_argument("--recompute-num-layers", type=int, default=None, help="default 1")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="full recompute: split each saved layer input across the TP ranks")
 
 
 def _add_training_args(parser):
@@ -129,11 +146,46 @@ def _add_deepspeed_args(parser):
                        help="DeepSpeed JSON, reconciled with the flags (see README)")
 
 
+def _add_checkpoint_args(parser):
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", default=None, help="folder for checkpoints (DeepSpeed's files plus megatron_ds "
+                       "metadata; crash-safe: a save is complete or invisible)")
+    group.add_argument("--save-interval", type=int, default=None,
+                       help="save every N iterations; with --save a checkpoint is also written at the end")
+    group.add_argument("--load", default=None, help="resume from the checkpoint the folder's pointers name "
+                       "(an empty or missing folder: start from scratch)")
+    group.add_argument("--load-iteration", "--ckpt-step", dest="load_iteration", default=None,
+                       help="load this iteration's checkpoint (or 'release') instead of the pointers' one")
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="weights, iteration and data position only: fresh Adam moments (the LR schedule goes on)")
+    group.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
+    group.add_argument("--finetune", action="store_true",
+                       help="load the weights only and start at iteration 0 (no optimizer, scheduler, RNG or "
+                            "data position)")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="save (with --save) and exit after every N-th iteration")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="on SIGTERM finish the iteration, save (with --save) and exit")
+
+
+def _checkpoint_errors(args):
+    errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+              for name in ("save_interval", "exit_interval") if (getattr(args, name) or 1) <= 0]
+    if args.load_iteration is not None:
+        if args.load is None:
+            errors.append("--load-iteration needs --load")
+        if not (str(args.load_iteration).isdigit() or args.load_iteration == "release"):
+            errors.append(f"--load-iteration must be an iteration number or 'release', got {args.load_iteration}")
+    if args.save_interval is not None and args.save is None:
+        errors.append("--save-interval needs --save (the folder to write checkpoints to)")
+    return errors
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="pretrain.py", allow_abbrev=False,
                                      description="Megatron-style GPT pretraining on DeepSpeed")
-    for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_data_args,
-                _add_deepspeed_args):
+    for add in (_add_model_args, _add_memory_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_data_args,
+                _add_deepspeed_args, _add_checkpoint_args):
         add(parser)
     return parser
 
@@ -166,12 +218,18 @@ def parse_args(argv=None, world_size=None):
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    try:
+        transformer_config_from_args(args)
+    except ValueError as error:
+        raise ArgumentsError(f"invalid arguments:\n  - {error}") from None
     return args
 
 
 def _fill_model_defaults(args):
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.num_key_value_heads is None:
@@ -215,11 +273,20 @@ def _size_errors(args):
     if args.seq_length > args.max_position_embeddings:
         errors.append(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                       f"{args.max_position_embeddings}")
+    if args.sequence_parallel and tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence across "
+                      "the TP ranks)")
+    if args.sequence_parallel and args.seq_length % tp:
+        errors.append(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+                      f"--tensor-model-parallel-size {tp}")
+    if args.recompute_activations and args.recompute_granularity != "selective":
+        errors.append(f"--recompute-activations (selective) conflicts with --recompute-granularity "
+                      f"{args.recompute_granularity}")
     if args.no_pipeline_parallel and pp > 1:
         errors.append(f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp}")
     if args.bf16 and args.fp16:
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
-    errors += _data_source_errors(args) + _tokenizer_errors(args)
+    errors += _data_source_errors(args) + _tokenizer_errors(args) + _checkpoint_errors(args)
     for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "loss_scale"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -309,4 +376,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, gated_linear_unit=args.swiglu,
         bias=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, attention_backend=args.attention_backend,
-        init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype)
+        init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
+        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations)

@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
+from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, gpt_layer_specs, language_model_loss, model_flops_per_iteration
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.ds_config import build_deepspeed_config
 from megatron_ds.glue.mpu import ModelParallelUnit
@@ -42,8 +44,10 @@ def build_model(args, config):
         return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
-        return deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
-                                             loss_fn=language_model_loss, partition_method="type:TransformerLayer")
+        model = deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
+                                              loss_fn=language_model_loss, partition_method="type:TransformerLayer")
+    assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
+    return model
 
 
 def build_optimizer(args, model):
@@ -170,18 +174,31 @@ def _loss_scale(engine):
     return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
 
 
-def train(args, engine, datasets, logger):
+def train(args, engine, datasets, logger, progress=None, checkpoints=None):
+    """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress; checkpoints
+    (a CheckpointManager) saves at intervals, on a signal and at the end, and may stop the loop early."""
+    progress = progress or TrainingProgress()
     accumulation_steps = engine.gradient_accumulation_steps()
-    train_iterator = batch_iterator(datasets.get("train"), args, 0, device())
-    valid_iterator = batch_iterator(datasets.get("valid"), args, 0, device())
+    train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device())
+    valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
     engine.train()
-    for iteration in range(1, args.train_iters + 1):
+    if checkpoints is not None:
+        checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
+    for iteration in range(progress.iteration + 1, args.train_iters + 1):
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
+        progress.iteration = iteration
+        progress.consumed_train_samples += args.global_batch_size
         logger.iteration(iteration, loss, lr, engine)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps))
+            progress.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        if checkpoints is not None and checkpoints.after_iteration(progress):
+            return progress
+    if checkpoints is not None:
+        checkpoints.finish(progress)
+    return progress
 
 
 def log_startup(args, engine, ds_config, peak, peak_source):
@@ -238,7 +255,13 @@ def pretrain(argv=None):
     log_startup(args, engine, ds_config, peak, peak_source)
     datasets = build_datasets(args)
     logger = MetricsLogger(args, config, peak)
-    train(args, engine, datasets, logger)
+    checkpoints = CheckpointManager(args, engine, ds_config)
+    try:
+        progress = checkpoints.load()
+    except CheckpointError as error:
+        print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    train(args, engine, datasets, logger, progress, checkpoints)
     logger.close()
     dist.barrier()
     print_rank_0("megatron_ds: training done")

@@ -1,17 +1,12 @@
 """Run a test function on N real processes joined by a gloo process group (forked, one thread each)."""
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron_ds.glue.runtime import free_port
 
 
 def _worker(rank, world_size, port, fn, args, errors):

@@ -5,6 +5,7 @@ One topology object is the single source of truth for rank placement: DeepSpeed'
 The same object is handed to DeepSpeed's `PipelineModule`, so Megatron's groups and DeepSpeed's
 pipeline grid are the same groups; `assert_matches_deepspeed_grid` checks that at start-up.
 """
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -76,6 +77,8 @@ def destroy_model_parallel():
 
 
 def _groups() -> _ParallelGroups:
+    if _SIMULATED is not None:
+        raise RuntimeError("simulated_model_parallel() is active: there are no process groups (planning only)")
     if _GROUPS is None:
         raise RuntimeError("model parallel groups are not initialized: call initialize_model_parallel() first")
     return _GROUPS
@@ -94,10 +97,14 @@ def get_tensor_model_parallel_ranks() -> List[int]:
 
 
 def get_tensor_model_parallel_world_size() -> int:
+    if _SIMULATED is not None:
+        return _SIMULATED.tensor_model_parallel_size
     return len(_groups().tensor_ranks) if _GROUPS is not None else 1
 
 
 def get_tensor_model_parallel_rank() -> int:
+    if _SIMULATED is not None:
+        return _SIMULATED.tensor_model_parallel_rank
     return _groups().tensor_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
 
 
@@ -110,10 +117,14 @@ def get_pipeline_model_parallel_ranks() -> List[int]:
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    if _SIMULATED is not None:
+        return _SIMULATED.pipeline_model_parallel_size
     return len(_groups().pipeline_ranks) if _GROUPS is not None else 1
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    if _SIMULATED is not None:
+        return _SIMULATED.pipeline_model_parallel_rank
     return _groups().pipeline_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
 
 
@@ -157,3 +168,37 @@ def assert_matches_deepspeed_grid(grid):
     if theirs != mine:
         raise AssertionError(f"rank {dist.get_rank()}: DeepSpeed's pipeline grid groups {theirs} differ from "
                              f"megatron_ds parallel_state groups {mine}")
+
+
+# Planning only: a simulated TP/PP position, so layers can be built (e.g. on the meta device) without any
+# process group. Consulted first by the TP/PP world-size and rank getters; group getters raise under it.
+
+@dataclass(frozen=True)
+class _SimulatedParallelState:
+    tensor_model_parallel_size: int
+    tensor_model_parallel_rank: int
+    pipeline_model_parallel_size: int
+    pipeline_model_parallel_rank: int
+
+
+_SIMULATED: Optional[_SimulatedParallelState] = None
+
+
+@contextlib.contextmanager
+def simulated_model_parallel(tensor_model_parallel_size: int = 1, tensor_model_parallel_rank: int = 0,
+                             pipeline_model_parallel_size: int = 1, pipeline_model_parallel_rank: int = 0):
+    """Within this block the TP/PP world-size and rank getters return the given values and no process group
+    is needed (or usable: group getters raise). For planning tools only (tools/plan.py builds each pipeline
+    stage of one TP rank on the meta device); never use it to train."""
+    global _SIMULATED
+    for size, rank, what in ((tensor_model_parallel_size, tensor_model_parallel_rank, "tensor"),
+                             (pipeline_model_parallel_size, pipeline_model_parallel_rank, "pipeline")):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"simulated {what} model parallel rank {rank} is outside a group of size {size}")
+    previous = _SIMULATED
+    _SIMULATED = _SimulatedParallelState(tensor_model_parallel_size, tensor_model_parallel_rank,
+                                         pipeline_model_parallel_size, pipeline_model_parallel_rank)
+    try:
+        yield
+    finally:
+        _SIMULATED = previous

@@ -5,6 +5,7 @@ DeepSpeed picks its accelerator at import time.
 """
 import datetime
 import os
+import socket
 
 import torch
 
@@ -42,3 +43,10 @@ def init_distributed(backend=None, timeout_minutes=10.0):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def free_port():
+    """A TCP port free on this host now (for single-host process groups started by tools and tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

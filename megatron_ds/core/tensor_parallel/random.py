@@ -12,6 +12,7 @@ import torch
 
 from megatron_ds.core.parallel_state import (get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank,
                                              get_tensor_model_parallel_world_size)
+from megatron_ds.core.tensor_parallel.mappings import _gather_along
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
@@ -133,3 +134,72 @@ def initialize_deterministically(module: torch.nn.Module, prefix: str, seed: int
         full = torch.empty(full_shape(param), dtype=torch.float32)
         init_method(full, _generator_for(seed, f"{prefix}.{name}"))
         param.copy_(_shard_of_full(full, param))
+
+
+def _rng_snapshot():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": _TRACKER.get_states()}
+
+
+def _restore_rng(snapshot):
+    torch.set_rng_state(snapshot["cpu"])
+    if snapshot["cuda"] is not None:
+        torch.cuda.set_rng_state(snapshot["cuda"])
+    _TRACKER.set_states(snapshot["tracker"])
+
+
+def _split_for_this_rank(tensor):
+    """This TP rank's contiguous 1/t of a tensor's elements (flattened)."""
+    flat = tensor.reshape(-1)
+    return flat.chunk(get_tensor_model_parallel_world_size())[get_tensor_model_parallel_rank()].clone()
+
+
+def _gather_split(shard, shape):
+    return _gather_along(shard, 0)[: torch.Size(shape).numel()].view(shape)
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Run `function` without saving activations; in backward, restore the RNG states of the forward (the
+    default generators and the TP tracker, so dropout masks repeat), recompute and backpropagate.
+    distribute_saved_activations: keep only this TP rank's 1/t of the first input (all-gathered back in
+    backward); for inputs replicated across TP, as the layer input is without sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, function, distribute_saved_activations, *args):
+        ctx.function = function
+        ctx.rng = _rng_snapshot()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.inputs_need_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        ctx.distributed_shape = None
+        if distribute_saved_activations and get_tensor_model_parallel_world_size() > 1:
+            ctx.distributed_shape = args[0].shape
+            args = (_split_for_this_rank(args[0]), *args[1:])
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        args = list(ctx.others)
+        for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[position] = tensor
+        if ctx.distributed_shape is not None:
+            args[0] = _gather_split(args[0], ctx.distributed_shape)
+        inputs = [a.detach().requires_grad_(needs) if torch.is_tensor(a) else a
+                  for a, needs in zip(args, ctx.inputs_need_grad)]
+        current = _rng_snapshot()
+        _restore_rng(ctx.rng)
+        with torch.enable_grad():
+            outputs = ctx.function(*inputs)
+        _restore_rng(current)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in inputs))
+
+
+def checkpoint(function, distribute_saved_activations, *args):
+    """Activation recompute (Megatron's tensor_parallel.checkpoint); function returns a tensor or a tuple."""
+    return _CheckpointFunction.apply(function, distribute_saved_activations, *args)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from megatron_ds.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
-from megatron_ds.core.tensor_parallel.random import get_cuda_rng_tracker, init_method_normal
+from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
+from megatron_ds.core.transformer.dropout import dropout
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
 
 
@@ -17,12 +18,13 @@ def _causal_mask(seq_len, device):
 
 
 def local_attention(query, key, value, attention_mask, dropout_p, training):
-    """Explicit QK^T -> scale + mask + softmax (fp32) -> dropout -> x V on [b, heads, s, d] tensors."""
-    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(query.size(-1))
+    """Explicit QK^T -> scale + mask + softmax -> dropout -> x V on [b, heads, s, d] tensors: the path whose
+    memory the paper counts (softmax output 2 as^2 b, dropout mask as^2 b, its output 2 as^2 b).
+    The scale is applied to the scores so that q and k are saved as views of the QKV output."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * (1.0 / math.sqrt(query.size(-1)))
     mask = attention_mask if attention_mask is not None else _causal_mask(query.size(-2), query.device)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(query.dtype)
-    probs = F.dropout(probs, p=dropout_p, training=training)
-    return torch.matmul(probs, value)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)  # fp32 accumulation inside
+    return torch.matmul(dropout(probs, dropout_p, training), value)
 
 
 def sdpa_attention(query, key, value, attention_mask, dropout_p, training):
@@ -62,6 +64,8 @@ class SelfAttention(torch.nn.Module):
         s, b, _ = mixed.shape
         grouped = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
         query, key, value = grouped.split([self.heads_per_group, 1, 1], dim=3)
+        if self.heads_per_group == 1:  # multi-head attention: views, so backward keeps only the QKV output
+            return query.squeeze(3), key.squeeze(3), value.squeeze(3)
         expand = (s, b, self.num_groups, self.heads_per_group, self.head_dim)
         heads = (s, b, self.num_heads, self.head_dim)
         return (query.reshape(heads), key.expand(expand).reshape(heads), value.expand(expand).reshape(heads))
@@ -74,9 +78,16 @@ class SelfAttention(torch.nn.Module):
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
         # [s, b, heads, d] -> [b, heads, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        with get_cuda_rng_tracker().fork():
-            context = self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
-                                          self.training)
-        s, b = hidden_states.shape[:2]
+        if self.config.recompute_granularity == "selective":
+            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self._core_attention(query, key, value, attention_mask)
+        b, _, s, _ = context.shape
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(context)
+
+    def _core_attention(self, query, key, value, attention_mask):
+        """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank."""
+        with get_cuda_rng_tracker().fork():
+            return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
+                                       self.training)

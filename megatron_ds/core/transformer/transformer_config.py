@@ -29,8 +29,11 @@ class TransformerConfig:
     init_method_std: float = 0.02
     init_seed: int = 1234                       # full-model initialization seed (same for every layout)
     params_dtype: torch.dtype = torch.float32
-    sequence_parallel: bool = False
-    recompute_granularity: Optional[str] = None
+    sequence_parallel: bool = False             # regions outside TP hold [s/t, b, h]
+    recompute_granularity: Optional[str] = None  # None, "selective" (core attention) or "full" (whole layers)
+    recompute_method: Optional[str] = None       # full only: "uniform" (chunks of N layers) or "block"
+    recompute_num_layers: Optional[int] = None   # full only: N (default 1)
+    distribute_saved_activations: bool = False   # full only: split each saved layer input across TP
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -55,10 +58,25 @@ class TransformerConfig:
         self._check_choice("normalization", NORMALIZATIONS)
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
-        if self.sequence_parallel:
-            raise NotImplementedError("sequence_parallel is not implemented yet")
-        if self.recompute_granularity is not None:
-            raise NotImplementedError("recompute_granularity is not implemented yet")
+        self._check_recompute()
+
+    def _check_recompute(self):
+        if self.recompute_granularity not in (None, "selective", "full"):
+            raise ValueError(f"TransformerConfig.recompute_granularity must be None, 'selective' or 'full', "
+                             f"got {self.recompute_granularity!r}")
+        full = self.recompute_granularity == "full"
+        if full:
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+        if self.recompute_method not in ((None,) if not full else ("uniform", "block")):
+            raise ValueError(f"recompute_method {self.recompute_method!r} needs recompute_granularity 'full' and "
+                             f"is 'uniform' or 'block'")
+        if self.recompute_num_layers is not None and (not full or self.recompute_num_layers < 1):
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} needs recompute_granularity "
+                             f"'full' and must be >= 1")
+        if self.distribute_saved_activations and (not full or self.sequence_parallel):
+            raise ValueError("distribute_saved_activations needs recompute_granularity 'full' and no sequence "
+                             "parallelism (with SP the saved inputs are already split)")
 
     def _check_choice(self, name, choices):
         if getattr(self, name) not in choices:

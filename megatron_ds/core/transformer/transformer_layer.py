@@ -1,11 +1,16 @@
-"""Pre-norm transformer layer on sequence-first tensors [s, b, h]:
-x + dropout(attn(norm(x))), then + dropout(mlp(norm(.))). One TP all-reduce in each of the attention
-output projection and fc2 in forward, and one in the backward of each column-parallel input."""
-import torch
-import torch.nn.functional as F
+"""Pre-norm transformer layer on sequence-first tensors [s, b, h] ([s/t, b, h] with sequence parallelism):
+x + dropout(attn(norm(x))), then + dropout(mlp(norm(.))). Forward does one TP all-reduce (or, with SP,
+one reduce-scatter) in each of the attention output projection and fc2; backward does the conjugates.
 
-from megatron_ds.core.tensor_parallel.random import initialize_deterministically
+Full recompute: the layer (or a chunk of consecutive layers led by this one) saves only its input and
+recomputes in backward; `assign_recompute_chunks` decides per pipeline stage which layers lead chunks."""
+import contextlib
+
+import torch
+
+from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
+from megatron_ds.core.transformer.dropout import dropout
 from megatron_ds.core.transformer.mlp import MLP
 from megatron_ds.core.transformer.norms import build_norm
 
@@ -13,7 +18,7 @@ from megatron_ds.core.transformer.norms import build_norm
 def bias_dropout_add(x, bias, residual, p, training):
     if bias is not None:
         x = x + bias
-    return residual + F.dropout(x, p=p, training=training)
+    return residual + dropout(x, p, training)
 
 
 class TransformerLayer(torch.nn.Module):
@@ -27,11 +32,51 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
+        # layers this one recomputes in backward (itself alone by default under full recompute); a layer
+        # absorbed into another's chunk passes its input through, the leader having already applied it
+        self.recompute_chunk = [self] if config.recompute_granularity == "full" else None
+        self.absorbed = False
         initialize_deterministically(self, f"decoder.layers.{layer_number - 1}", config.init_seed)
 
     def forward(self, hidden_states, attention_mask=None):
+        if self.absorbed:
+            return hidden_states
+        if self.recompute_chunk is None:
+            return self._layer_forward(hidden_states, attention_mask)
+        return checkpoint(self._chunk_forward, self.config.distribute_saved_activations, hidden_states,
+                          attention_mask)
+
+    def _chunk_forward(self, hidden_states, attention_mask):
+        for layer in self.recompute_chunk:
+            hidden_states = layer._layer_forward(hidden_states, attention_mask)
+        return hidden_states
+
+    def _replicated_region_rng(self):
+        """With SP each TP rank holds other tokens, so dropout outside TP regions must differ per rank."""
+        return get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+
+    def _layer_forward(self, hidden_states, attention_mask):
         p, training = self.config.hidden_dropout, self.training
         attention_out, attention_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
-        hidden_states = bias_dropout_add(attention_out, attention_bias, hidden_states, p, training)
+        with self._replicated_region_rng():
+            hidden_states = bias_dropout_add(attention_out, attention_bias, hidden_states, p, training)
         mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return bias_dropout_add(mlp_out, mlp_bias, hidden_states, p, training)
+        with self._replicated_region_rng():
+            return bias_dropout_add(mlp_out, mlp_bias, hidden_states, p, training)
+
+
+def assign_recompute_chunks(layers, config):
+    """Full recompute over one pipeline stage's layers (in order), as Megatron's recompute methods:
+    uniform: chunks of recompute_num_layers consecutive layers, each recomputed from its input;
+    block: only the first recompute_num_layers layers, each recomputed on its own."""
+    if config.recompute_granularity != "full":
+        return
+    size = config.recompute_num_layers
+    for index, layer in enumerate(layers):
+        layer.absorbed = False
+        if config.recompute_method == "block":
+            layer.recompute_chunk = [layer] if index < size else None
+        elif index % size == 0:
+            layer.recompute_chunk = list(layers[index:index + size])
+        else:
+            layer.recompute_chunk, layer.absorbed = None, True

@@ -5,16 +5,17 @@ Data flow: input ids [b, s] -> embedding -> [s, b, h] -> transformer layers -> f
 [s, b, vocab/tp] -> vocab-parallel cross entropy against labels [b, s].
 """
 import torch
-import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron_ds.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron_ds.core.tensor_parallel.random import (init_method_normal, initialize_deterministically,
-                                                     set_init_method)
+from megatron_ds.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                                     linear_with_tensor_parallel_input)
+from megatron_ds.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_ds.core.tensor_parallel.random import (get_cuda_rng_tracker, init_method_normal,
+                                                     initialize_deterministically, set_init_method)
+from megatron_ds.core.transformer.dropout import dropout
 from megatron_ds.core.transformer.norms import build_norm
-from megatron_ds.core.transformer.transformer_layer import TransformerLayer
+from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 
 TIED_EMBEDDING_KEY = "embedding"
 
@@ -42,7 +43,11 @@ class LanguageModelEmbedding(torch.nn.Module):
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()
-        return F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+        if not self.config.sequence_parallel:
+            return dropout(embeddings, self.config.hidden_dropout, self.training)
+        embeddings = scatter_to_sequence_parallel_region(embeddings)  # [s/t, b, h] from here on
+        with get_cuda_rng_tracker().fork():
+            return dropout(embeddings, self.config.hidden_dropout, self.training)
 
 
 # Pipeline stages exchange one object: the hidden states [s, b, h], or (hidden states, attention mask)
@@ -106,8 +111,10 @@ class OutputLayer(torch.nn.Module):
 
 
 def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
-    """Output head that reuses the input word embeddings: [s, b, h] -> logits [s, b, vocab/tp]."""
-    return F.linear(copy_to_tensor_model_parallel_region(hidden_states), embedding.word_embeddings.weight)
+    """Output head that reuses the input word embeddings: [s, b, h] (or [s/t, b, h] with SP) -> logits
+    [s, b, vocab/tp]."""
+    return linear_with_tensor_parallel_input(hidden_states, embedding.word_embeddings.weight, None,
+                                             embedding.config.sequence_parallel)
 
 
 def language_model_loss(logits, labels):
@@ -147,6 +154,7 @@ class GPTModel(torch.nn.Module):
         specs = gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights)
         self.embedding = specs[0].build()
         self.layers = torch.nn.ModuleList(spec.build() for spec in specs[1:-2])
+        assign_recompute_chunks(list(self.layers), config)
         self.final_layernorm = specs[-2].build()
         self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
 

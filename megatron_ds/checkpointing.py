@@ -1,0 +1,367 @@
+"""Checkpoints during training: crash-safe saves through DeepSpeed's engine, exact resume, exit on a
+signal or at an interval.
+
+A save (every rank): DeepSpeed's `save_checkpoint` writes into DIR/global_stepN.tmp; each rank adds its
+RNG states (Python, NumPy, torch, CUDA, the TP RNG tracker); the files are fsync'ed; rank 0 writes
+ds_config.json and, last, megatron_ds_checkpoint.json (iteration, consumed samples, scheduler, arguments,
+layout, the file list with sizes), renames the folder to DIR/global_stepN and then replaces the pointers
+`latest_checkpointed_iteration.txt` and `latest`. A save killed at any point leaves the previous
+checkpoint published (see megatron_ds.conversion.files).
+
+A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape,
+same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel size,
+ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters,
+fp32 master weights and Adam moments are read in canonical names and placed into the engine directly.
+The RNG states are restored right before the first iteration, so the resumed run repeats the
+uninterrupted one bit for bit.
+"""
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ds.conversion import files, layout
+from megatron_ds.conversion.files import CheckpointError
+from megatron_ds.conversion.state import read_rank_state
+from megatron_ds.core import parallel_state
+from megatron_ds.core.tensor_parallel import get_cuda_rng_tracker
+
+RNG_FILE = "rng_state_rank_{:05d}.pt"
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where training stands: the last finished iteration and the data positions (consumed samples)."""
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def _print_rank_0(message):
+    if dist.get_rank() == 0:
+        print(f"megatron_ds: {message}", flush=True)
+
+
+def _coordinates():
+    return {"rank": dist.get_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank()}
+
+
+# --- RNG --------------------------------------------------------------------------------------------
+
+def collect_rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# --- exit on a signal -------------------------------------------------------------------------------
+
+class ExitSignalHandler:
+    """Remembers a SIGTERM (what schedulers send before killing a job); ranks agree on it once per iteration."""
+
+    def __init__(self, signum=signal.SIGTERM):
+        self.received = False
+        signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank_received(self):
+        from megatron_ds.glue.runtime import device
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# --- the manager the training loop calls --------------------------------------------------------------
+
+class CheckpointManager:
+    def __init__(self, args, engine, ds_config):
+        self.args, self.engine, self.ds_config = args, engine, ds_config
+        self.pipelined = isinstance(engine, deepspeed.PipelineEngine)
+        self.last_saved_iteration = None
+        self.loaded_iteration = None
+        self.rng_state_to_restore = None
+        self.signal_handler = ExitSignalHandler() if args.exit_signal_handler else None
+
+    # ---- hooks ----
+
+    def after_iteration(self, progress):
+        """Save at --save-interval; on a signal or at --exit-interval save and return True (stop training)."""
+        args = self.args
+        if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
+            self.save(progress)
+        if self.signal_handler is not None and self.signal_handler.any_rank_received():
+            self.save(progress)
+            _print_rank_0(f"exiting at iteration {progress.iteration}: a rank received SIGTERM "
+                          f"({'checkpoint saved' if args.save else 'no --save, nothing saved'})")
+            return True
+        if args.exit_interval and progress.iteration % args.exit_interval == 0:
+            self.save(progress)
+            _print_rank_0(f"exiting at iteration {progress.iteration} (--exit-interval {args.exit_interval})")
+            return True
+        return False
+
+    def finish(self, progress):
+        """End of training: save unless that iteration is saved already or nothing was trained."""
+        if progress.iteration and progress.iteration != self.loaded_iteration:
+            self.save(progress)
+
+    def restore_rng(self):
+        """Call right before the first iteration: everything drawn between load and here is forgotten."""
+        if self.rng_state_to_restore is not None:
+            restore_rng_state(self.rng_state_to_restore)
+            self.rng_state_to_restore = None
+
+    # ---- save ----
+
+    def save(self, progress):
+        args, engine = self.args, self.engine
+        if not args.save or self.last_saved_iteration == progress.iteration:
+            return
+        start = time.perf_counter()
+        tag = files.tag_for(progress.iteration)
+        tmp_tag = tag + files.TMP_SUFFIX
+        tmp_path = os.path.join(args.save, tmp_tag)
+        if dist.get_rank() == 0:
+            os.makedirs(args.save, exist_ok=True)
+            files.remove_stale_temporaries(args.save)
+        dist.barrier()
+        args_dict = files.args_to_dict(args)
+        client_state = {"megatron_ds": {**dataclasses.asdict(progress), "args": args_dict}}
+        engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client_state, save_latest=False)
+        if dist.get_rank() == 0:
+            files.pause_for_test("deepspeed-files", str(progress.iteration))
+        torch.save({**collect_rng_state(), **_coordinates()}, os.path.join(tmp_path, RNG_FILE.format(dist.get_rank())))
+        ranks = self._rank_entries()
+        dist.barrier()
+        self._fsync_share(tmp_path)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            files.write_json(os.path.join(tmp_path, files.DS_CONFIG_FILE), self.ds_config)
+            metadata = files.new_metadata(
+                files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
+                consumed_train_samples=progress.consumed_train_samples,
+                consumed_valid_samples=progress.consumed_valid_samples,
+                scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                ranks=ranks, has_optimizer_states=True, has_rng_states=True)
+            files.finish_folder(tmp_path, metadata)
+            files.pause_for_test("metadata", str(progress.iteration))
+            files.publish(args.save, tmp_tag, tag, str(progress.iteration))
+        dist.barrier()
+        self.last_saved_iteration = progress.iteration
+        _print_rank_0(f"saved checkpoint {os.path.join(args.save, tag)} at iteration {progress.iteration} "
+                      f"({time.perf_counter() - start:.2f} s)")
+
+    def _layout(self):
+        args = self.args
+        return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                "data_parallel_size": args.data_parallel_size, "world_size": args.world_size,
+                "zero_stage": args.zero_stage, "precision": str(args.params_dtype).replace("torch.", ""),
+                "engine": "pipeline" if self.pipelined else "plain",
+                "optimizer": type(self.engine.optimizer).__name__}
+
+    def _rank_entries(self):
+        """Every rank's coordinates, DeepSpeed checkpoint rank and optimizer parameter names (per group)."""
+        names = {id(param): name for name, param in self.engine.module.named_parameters()}
+        groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
+        entry = {**_coordinates(), "mp_rank": self.engine.checkpoint_mp_rank, "param_groups": groups}
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, entry)
+        return entries
+
+    def _client_param_groups(self):
+        """The parameter groups of our AdamW in their original order (DeepSpeed flattens them in this order)."""
+        optimizer = self.engine.optimizer
+        for attribute in ("bit16_groups", "bf16_groups"):
+            if hasattr(optimizer, attribute):
+                return [{"params": group} for group in getattr(optimizer, attribute)]
+        return optimizer.param_groups
+
+    @staticmethod
+    def _fsync_share(path):
+        """Every rank fsyncs its share of the folder's files (on a shared file system any client may)."""
+        names = sorted(files.folder_files(path))
+        for index, name in enumerate(names):
+            if index % dist.get_world_size() == dist.get_rank():
+                files.fsync_path(os.path.join(path, name))
+
+    # ---- load ----
+
+    def load(self):
+        """Load the checkpoint --load names (if any) into the engine; the progress to resume from."""
+        args = self.args
+        if not args.load:
+            return TrainingProgress()
+        found = [None]
+        if dist.get_rank() == 0:
+            try:
+                found = [("ok", *files.resolve_checkpoint(args.load, args.load_iteration))]
+            except CheckpointError as error:
+                found = [("error", str(error))]
+        dist.broadcast_object_list(found, src=0)
+        if found[0][0] == "error":
+            raise CheckpointError(found[0][1])
+        _, tag, metadata, notes = found[0]
+        for note in notes:
+            _print_rank_0(f"note: {note}")
+        if tag is None:
+            return TrainingProgress()
+        path = os.path.join(args.load, tag)
+        self._check_compatible(path, metadata)
+        finetune = args.finetune or tag == files.RELEASE_TAG
+        load_optimizer = not (finetune or args.no_load_optim) and metadata.get("has_optimizer_states", False)
+        start = time.perf_counter()
+        if self._same_deepspeed_layout(metadata):
+            how = "DeepSpeed load_checkpoint"
+            self.engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=load_optimizer,
+                                        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer)
+        else:
+            what = "weights and optimizer states" if load_optimizer else "weights"
+            how = f"{metadata['format']} files read per rank ({what})"
+            state = read_rank_state(path, metadata, parallel_state.get_tensor_model_parallel_rank(),
+                                    parallel_state.get_pipeline_model_parallel_rank(), with_optimizer=load_optimizer)
+            load_optimizer = load_optimizer and state.optimizer is not None
+            self._place_rank_state(state, load_optimizer)
+            if load_optimizer and metadata.get("scheduler") and self.engine.lr_scheduler is not None:
+                self.engine.lr_scheduler.load_state_dict(metadata["scheduler"])
+        progress = TrainingProgress() if finetune else TrainingProgress(
+            metadata["iteration"], metadata.get("consumed_train_samples", 0), metadata.get("consumed_valid_samples", 0))
+        if not load_optimizer and self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict({"num_steps": progress.iteration})  # the schedule goes on
+        self.engine.global_steps = progress.iteration
+        self.engine.global_samples = progress.consumed_train_samples
+        self.loaded_iteration = progress.iteration
+        rng = "not restored"
+        if not (finetune or args.no_load_rng):
+            rng = self._stage_rng_state(path, metadata)
+        dist.barrier()
+        _print_rank_0(f"loaded checkpoint {path} ({metadata['format']} format, saved at TP "
+                      f"{metadata['layout']['tensor_model_parallel_size']} x PP "
+                      f"{metadata['layout']['pipeline_model_parallel_size']} x DP "
+                      f"{metadata['layout'].get('data_parallel_size')}) via {how} in "
+                      f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
+                      f"samples {progress.consumed_train_samples}, optimizer states "
+                      f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}"
+                      f"{' (--finetune: iteration 0)' if finetune else ''}")
+        return progress
+
+    def _check_compatible(self, path, metadata):
+        args = self.args
+        saved = metadata["layout"]
+        saved_tp, saved_pp = saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        differences = [d for d in files.model_shape_differences(metadata["args"], args)
+                       if (saved_tp, saved_pp) == (tp, pp) or "vocabulary" not in d]
+        if differences:
+            raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
+                                  + "\n  - ".join(differences))
+        if (saved_tp, saved_pp) != (tp, pp):
+            target = f"{args.load.rstrip('/')}_tp{tp}_pp{pp}"
+            raise CheckpointError(
+                f"checkpoint {path} was saved with --tensor-model-parallel-size {saved_tp} and "
+                f"--pipeline-model-parallel-size {saved_pp}; this run has {tp} and {pp}. Reshape it with "
+                f"tools/convert_checkpoint.py (optimizer states included) and load the result:\n"
+                f"  python tools/convert_checkpoint.py --load {args.load} --save {target} "
+                f"--target-tensor-parallel-size {tp} --target-pipeline-model-parallel-size {pp}\n"
+                f"  ... pretrain.py --load {target} ...")
+
+    def _same_deepspeed_layout(self, metadata):
+        saved, ours = metadata["layout"], self._layout()
+        keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer")
+        return metadata["format"] == files.FORMAT_DEEPSPEED and all(saved.get(k) == ours[k] for k in keys)
+
+    def _place_rank_state(self, state, load_optimizer):
+        """Copy this rank's weights (and fp32 master weights and Adam moments) into the engine."""
+        num_layers = self.args.num_layers
+        names = {}
+        problems = []
+        with torch.no_grad():
+            for local, param in self.engine.module.named_parameters():
+                name = layout.canonical_name(local, num_layers, self.pipelined)
+                names[id(param)] = name
+                tensor = state.weights.get(name)
+                if tensor is None:
+                    problems.append(f"{name} is missing")
+                elif tuple(tensor.shape) != tuple(param.shape):
+                    problems.append(f"{name} has shape {tuple(tensor.shape)}, the model {tuple(param.shape)}")
+                else:
+                    param.copy_(tensor.to(param.dtype))
+        if problems:
+            raise CheckpointError("the checkpoint does not fit this rank's model:\n  - " + "\n  - ".join(problems))
+        optimizer = self.engine.optimizer
+        if load_optimizer:
+            _place_optimizer_state(optimizer, names, state)
+        elif hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()  # fp32 master weights from the loaded weights
+
+    def _stage_rng_state(self, path, metadata):
+        """Read this rank's RNG states (restored by restore_rng right before training)."""
+        if not metadata.get("has_rng_states"):
+            return "not in the checkpoint (converted): seeded from --seed"
+        me = _coordinates()
+        saved_dp = metadata["layout"]["data_parallel_size"]
+        # data-parallel ranks draw the same numbers (same seed per pipeline stage), so another DP size maps over
+        candidates = [entry for entry in metadata["ranks"] if entry["tp"] == me["tp"] and entry["pp"] == me["pp"]
+                      and entry["dp"] == me["dp"] % saved_dp]
+        if not candidates:
+            return "not found for this rank: seeded from --seed"
+        self.rng_state_to_restore = files.load_file(os.path.join(path, RNG_FILE.format(candidates[0]["rank"])))
+        return "restored" if candidates[0]["dp"] == me["dp"] else "restored (mapped across data-parallel ranks)"
+
+
+def _place_optimizer_state(optimizer, names, state):
+    """Put fp32 master weights and Adam moments (full per-parameter tensors of this TP/PP rank) into
+    DeepSpeed's ZeRO-1/2 or BF16 optimizer (this DP rank's flat partitions), or a plain torch optimizer."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    step = torch.tensor(float(state.optimizer_step or 0))
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+        zero = isinstance(optimizer, DeepSpeedZeroOptimizer)
+        groups = optimizer.bit16_groups if zero else optimizer.bf16_groups
+        partitions = optimizer.single_partition_of_fp32_groups if zero else optimizer.fp32_groups_flat_partition
+        for params, flat in zip(groups, partitions):
+            moments = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            targets = {"fp32": flat.data, **moments}
+            for param in params:
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is None:  # no part of this parameter lives in this data-parallel rank's partition
+                    continue
+                lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                values = state.optimizer[names[id(param)]]
+                for key, target in targets.items():
+                    source = values[key].reshape(-1).narrow(0, lp.start, lp.numel)
+                    target.narrow(0, hp.start, hp.numel).copy_(source)
+            optimizer.optimizer.state[flat] = {"step": step.clone(), **moments}
+        optimizer._hp_optimizer_states_linked = False  # link the new moments at the next step
+        return
+    if type(optimizer).__module__.startswith("torch.optim"):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                values = state.optimizer[names[id(param)]]
+                optimizer.state[param] = {"step": step.clone(),
+                                          "exp_avg": values["exp_avg"].to(param.device, param.dtype).clone(),
+                                          "exp_avg_sq": values["exp_avg_sq"].to(param.device, param.dtype).clone()}
+        return
+    raise CheckpointError(f"cannot place optimizer states into DeepSpeed's {type(optimizer).__name__}; "
+                          f"load with --no-load-optim (weights only, fresh Adam moments)")

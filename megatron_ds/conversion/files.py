@@ -1,0 +1,365 @@
+"""The on-disk checkpoint folder: pointers, metadata, completeness checks, atomic writes, and the
+model-shape comparison that guards `--load`.
+
+    DIR/latest                              DeepSpeed's pointer: the tag of the newest published checkpoint
+    DIR/latest_checkpointed_iteration.txt   Megatron's pointer: its iteration (or "release")
+    DIR/global_step{N}/                     one checkpoint (tag "release" for converted Hugging Face weights)
+        megatron_ds_checkpoint.json         metadata, written last: format, iteration, data position, scheduler,
+                                            arguments, layout, and every other file of the folder with its size
+        ds_config.json                      the effective DeepSpeed config of the run that saved it
+        ...                                 DeepSpeed's files (format "deepspeed") or
+                                            model_optim_tp{TT}_pp{PPP}.pt (format "megatron_ds-sharded", converter)
+    DIR/global_step{N}.tmp/                 a save in progress, or one killed mid-way: never loaded
+
+A checkpoint is published by renaming its finished, fsync'ed temporary folder, then replacing the
+pointers (write, fsync, rename): a save killed at any moment leaves the previous checkpoint and the
+pointers on it.
+"""
+import json
+import os
+import re
+
+import torch
+
+METADATA_FILE = "megatron_ds_checkpoint.json"
+DS_CONFIG_FILE = "ds_config.json"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+DEEPSPEED_POINTER = "latest"
+RELEASE_TAG = "release"
+TMP_SUFFIX = ".tmp"
+FORMAT_DEEPSPEED = "deepspeed"
+FORMAT_SHARDED = "megatron_ds-sharded"
+FORMAT_VERSION = 1
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded as asked; the message is meant for the user as is."""
+
+
+def tag_for(iteration):
+    return f"global_step{iteration}"
+
+
+def iteration_of(tag):
+    """The iteration a tag names (0 for "release"), or None when it is not a checkpoint tag."""
+    if tag == RELEASE_TAG:
+        return 0
+    match = _TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def sharded_file_name(tp_rank, pp_rank):
+    return f"model_optim_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+# --- durable writes ---------------------------------------------------------------------------------
+
+def fsync_path(path):
+    """Flush a file's or a folder's contents (a folder: its entries) to disk."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0)
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def atomic_write_text(path, text):
+    """Write text to path so readers see the old or the new content, never a mix (also after a crash)."""
+    tmp = f"{path}{TMP_SUFFIX}.{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json(path, data):
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def folder_files(path):
+    """{relative path: size} of every file under path (the metadata file itself excluded)."""
+    sizes = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            relative = os.path.relpath(full, path)
+            if relative != METADATA_FILE:
+                sizes[relative] = os.path.getsize(full)
+    return sizes
+
+
+def publish(save_dir, tmp_tag, tag, iteration_text):
+    """Rename the finished folder save_dir/tmp_tag to save_dir/tag, then point both pointers at it.
+    Called by one process after every file of the checkpoint (metadata last) is fsync'ed."""
+    tmp_path, final_path = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
+    fsync_path(tmp_path)
+    if os.path.exists(final_path):  # an older run saved this iteration: replace it
+        old = f"{final_path}.old.{os.getpid()}"
+        os.rename(final_path, old)
+        os.rename(tmp_path, final_path)
+        _remove_tree(old)
+    else:
+        os.rename(tmp_path, final_path)
+    fsync_path(save_dir)
+    pause_for_test("pointers", iteration_text)
+    atomic_write_text(os.path.join(save_dir, MEGATRON_TRACKER), f"{iteration_text}\n")
+    pause_for_test("between-pointers", iteration_text)
+    atomic_write_text(os.path.join(save_dir, DEEPSPEED_POINTER), f"{tag}\n")
+
+
+def _remove_tree(path):
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_temporaries(save_dir):
+    """Folders and pointer temporaries left by saves that were killed; returns their names."""
+    if not os.path.isdir(save_dir):
+        return []
+    stale = [name for name in os.listdir(save_dir) if TMP_SUFFIX in name or ".old." in name]
+    for name in stale:
+        path = os.path.join(save_dir, name)
+        if os.path.isdir(path):
+            _remove_tree(path)
+        else:
+            os.remove(path)
+    return stale
+
+
+def pause_for_test(phase, iteration_text):
+    """Test hook: MEGATRON_DS_TEST_SAVE_PAUSE=PHASE@ITERATION stops the save at PHASE (announced on stdout)
+    so a test can kill the job there. Phases, in order: deepspeed-files (DeepSpeed's files written into the
+    temporary folder, nothing of ours yet), metadata (all files and metadata written, not renamed),
+    pointers (renamed, pointers not updated), between-pointers (Megatron's pointer updated, DeepSpeed's not)."""
+    wanted = os.environ.get("MEGATRON_DS_TEST_SAVE_PAUSE")
+    if wanted and wanted == f"{phase}@{iteration_text}":
+        print(f"megatron_ds: test pause in checkpoint save at {phase}@{iteration_text}", flush=True)
+        import time
+        time.sleep(3600)
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+def read_metadata(path):
+    with open(os.path.join(path, METADATA_FILE)) as handle:
+        return json.load(handle)
+
+
+def problems_of(path):
+    """Why the checkpoint folder `path` cannot be loaded; [] when it is complete."""
+    if not os.path.isdir(path):
+        return [f"{path} does not exist"]
+    try:
+        metadata = read_metadata(path)
+    except FileNotFoundError:
+        return [f"no {METADATA_FILE} (the save did not finish)"]
+    except (OSError, ValueError) as error:
+        return [f"{METADATA_FILE} is unreadable ({error})"]
+    problems = []
+    for name, size in sorted(metadata.get("files", {}).items()):
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(file_path) != size:
+            problems.append(f"{name} has {os.path.getsize(file_path)} bytes, {size} were written")
+    if not metadata.get("files"):
+        problems.append(f"{METADATA_FILE} lists no files")
+    return problems
+
+
+def list_tags(load_dir):
+    """Checkpoint tags in load_dir (complete or not), oldest first; temporaries excluded."""
+    if not os.path.isdir(load_dir):
+        return []
+    tags = [name for name in os.listdir(load_dir)
+            if iteration_of(name) is not None and os.path.isdir(os.path.join(load_dir, name))]
+    return sorted(tags, key=lambda tag: (iteration_of(tag), tag != RELEASE_TAG))
+
+
+def read_pointer(load_dir):
+    """The tag the pointers name: Megatron's tracker, else DeepSpeed's `latest`; None when neither exists.
+    Each is written atomically; if a save died between the two, the newer one is taken."""
+    tags = []
+    tracker = os.path.join(load_dir, MEGATRON_TRACKER)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        tags.append(RELEASE_TAG if text == RELEASE_TAG else tag_for(int(text)) if text.isdigit() else None)
+    latest = os.path.join(load_dir, DEEPSPEED_POINTER)
+    if os.path.isfile(latest):
+        tags.append(open(latest).read().strip())
+    tags = [tag for tag in tags if tag and iteration_of(tag) is not None]
+    return max(tags, key=iteration_of) if tags else None
+
+
+def last_good_tag(load_dir, below=None):
+    """The newest complete checkpoint (optionally older than iteration `below`), or None."""
+    for tag in reversed(list_tags(load_dir)):
+        if below is not None and iteration_of(tag) >= below:
+            continue
+        if not problems_of(os.path.join(load_dir, tag)):
+            return tag
+    return None
+
+
+def _last_good_hint(load_dir, below):
+    good = last_good_tag(load_dir, below)
+    if good is None:
+        return "there is no older complete checkpoint in the folder"
+    iteration = iteration_of(good)
+    return (f"the last good checkpoint is {os.path.join(load_dir, good)} (iteration {iteration}): load it with "
+            f"--load {load_dir} --load-iteration {good if good == RELEASE_TAG else iteration}")
+
+
+def resolve_checkpoint(load_dir, iteration=None):
+    """(tag, metadata, notes) of the checkpoint --load DIR [--load-iteration N] names; (None, None, notes)
+    when the folder holds no checkpoint at all. Raises CheckpointError for a damaged or missing one."""
+    notes = []
+    if not os.path.isdir(load_dir):
+        if iteration is not None:
+            raise CheckpointError(f"--load {load_dir}: no such folder")
+        return None, None, [f"--load {load_dir}: no such folder; starting from scratch"]
+    temporaries = [name for name in os.listdir(load_dir) if name.endswith(TMP_SUFFIX)]
+    if temporaries:
+        notes.append(f"ignoring incomplete save(s) {', '.join(sorted(temporaries))} in {load_dir} (a save was killed)")
+    if iteration is not None:
+        tag = RELEASE_TAG if str(iteration) == RELEASE_TAG else tag_for(int(iteration))
+        if not os.path.isdir(os.path.join(load_dir, tag)):
+            available = ", ".join(list_tags(load_dir)) or "none"
+            raise CheckpointError(f"--load {load_dir} --load-iteration {iteration}: no folder {tag} "
+                                  f"(checkpoints there: {available})")
+    else:
+        tag = read_pointer(load_dir)
+        tags = list_tags(load_dir)
+        if tag is None:
+            if not tags:
+                return None, None, notes + [f"--load {load_dir}: no checkpoint there; starting from scratch"]
+            raise CheckpointError(f"--load {load_dir}: the folder has checkpoint folders ({', '.join(tags)}) but "
+                                  f"no pointer ({MEGATRON_TRACKER} or {DEEPSPEED_POINTER}); "
+                                  f"{_last_good_hint(load_dir, None)}")
+        newer = [t for t in tags if iteration_of(t) > iteration_of(tag)]
+        for newer_tag in newer:
+            problems = problems_of(os.path.join(load_dir, newer_tag))
+            state = ("damaged or incomplete (" + "; ".join(problems) + ")") if problems else "complete"
+            notes.append(f"{newer_tag} is newer than the pointers' {tag} but was not published (a save killed "
+                         f"before updating the pointers?); it is {state}; loading {tag}")
+    path = os.path.join(load_dir, tag)
+    problems = problems_of(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged or incomplete: {'; '.join(problems)}. "
+                              f"{_last_good_hint(load_dir, iteration_of(tag))}")
+    return tag, read_metadata(path), notes
+
+
+def load_file(path, what="checkpoint file"):
+    """torch.load on CPU, with a CheckpointError naming the file when it is unreadable."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # truncated zip, pickle errors, ...
+        raise CheckpointError(f"{what} {path} is damaged: {error}") from None
+
+
+# --- arguments and model shape ----------------------------------------------------------------------
+
+def args_to_dict(args):
+    """vars(args) as JSON values (dtypes become their names)."""
+    result = {}
+    for key, value in sorted(vars(args).items()):
+        if isinstance(value, torch.dtype):
+            value = str(value).replace("torch.", "")
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        result[key] = value
+    return result
+
+
+def model_shape(args):
+    """The model-defining values of a run (args: a namespace or a saved dict), defaults resolved."""
+    get = args.get if isinstance(args, dict) else lambda name, default=None: getattr(args, name, default)
+    heads = get("num_attention_heads")
+    swiglu = bool(get("swiglu"))
+    kv_channels = get("kv_channels") or get("hidden_size") // heads
+    ffn = get("ffn_hidden_size") or (int(8 * get("hidden_size") / 3 / 64) * 64 if swiglu else 4 * get("hidden_size"))
+    position = get("position_embedding_type") or "learned_absolute"
+    if get("use_rotary_position_embeddings"):
+        position = "rope"
+    return {
+        "num_layers": get("num_layers"), "hidden_size": get("hidden_size"), "num_attention_heads": heads,
+        "num_key_value_heads": get("num_key_value_heads") or heads, "kv_channels": kv_channels,
+        "ffn_hidden_size": ffn, "padded_vocab_size": get("padded_vocab_size"),
+        "max_position_embeddings": get("max_position_embeddings") if position == "learned_absolute" else None,
+        "normalization": get("normalization") or "LayerNorm", "swiglu": swiglu, "position_embedding_type": position,
+        "bias": not get("disable_bias_linear"),
+        "tied_embeddings": not get("untie_embeddings_and_output_weights"),
+    }
+
+
+def model_family(shape):
+    if (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"]) == \
+            ("RMSNorm", True, "rope", False):
+        return "llama"
+    if (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"]) == \
+            ("LayerNorm", False, "learned_absolute", True):
+        return "gpt2"
+    return "custom"
+
+
+_SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                "num_attention_heads": "--num-attention-heads", "num_key_value_heads": "--num-key-value-heads",
+                "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
+                "padded_vocab_size": "padded vocabulary (--vocab-size / tokenizer, --make-vocab-size-divisible-by, TP)",
+                "max_position_embeddings": "--max-position-embeddings", "normalization": "--normalization",
+                "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
+                "bias": "biases (--disable-bias-linear)",
+                "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
+
+
+def model_shape_differences(saved_args, args):
+    """['--hidden-size: checkpoint 64, flags 32', ...] for every model-defining value that differs."""
+    saved, current = model_shape(saved_args), model_shape(args)
+    differences = [f"{_SHAPE_FLAGS[key]}: checkpoint {saved[key]}, flags {current[key]}"
+                   for key in saved if saved[key] != current[key]]
+    if saved["padded_vocab_size"] != current["padded_vocab_size"] and saved["padded_vocab_size"]:
+        tp = args.tensor_model_parallel_size if not isinstance(args, dict) else args["tensor_model_parallel_size"]
+        if saved["padded_vocab_size"] % tp == 0:
+            differences.append(f"(to keep the checkpoint's {saved['padded_vocab_size']} vocabulary rows at TP {tp}, "
+                               f"pass --make-vocab-size-divisible-by {saved['padded_vocab_size'] // tp})")
+    if differences:
+        saved_family, family = model_family(saved), model_family(current)
+        if saved_family != family:
+            differences.insert(0, f"model family: checkpoint {saved_family}, flags {family}")
+    return differences
+
+
+def new_metadata(checkpoint_format, tag, args_dict, checkpoint_layout, iteration=0, consumed_train_samples=0,
+                 consumed_valid_samples=0, scheduler=None, **extra):
+    """The metadata dict both formats share (the file list is added when the folder is complete)."""
+    import datetime
+
+    import deepspeed
+    metadata = {"format": checkpoint_format, "version": FORMAT_VERSION, "tag": tag, "iteration": iteration,
+                "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
+                "scheduler": scheduler, "args": args_dict, "model": model_shape(args_dict),
+                "layout": checkpoint_layout, "torch_version": torch.__version__,
+                "deepspeed_version": deepspeed.__version__,
+                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    metadata["model"]["family"] = model_family(metadata["model"])
+    metadata.update(extra)
+    return metadata
+
+
+def finish_folder(path, metadata):
+    """Record every file of the folder with its size in the metadata, fsync them, write the metadata last."""
+    metadata["files"] = folder_files(path)
+    for name in metadata["files"]:
+        fsync_path(os.path.join(path, name))
+    write_json(os.path.join(path, METADATA_FILE), metadata)

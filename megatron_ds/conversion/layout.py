@@ -1,0 +1,146 @@
+"""The layout-free form of a model: canonical parameter names, how each is split across TP ranks, and
+which pipeline stage holds it.
+
+Canonical names follow Megatron-Core's GPTModel:
+    embedding.word_embeddings.weight            [padded vocab, h]   split by rows across TP
+    embedding.position_embeddings.weight        [positions, h]      replicated (learned positions only)
+    decoder.layers.{i}.input_layernorm.{weight,bias}
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   rows: per query group [q heads, k, v] x head dim;
+                                                                  split by rows (each TP rank owns whole groups)
+    decoder.layers.{i}.self_attention.linear_proj.weight         split by columns; its bias is replicated
+    decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
+    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              rows; with SwiGLU [gate; up], split with stride 2
+    decoder.layers.{i}.mlp.linear_fc2.weight                     split by columns; its bias is replicated
+    decoder.final_layernorm.{weight,bias}
+    output_layer.weight                                          [padded vocab, h] (untied head only), rows
+
+The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
+`output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,
+1..L transformer layers, L+1 final norm, L+2 untied head) and `tied_modules.embedding.` for the
+embedding shared by the first and last stages.
+"""
+import re
+
+import torch
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class LayoutError(ValueError):
+    """A name or shape that does not fit the model; the message is meant for the user."""
+
+
+def canonical_name(local_name, num_layers, pipelined):
+    """The canonical name of a live module's parameter (see the module docstring)."""
+    if not pipelined:
+        if local_name.startswith("embedding."):
+            return local_name
+        if local_name.startswith("layers."):
+            return "decoder." + local_name
+        if local_name.startswith("final_layernorm.norm."):
+            return "decoder.final_layernorm." + local_name[len("final_layernorm.norm."):]
+        if local_name.startswith("output_layer.linear."):
+            return "output_layer." + local_name[len("output_layer.linear."):]
+        raise LayoutError(f"unknown GPTModel parameter {local_name!r}")
+    if local_name.startswith("tied_modules.embedding."):
+        return "embedding." + local_name[len("tied_modules.embedding."):]
+    index, _, rest = local_name.partition(".")
+    if not index.isdigit():
+        raise LayoutError(f"unknown pipeline parameter {local_name!r}")
+    return pipeline_layer_prefix(int(index), num_layers) + _strip_wrapper(int(index), num_layers, rest)
+
+
+def pipeline_layer_prefix(index, num_layers):
+    """Canonical prefix of the PipelineModule's layer `index`."""
+    if index == 0:
+        return "embedding."
+    if index <= num_layers:
+        return f"decoder.layers.{index - 1}."
+    if index == num_layers + 1:
+        return "decoder.final_layernorm."
+    if index == num_layers + 2:
+        return "output_layer."
+    raise LayoutError(f"pipeline layer index {index} is beyond a {num_layers}-layer model")
+
+
+def _strip_wrapper(index, num_layers, rest):
+    """FinalLayerNorm keeps its norm in `.norm`, OutputLayer its linear in `.linear`."""
+    for wrapped_index, wrapper in ((num_layers + 1, "norm."), (num_layers + 2, "linear.")):
+        if index == wrapped_index and rest.startswith(wrapper):
+            return rest[len(wrapper):]
+    return rest
+
+
+def partition_rule(name, swiglu):
+    """(dim, stride) of a TP-split canonical parameter, or None when every TP rank holds all of it."""
+    if name in (WORD_EMBEDDINGS, OUTPUT_LAYER):
+        return 0, 1
+    match = _LAYER.match(name)
+    if not match:
+        return None
+    rest = match.group(2)
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        return 0, 1
+    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        return 0, (2 if swiglu else 1)
+    if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return 1, 1
+    return None
+
+
+def split_tensor(full, rule, tp_size, tp_rank):
+    """This TP rank's shard of a full tensor (a copy)."""
+    if rule is None or tp_size == 1:
+        return full.clone()
+    dim, stride = rule
+    if full.size(dim) % (tp_size * stride):
+        raise LayoutError(f"dimension {dim} of size {full.size(dim)} does not split into {tp_size} TP ranks "
+                          f"x stride {stride}")
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim).clone()
+
+
+def merge_tensors(shards, rule):
+    """The full tensor from the shards of TP ranks 0..T-1 (inverse of split_tensor)."""
+    if rule is None or len(shards) == 1:
+        return shards[0].clone()
+    dim, stride = rule
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([piece[block] for block in range(stride) for piece in pieces], dim=dim)
+
+
+def layer_index(name):
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def stages_holding(name, num_layers, pp_size, tied):
+    """Pipeline stages whose module holds the canonical parameter `name` (layers split evenly, as
+    PipelineModule's partition by TransformerLayer does when PP divides the layers)."""
+    last = pp_size - 1
+    if name.startswith("embedding."):
+        # the last stage's head is a second EmbeddingPipe (position table included) tied to the first
+        return sorted({0, last}) if tied else [0]
+    index = layer_index(name)
+    if index is not None:
+        return [index // (num_layers // pp_size)]
+    if name.startswith("decoder.final_layernorm.") or name == OUTPUT_LAYER:
+        return [last]
+    raise LayoutError(f"unknown canonical parameter {name!r}")
+
+
+def pad_vocab_rows(tensor, rows):
+    """Truncate or zero-pad dim 0 (vocabulary rows) to `rows`."""
+    if tensor.size(0) == rows:
+        return tensor
+    if tensor.size(0) > rows:
+        return tensor[:rows].clone()
+    padding = torch.zeros((rows - tensor.size(0), *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, padding], dim=0)
+
+
+def is_vocab_parameter(name):
+    return name in (WORD_EMBEDDINGS, OUTPUT_LAYER)

@@ -1,0 +1,236 @@
+"""Model and optimizer state in canonical names, read from either checkpoint format, merged across TP
+and pipeline ranks into a layout-free FullState, and split again for any (TP, PP).
+
+Optimizer state per parameter: "fp32" (the master weight), "exp_avg" and "exp_avg_sq" (Adam's moments),
+all fp32 and shaped like the parameter; plus one Adam step count. DeepSpeed's ZeRO-1/2 and BF16
+optimizers keep them as flat fp32 partitions, one per data-parallel rank and parameter group: the
+partitions of a group are concatenated, then cut at the parameter boundaries recorded in
+`param_shapes` (DeepSpeed's own zero_to_fp32 recipe), so any data-parallel size can be read.
+"""
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from megatron_ds.conversion import files, layout
+from megatron_ds.conversion.files import CheckpointError, load_file
+
+OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class RankState:
+    """One (TP, PP) rank's parameters by canonical name (this rank's shards)."""
+    weights: Dict[str, torch.Tensor]
+    optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None
+    optimizer_step: Optional[int] = None
+
+
+@dataclass
+class FullState:
+    """A whole model, layout-free: full tensors by canonical name, and the training position."""
+    args: dict
+    weights: Dict[str, torch.Tensor]
+    optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None
+    optimizer_step: Optional[int] = None
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    scheduler: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _layout(metadata):
+    return metadata["layout"]
+
+
+def _rank_entry(metadata, tp_rank, pp_rank):
+    for entry in metadata["ranks"]:
+        if entry["tp"] == tp_rank and entry["pp"] == pp_rank and entry["dp"] == 0:
+            return entry
+    raise CheckpointError(f"checkpoint metadata has no rank with TP rank {tp_rank}, PP rank {pp_rank}")
+
+
+def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
+    """RankState of (tp_rank, pp_rank) from the checkpoint folder `path`, either format."""
+    if metadata["format"] == files.FORMAT_SHARDED:
+        data = load_file(os.path.join(path, files.sharded_file_name(tp_rank, pp_rank)))
+        optimizer = data.get("optimizer") if with_optimizer else None
+        return RankState(data["model"], optimizer, data.get("optimizer_step") if optimizer else None)
+    if metadata["format"] != files.FORMAT_DEEPSPEED:
+        raise CheckpointError(f"{path}: unknown checkpoint format {metadata['format']!r}")
+    return _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer)
+
+
+def _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer):
+    entry = _rank_entry(metadata, tp_rank, pp_rank)
+    num_layers = metadata["args"]["num_layers"]
+    pipelined = _layout(metadata)["engine"] == "pipeline"
+    local_names = [name for group in entry["param_groups"] for name in group]
+    mp_file = os.path.join(path, f"mp_rank_{entry['mp_rank']:02d}_model_states.pt")
+    mp_state = load_file(mp_file)
+    if pipelined:
+        local_weights = {}
+        indices = sorted({0 if name.startswith("tied_modules.") else int(name.split(".")[0]) for name in local_names})
+        for index in indices:
+            layer_file = os.path.join(path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
+            for key, value in load_file(layer_file).items():
+                local_weights[f"{index}.{key}"] = value
+        weights = {layout.canonical_name(name, num_layers, True): value for name, value in local_weights.items()}
+    else:
+        weights = {layout.canonical_name(name, num_layers, False): value for name, value in mp_state["module"].items()}
+    state = RankState(weights)
+    if with_optimizer:
+        state.optimizer, state.optimizer_step = _read_deepspeed_optimizer(path, metadata, entry, mp_state,
+                                                                          weights, num_layers, pipelined)
+    return state
+
+
+def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_layers, pipelined):
+    lay = _layout(metadata)
+    canonical = lambda local: layout.canonical_name(local, num_layers, pipelined)  # noqa: E731
+    if lay["zero_stage"] == 0:
+        return _read_plain_optimizer(mp_state, entry, weights, canonical)
+    if lay["zero_stage"] > 2:
+        raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
+    prefix = "bf16_" if lay.get("precision") == "bfloat16" else ""  # DeepSpeed's name for bf16 ZeRO files
+    partitions = []
+    for dp_rank in range(lay["data_parallel_size"]):
+        name = f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{entry['mp_rank']:02d}_optim_states.pt"
+        partitions.append(load_file(os.path.join(path, name))["optimizer_state_dict"])
+    shapes_per_group = mp_state["param_shapes"]
+    alignment = partitions[0].get("param_alignment_paddings")
+    optimizer, step = {}, None
+    for group, shapes in enumerate(shapes_per_group):
+        base_states = [p["base_optimizer_state"]["state"].get(group, {}) for p in partitions]
+        if not base_states[0]:
+            return None, None  # saved before the first optimizer step
+        flats = {"fp32": torch.cat([p["single_partition_of_fp32_groups"][group].detach().float() for p in partitions]),
+                 "exp_avg": torch.cat([s["exp_avg"] for s in base_states]),
+                 "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in base_states])}
+        step = int(base_states[0]["step"])
+        offset = 0
+        for index, (local, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            optimizer[canonical(local)] = {key: flat.narrow(0, offset, numel).view(tuple(shape)).clone()
+                                           for key, flat in flats.items()}
+            offset += numel + (alignment[group][index] if alignment else 0)
+    return optimizer, step
+
+
+def _read_plain_optimizer(mp_state, entry, weights, canonical):
+    """ZeRO stage 0: torch's AdamW state dict, parameters numbered in group order (names recorded by us)."""
+    state_dict = mp_state.get("optimizer")
+    if not state_dict or "state" not in state_dict:
+        raise CheckpointError("the checkpoint's optimizer state (ZeRO stage 0) is not a torch optimizer state dict "
+                              "(fp16/bf16 without ZeRO-1 is not supported by the reader); convert with --no-optim")
+    names = [name for group in entry["param_groups"] for name in group]
+    optimizer, step = {}, None
+    for index, local in enumerate(names):
+        state = state_dict["state"].get(index)
+        if not state:
+            return None, None
+        name = canonical(local)
+        optimizer[name] = {"fp32": weights[name].float().clone(), "exp_avg": state["exp_avg"].float(),
+                           "exp_avg_sq": state["exp_avg_sq"].float()}
+        step = int(state["step"])
+    return optimizer, step
+
+
+# --- whole model -------------------------------------------------------------------------------------
+
+def read_full_state(path, metadata, with_optimizer=True):
+    """FullState of the checkpoint folder `path`: every (TP, PP) rank read and merged."""
+    args = metadata["args"]
+    tp_size = metadata["layout"]["tensor_model_parallel_size"]
+    pp_size = metadata["layout"]["pipeline_model_parallel_size"]
+    per_tp = [[read_rank_state(path, metadata, tp, pp, with_optimizer) for pp in range(pp_size)]
+              for tp in range(tp_size)]
+    swiglu = bool(args.get("swiglu"))
+    weights, optimizer = {}, {} if with_optimizer else None
+    steps = set()
+    names = []
+    for stage in per_tp[0]:
+        names += [name for name in stage.weights if name not in names]
+    for name in names:
+        stage = next(pp for pp in range(pp_size) if name in per_tp[0][pp].weights)  # tied copies: first stage
+        rule = layout.partition_rule(name, swiglu)
+        weights[name] = layout.merge_tensors([per_tp[tp][stage].weights[name] for tp in range(tp_size)], rule)
+        if optimizer is not None:
+            states = [per_tp[tp][stage].optimizer for tp in range(tp_size)]
+            if any(state is None for state in states):
+                optimizer = None
+                continue
+            optimizer[name] = {key: layout.merge_tensors([state[name][key] for state in states], rule)
+                               for key in OPTIMIZER_KEYS}
+            steps.update(per_tp[tp][stage].optimizer_step for tp in range(tp_size))
+    if optimizer is not None and len(steps) > 1:
+        raise CheckpointError(f"{path}: ranks disagree on the optimizer step count ({sorted(steps)})")
+    return FullState(args=dict(args), weights=weights, optimizer=optimizer,
+                     optimizer_step=steps.pop() if optimizer else None, iteration=metadata.get("iteration", 0),
+                     consumed_train_samples=metadata.get("consumed_train_samples", 0),
+                     consumed_valid_samples=metadata.get("consumed_valid_samples", 0),
+                     scheduler=metadata.get("scheduler"))
+
+
+def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
+    """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size)."""
+    args = full.args
+    num_layers, swiglu = args["num_layers"], bool(args.get("swiglu"))
+    tied = not args.get("untie_embeddings_and_output_weights")
+    if num_layers % pp_size:
+        raise CheckpointError(f"{num_layers} layers do not split into {pp_size} pipeline stages")
+    weights, optimizer = {}, {} if full.optimizer is not None else None
+    for name, tensor in full.weights.items():
+        if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied):
+            continue
+        rule = layout.partition_rule(name, swiglu)
+        weights[name] = layout.split_tensor(tensor, rule, tp_size, tp_rank)
+        if optimizer is not None:
+            optimizer[name] = {key: layout.split_tensor(value, rule, tp_size, tp_rank)
+                               for key, value in full.optimizer[name].items()}
+    return RankState(weights, optimizer, full.optimizer_step if optimizer is not None else None)
+
+
+def resize_vocabulary(full: FullState, rows):
+    """Give the vocabulary-sized tensors `rows` rows (truncate padding rows, or add zero rows)."""
+    for name in list(full.weights):
+        if layout.is_vocab_parameter(name):
+            full.weights[name] = layout.pad_vocab_rows(full.weights[name], rows)
+            if full.optimizer is not None:
+                full.optimizer[name] = {key: layout.pad_vocab_rows(value, rows)
+                                        for key, value in full.optimizer[name].items()}
+
+
+def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=None, with_optimizer=True,
+                             source=None):
+    """Write `full` for (tp_size, pp_size) as a megatron_ds-sharded checkpoint (any data-parallel size
+    loads it), crash-safe like a training save; returns the checkpoint folder."""
+    tag = tag or files.tag_for(full.iteration)
+    os.makedirs(save_dir, exist_ok=True)
+    files.remove_stale_temporaries(save_dir)
+    tmp_tag = tag + files.TMP_SUFFIX
+    tmp_path = os.path.join(save_dir, tmp_tag)
+    os.makedirs(tmp_path)
+    optimizer = full.optimizer if with_optimizer else None
+    source_state = FullState(**{**full.__dict__, "optimizer": optimizer})
+    for tp_rank in range(tp_size):
+        for pp_rank in range(pp_size):
+            rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank)
+            torch.save({"model": rank.weights, "optimizer": rank.optimizer, "optimizer_step": rank.optimizer_step},
+                       os.path.join(tmp_path, files.sharded_file_name(tp_rank, pp_rank)))
+    checkpoint_layout = {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size,
+                         "data_parallel_size": None, "zero_stage": None,
+                         "precision": full.args.get("params_dtype", "float32"),
+                         "engine": "pipeline" if pp_size > 1 else "plain"}
+    metadata = files.new_metadata(files.FORMAT_SHARDED, tag, full.args, checkpoint_layout,
+                                  iteration=full.iteration, consumed_train_samples=full.consumed_train_samples,
+                                  consumed_valid_samples=full.consumed_valid_samples, scheduler=full.scheduler,
+                                  has_optimizer_states=optimizer is not None, has_rng_states=False,
+                                  optimizer_step=full.optimizer_step if optimizer is not None else None,
+                                  converted_from=source)
+    files.finish_folder(tmp_path, metadata)
+    files.publish(save_dir, tmp_tag, tag, tag if tag == files.RELEASE_TAG else str(full.iteration))
+    return os.path.join(save_dir, tag)

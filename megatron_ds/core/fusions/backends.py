@@ -1,0 +1,169 @@
+"""Which implementation serves each fused op: `reference` (plain PyTorch, the definition of correct),
+`triton` (hand-written kernels, forward and backward), `compile` (torch.compile of the reference math),
+`apex` (NVIDIA apex's norm kernels). `select_backend` resolves a `--fusion-backend` value per op once, at
+start-up; `format_backend_report` is the log line that says what was chosen.
+
+`auto` prefers, on CUDA: triton, then apex (norms only), then compile, then reference. On CPU it takes the
+order each op declares from bench/ops.py measurements (compile where the fused C++ beats eager PyTorch,
+reference elsewhere); triton never runs on CPU outside tests (its interpreter is for numerics, not speed).
+"""
+import functools
+import importlib
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_ds.core.fusions._triton import TRITON_IMPORT_ERROR, interpreting
+
+FLAG = "--fusion-backend"
+BACKENDS = ("auto", "triton", "compile", "apex", "reference")
+CUDA_PREFERENCE = ("triton", "apex", "compile", "reference")
+
+# op modules, imported on first use of the registry (they import this module)
+_OP_MODULES = ("fused_softmax", "fused_layer_norm", "fused_rope", "fused_bias_gelu", "fused_bias_dropout_add",
+               "fused_swiglu", "fused_cross_entropy")
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """One fused operation: its implementations (same signature each) and auto's order on CPU.
+    `checks` adds op-specific availability tests: backend -> fn(device_type) -> reason or None."""
+    name: str
+    implementations: Mapping[str, Callable]
+    auto_cpu: Tuple[str, ...] = ("reference",)
+    checks: Mapping[str, Callable[[str], Optional[str]]] = field(default_factory=dict)
+
+
+class _State:
+    """The package's only mutable state: compiled callables and the warnings already given."""
+
+    def __init__(self):
+        self.compiled: Dict[Callable, Callable] = {}
+        self.warned = set()
+
+
+_STATE = _State()
+
+
+def compiled(fn: Callable) -> Callable:
+    """torch.compile(fn), built once per function (dynamic shapes, so new sizes reuse the compiled code)."""
+    if fn not in _STATE.compiled:
+        _STATE.compiled[fn] = torch.compile(fn, dynamic=True)
+    return _STATE.compiled[fn]
+
+
+@functools.lru_cache(maxsize=None)
+def registered_ops() -> Dict[str, FusedOp]:
+    """{op name: FusedOp} for every fused op."""
+    ops = {}
+    for module_name in _OP_MODULES:
+        module = importlib.import_module(f"megatron_ds.core.fusions.{module_name}")
+        for op in module.OPS:
+            ops[op.name] = op
+    return ops
+
+
+def _device_type(device) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+@functools.lru_cache(maxsize=None)
+def _cxx_compiler() -> Optional[str]:
+    return next((cc for cc in ("g++", "c++", "clang++") if shutil.which(cc)), None)
+
+
+def _generic_reason(backend: str, device_type: str) -> Optional[str]:
+    """Why `backend` cannot run on this device, or None when it can."""
+    if backend == "triton":
+        if TRITON_IMPORT_ERROR:
+            return TRITON_IMPORT_ERROR
+        if device_type != "cuda" and not interpreting():
+            return "triton kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
+    elif backend == "compile":
+        if not hasattr(torch, "compile"):
+            return f"torch {torch.__version__} has no torch.compile"
+        if device_type == "cpu" and _cxx_compiler() is None:
+            return "torch.compile on CPU needs a C++ compiler (g++ or clang++) on PATH"
+        if device_type == "cuda" and TRITON_IMPORT_ERROR:
+            return f"torch.compile on CUDA generates triton code: {TRITON_IMPORT_ERROR}"
+    elif backend == "apex" and device_type != "cuda":
+        return "apex kernels need a CUDA device"
+    return None
+
+
+def unavailable_reason(op_name: str, backend: str, device=None) -> Optional[str]:
+    """Why `backend` cannot serve `op_name` on `device` (default: CUDA if present, else CPU); None if it can."""
+    op = _op(op_name)
+    if backend not in op.implementations:
+        return f"{op_name} has no {backend} implementation (it has: {', '.join(op.implementations)})"
+    device_type = _device_type(device)
+    reason = _generic_reason(backend, device_type)
+    if reason is None and backend in op.checks:
+        reason = op.checks[backend](device_type)
+    return reason
+
+
+def is_available(op_name: str, backend: str, device=None) -> bool:
+    return unavailable_reason(op_name, backend, device) is None
+
+
+def _op(op_name: str) -> FusedOp:
+    ops = registered_ops()
+    if op_name not in ops:
+        raise ValueError(f"unknown fused op {op_name!r}; known: {', '.join(ops)}")
+    return ops[op_name]
+
+
+def auto_order(op_name: str, device=None) -> Tuple[str, ...]:
+    """The backends `auto` tries for op_name on device, best first."""
+    op = _op(op_name)
+    order = CUDA_PREFERENCE if _device_type(device) == "cuda" else op.auto_cpu
+    return tuple(backend for backend in order if backend in op.implementations) + ("reference",)
+
+
+def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
+    """The backend that serves op_name for a --fusion-backend value. An explicit backend that cannot run
+    raises ValueError saying why; `auto` takes the best available one and warns once when it falls back."""
+    if requested not in BACKENDS:
+        raise ValueError(f"{FLAG} {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        reason = unavailable_reason(op_name, requested, device)
+        if reason:
+            raise ValueError(f"{FLAG} {requested}: cannot use {requested} for {op_name}: {reason}")
+        return requested
+    order = auto_order(op_name, device)
+    for backend in order:
+        reason = unavailable_reason(op_name, backend, device)
+        if reason is None:
+            break
+        if backend == order[0]:
+            first_reason = reason
+    if backend != order[0]:
+        key = (order[0], first_reason)
+        if key not in _STATE.warned:
+            _STATE.warned.add(key)
+            warnings.warn(f"{FLAG} auto: {order[0]} unavailable ({first_reason}); {op_name} uses {backend}"
+                          f" (and other ops fall back likewise)", RuntimeWarning, stacklevel=2)
+    return backend
+
+
+def get_fused_op(op_name: str, requested: str = "auto", device=None) -> Callable:
+    """The callable implementing op_name under select_backend(op_name, requested, device)."""
+    return _op(op_name).implementations[select_backend(op_name, requested, device)]
+
+
+def backend_report(requested: str = "auto", device=None) -> Dict[str, str]:
+    """{op name: chosen backend} for every fused op."""
+    return {name: select_backend(name, requested, device) for name in registered_ops()}
+
+
+def format_backend_report(requested: str = "auto", device=None) -> str:
+    """One start-up log line: the backend chosen for each fused op."""
+    chosen = backend_report(requested, device)
+    ops = " ".join(f"{name}={backend}" for name, backend in chosen.items())
+    return f"fused ops ({FLAG} {requested}, {_device_type(device)}): {ops}"

@@ -1,0 +1,144 @@
+"""residual + dropout(x + bias): bias optional, math in fp32, output in the promoted dtype of x and residual.
+
+The keep-mask is drawn with torch's RNG on x's device (`bernoulli_` into a bool tensor) before any backend
+runs, so every backend gives the same mask for the same generator state: activation recompute and the
+TP RNG tracker (`get_cuda_rng_tracker().fork()`) reproduce it. It is stored as bool (1 byte per element),
+never in the input dtype. The triton kernels save only that mask; backward needs nothing else.
+Not training, or p == 0: residual + x + bias, no mask.
+"""
+import torch
+
+from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, row_programs, tl
+from megatron_ds.core.fusions.backends import FusedOp, compiled
+
+
+def dropout_keep_mask(x, p: float):
+    """Bool keep-mask shaped like x (True = keep, probability 1 - p) from the current device's generator."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+
+
+def _bda_math(x, bias, residual, keep, scale: float):
+    """residual + keep * (x + bias) * scale in fp32, in the promoted dtype; keep None means no dropout."""
+    out_dtype = torch.promote_types(x.dtype, residual.dtype)
+    y = x.float() if bias is None else x.float() + bias.float()
+    if keep is not None:
+        y = torch.where(keep, y * scale, 0.0)
+    return (residual.float() + y).to(out_dtype)
+
+
+def _dropout_args(x, p, training):
+    if training and p > 0.0:
+        return dropout_keep_mask(x, p), 1.0 / (1.0 - p)
+    return None, 1.0
+
+
+def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
+    """residual + dropout(x + bias) with a bool mask from torch's RNG."""
+    keep, scale = _dropout_args(x, p, training)
+    return _bda_math(x, bias, residual, keep, scale)
+
+
+def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
+    """torch.compile of the reference math (the mask is drawn outside the compiled graph)."""
+    keep, scale = _dropout_args(x, p, training)
+    return compiled(_bda_math)(x, bias, residual, keep, scale)
+
+
+@kernel
+def _bda_forward(X, B, R, KEEP, OUT, rows, n, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (r < rows)[:, None] & (c < n)[None, :]
+    offsets = r[:, None] * n + c[None, :]
+    y = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + c, mask=c < n, other=0.0).to(tl.float32)[None, :]
+    if HAS_MASK:
+        keep = tl.load(KEEP + offsets, mask=inside, other=0)
+        y = tl.where(keep != 0, y * scale, 0.0)
+    y += tl.load(R + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=inside)
+
+
+@kernel
+def _bda_backward(DY, KEEP, DX, DB_PARTIAL, rows, n, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx = dy * keep * scale; program (i, j) also sums its rows' dx into a db partial for column block j."""
+    pid_m = tl.program_id(0)
+    programs_m = tl.num_programs(0)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside_c = c < n
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row0 in range(pid_m * BLOCK_M, rows, programs_m * BLOCK_M):
+        r = tl.cast(row0, tl.int64) + tl.arange(0, BLOCK_M)
+        inside = (r < rows)[:, None] & inside_c[None, :]
+        offsets = r[:, None] * n + c[None, :]
+        dx = tl.load(DY + offsets, mask=inside, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            keep = tl.load(KEEP + offsets, mask=inside, other=0)
+            dx = tl.where(keep != 0, dx * scale, 0.0)
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=inside)
+        if HAS_BIAS:
+            db += tl.sum(tl.where(inside, dx, 0.0), axis=0)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid_m * n + c, db, mask=inside_c)
+
+
+def _blocks(n):
+    return 16, min(next_power_of_2(n), 256)
+
+
+class _BiasDropoutAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, keep, scale):
+        check_device(x, bias, residual, op="bias_dropout_add")
+        if residual.shape != x.shape:
+            raise ValueError(f"bias_dropout_add: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        n = x.size(-1)
+        x2d = x.reshape(-1, n).contiguous()
+        rows = x2d.size(0)
+        out = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        keep2d = keep.reshape(rows, n).contiguous().view(torch.uint8) if keep is not None else None
+        block_m, block_n = _blocks(n)
+        if x2d.numel():
+            _bda_forward[(cdiv(rows, block_m), cdiv(n, block_n))](
+                x2d, bias if bias is not None else x2d, residual.reshape(rows, n).contiguous(),
+                keep2d if keep is not None else x2d, out, rows, n, float(scale), HAS_BIAS=bias is not None,
+                HAS_MASK=keep is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+        ctx.save_for_backward(keep2d)
+        ctx.scale, ctx.shape, ctx.x_dtype = float(scale), x.shape, x.dtype
+        ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (keep2d,) = ctx.saved_tensors
+        n = ctx.shape[-1]
+        dy = grad_output.reshape(-1, n).contiguous()
+        rows = dy.size(0)
+        has_bias = ctx.bias_dtype is not None
+        dx = torch.empty(dy.shape, dtype=ctx.x_dtype, device=dy.device)
+        block_m, block_n = _blocks(n)
+        programs = row_programs(rows, block_m, dy.device)
+        db_partial = torch.zeros(programs, n, dtype=torch.float32, device=dy.device) if has_bias else dx
+        if dy.numel():
+            _bda_backward[(programs, cdiv(n, block_n))](
+                dy, keep2d if keep2d is not None else dy, dx, db_partial, rows, n, ctx.scale, HAS_BIAS=has_bias,
+                HAS_MASK=keep2d is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+        db = db_partial.sum(0).to(ctx.bias_dtype) if has_bias else None
+        return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None
+
+
+def bias_dropout_add_triton(x, bias, residual, p: float, training: bool):
+    """Triton kernels, forward and backward; the saved activation is the 1-byte keep-mask alone."""
+    keep, scale = _dropout_args(x, p, training)
+    return _BiasDropoutAdd.apply(x, bias, residual, keep, scale)
+
+
+OPS = (FusedOp("bias_dropout_add",
+               {"reference": bias_dropout_add_reference, "triton": bias_dropout_add_triton,
+                "compile": bias_dropout_add_compile},
+               auto_cpu=("compile", "reference")),)

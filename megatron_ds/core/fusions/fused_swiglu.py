@@ -1,0 +1,93 @@
+"""SwiGLU: silu(gate) * up from fc1's output [..., 2f], first half the gate and second half the up projection
+(mlp.py's `chunk(2, dim=-1)`); math in fp32, output [..., f] in the input dtype. The triton kernels save the
+input alone and write both halves' gradients into one [..., 2f] tensor.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
+from megatron_ds.core.fusions.backends import FusedOp, compiled
+
+
+def swiglu_reference(x):
+    """silu(gate) * up with gate, up = x.chunk(2, -1), in fp32."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def swiglu_compile(x):
+    """torch.compile of the reference."""
+    return compiled(swiglu_reference)(x)
+
+
+@kernel
+def _swiglu_forward(X, Y, rows, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (r < rows)[:, None] & (c < f)[None, :]
+    src = X + r[:, None] * (2 * f) + c[None, :]
+    gate = tl.load(src, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(src + f, mask=inside, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(Y + r[:, None] * f + c[None, :], y.to(Y.dtype.element_ty), mask=inside)
+
+
+@kernel
+def _swiglu_backward(DY, X, DX, rows, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (r < rows)[:, None] & (c < f)[None, :]
+    src = X + r[:, None] * (2 * f) + c[None, :]
+    gate = tl.load(src, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(src + f, mask=inside, other=0.0).to(tl.float32)
+    dy = tl.load(DY + r[:, None] * f + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    dst = DX + r[:, None] * (2 * f) + c[None, :]
+    tl.store(dst, d_gate.to(DX.dtype.element_ty), mask=inside)
+    tl.store(dst + f, (dy * silu).to(DX.dtype.element_ty), mask=inside)
+
+
+def _blocks(f):
+    return 16, min(next_power_of_2(f), 256)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        check_device(x, op="swiglu")
+        if x.size(-1) % 2:
+            raise ValueError(f"swiglu needs an even last dim (gate and up halves), got {x.size(-1)}")
+        f = x.size(-1) // 2
+        x2d = x.reshape(-1, 2 * f).contiguous()
+        rows = x2d.size(0)
+        y = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+        block_m, block_n = _blocks(f)
+        if y.numel():
+            _swiglu_forward[(cdiv(rows, block_m), cdiv(f, block_n))](x2d, y, rows, f, BLOCK_M=block_m,
+                                                                     BLOCK_N=block_n)
+        ctx.save_for_backward(x2d)
+        ctx.shape = x.shape
+        return y.view(*x.shape[:-1], f)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x2d,) = ctx.saved_tensors
+        rows, f = x2d.size(0), x2d.size(1) // 2
+        dy = grad_output.reshape(rows, f).contiguous()
+        dx = torch.empty_like(x2d)
+        block_m, block_n = _blocks(f)
+        if dy.numel():
+            _swiglu_backward[(cdiv(rows, block_m), cdiv(f, block_n))](dy, x2d, dx, rows, f, BLOCK_M=block_m,
+                                                                      BLOCK_N=block_n)
+        return dx.view(ctx.shape)
+
+
+def swiglu_triton(x):
+    """Triton kernels, forward and backward."""
+    return _SwiGLU.apply(x)
+
+
+OPS = (FusedOp("swiglu", {"reference": swiglu_reference, "triton": swiglu_triton, "compile": swiglu_compile},
+               auto_cpu=("compile", "reference")),)

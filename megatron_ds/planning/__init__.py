@@ -1,0 +1,15 @@
+"""3D-parallel planning (tools/plan.py): exact parameter counts, memory per device, FLOPs, communication
+volume and an estimated iteration time for a model on a cluster, with a search over layouts.
+
+    devices.py        the one table of device facts (peak FLOP/s, memory, bandwidths)
+    model.py          ModelSpec (the model), Layout (tp, pp, dp, batch, SP, recompute), Cluster
+    parameters.py     exact parameter counts per stage and device
+    memory.py         weights, gradients, ZeRO-1 optimizer shard, activations per 1F1B stage
+    flops.py          model and hardware FLOPs per iteration
+    communication.py  bytes per axis (TP collectives, PP sends, DP reduction) and which links they use
+    performance.py    the time model and its assumptions
+    planner.py        one layout -> a JSON-ready plan
+    search.py         every layout, ranked
+    meta.py           stages built on the meta device with the real model code, checked against the formulas
+    cli.py            tools/plan.py's flags and output
+"""

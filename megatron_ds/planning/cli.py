@@ -1,0 +1,216 @@
+"""tools/plan.py: pretrain.py's model, parallel and batch flags plus the cluster -> a plan (or a search).
+
+Parsing reuses `megatron_ds.arguments.build_parser()` (so every pretrain.py flag is accepted and means the
+same) and its validation, with three planner-side changes: --train-iters is optional, no data is needed
+(mock data, NullTokenizer with --vocab-size, default 51200), and --fp16 is allowed without a local GPU.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from megatron_ds import arguments
+from megatron_ds.arguments import ArgumentsError, build_parser, transformer_config_from_args
+from megatron_ds.data.tokenizers import build_tokenizer
+from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
+from megatron_ds.planning import report
+from megatron_ds.planning.devices import DEVICES, device_spec
+from megatron_ds.planning.model import Cluster, Layout, ModelSpec
+from megatron_ds.planning.performance import PerformanceAssumptions
+from megatron_ds.planning.planner import make_plan
+from megatron_ds.planning.memory import RUNTIME_OVERHEAD_BYTES, GIB
+from megatron_ds.planning.search import search_layouts
+
+DEFAULT_VOCAB_SIZE = 51200
+
+
+def _has_flag(parser, flag):
+    return flag in parser._option_string_actions
+
+
+def _add_recompute_and_sp_flags(parser, group):
+    """Megatron's names; defined here only while arguments.py lacks them (they are being added there)."""
+    if not _has_flag(parser, "--sequence-parallel"):
+        group.add_argument("--sequence-parallel", action="store_true",
+                           help="Megatron sequence parallelism (activations split by TP outside attention/MLP)")
+    if not _has_flag(parser, "--recompute-granularity"):
+        group.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
+                           help="selective: attention scores recomputed; full: every layer recomputed")
+    if not _has_flag(parser, "--recompute-activations"):
+        group.add_argument("--recompute-activations", action="store_true",
+                           help="same as --recompute-granularity selective")
+
+
+def build_plan_parser():
+    parser = build_parser()
+    parser.prog = "tools/plan.py"
+    parser.description = ("Plan a 3D-parallel run: parameters, memory, FLOPs, communication and estimated time "
+                          "for pretrain.py's flags on a cluster, or --search every layout")
+    for action in parser._actions:
+        if action.dest == "train_iters":   # planning needs no schedule
+            action.required, action.default = False, 1
+    group = parser.add_argument_group("planner")
+    group.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
+    group.add_argument("--gpus-per-node", type=int, default=8)
+    group.add_argument("--device", choices=list(DEVICES), default="a100-80gb")
+    group.add_argument("--search", action="store_true", help="rank every (tp, pp, dp, micro batch, recompute, SP)")
+    group.add_argument("--top", type=int, default=20, help="layouts shown by --search")
+    group.add_argument("--instantiate", action="store_true",
+                       help="build every pipeline stage of TP rank 0 on the meta device and check the counts")
+    group.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    group.add_argument("--compute-efficiency", type=float, default=PerformanceAssumptions.compute_efficiency)
+    group.add_argument("--bandwidth-efficiency", type=float, default=PerformanceAssumptions.bandwidth_efficiency)
+    _add_recompute_and_sp_flags(parser, group)
+    return parser
+
+
+def _vocab_size(args):
+    if args.vocab_size is not None:
+        return args.vocab_size
+    if args.tokenizer_type == "NullTokenizer":
+        return DEFAULT_VOCAB_SIZE
+    try:
+        return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file, vocab_size=None).vocab_size
+    except (ValueError, OSError) as error:
+        raise ArgumentsError(f"cannot read the tokenizer to size the vocabulary ({error}); give --vocab-size")
+
+
+def validated_args(args):
+    """pretrain.py's checks on a copy that needs no data; returns the copy with every default filled."""
+    if args.world_size < 1 or args.gpus_per_node < 1:
+        raise ArgumentsError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} must be positive")
+    checked = argparse.Namespace(**vars(args))
+    checked.vocab_size = _vocab_size(args)
+    checked.tokenizer_type, checked.mock_data = "NullTokenizer", True
+    checked.data_path = checked.train_data_path = checked.valid_data_path = checked.test_data_path = None
+    if args.search:   # the layout is searched: check only the model, at TP = PP = 1
+        checked.tensor_model_parallel_size = checked.pipeline_model_parallel_size = 1
+        _without_memory_choices(checked)
+    arguments._fill_model_defaults(checked)
+    errors = arguments._size_errors(checked)
+    if not errors:
+        checked.data_parallel_size = checked.world_size // (checked.tensor_model_parallel_size *
+                                                            checked.pipeline_model_parallel_size)
+        errors = reconcile_with_deepspeed_config(checked)
+    checked.params_dtype = torch.bfloat16 if checked.bf16 else torch.float16 if checked.fp16 else torch.float32
+    if not errors:
+        try:   # the combination of SP and recompute options, as training would build it
+            transformer_config_from_args(checked)
+        except ValueError as error:
+            errors = [str(error)]
+    if errors:
+        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+    return checked
+
+
+def _without_memory_choices(args):
+    """Clear SP and recompute options (on a copy): they do not change the model's shapes."""
+    args.sequence_parallel, args.recompute_granularity, args.recompute_activations = False, None, False
+    for name in ("recompute_method", "recompute_num_layers"):
+        setattr(args, name, None)
+    args.distribute_saved_activations = False
+
+
+def recompute_choice(args):
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None and getattr(args, "recompute_activations", False):
+        return "selective"
+    return granularity
+
+
+def model_spec(args) -> ModelSpec:
+    """The layer shapes from the same TransformerConfig training builds (SP and recompute do not change them)."""
+    shapes_only = argparse.Namespace(**vars(args))
+    _without_memory_choices(shapes_only)
+    return ModelSpec(config=transformer_config_from_args(shapes_only), vocab_size=args.vocab_size,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
+                     tied_embeddings=not args.untie_embeddings_and_output_weights)
+
+
+def layout_from_args(args) -> Layout:
+    return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                  dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
+                  global_batch_size=args.global_batch_size, sequence_parallel=bool(args.sequence_parallel),
+                  recompute=recompute_choice(args), zero_stage=args.zero_stage,
+                  recompute_method=getattr(args, "recompute_method", None) or "uniform",
+                  recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1,
+                  distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)))
+
+
+def model_summary(model: ModelSpec) -> dict:
+    config = model.config
+    features = [config.normalization, "SwiGLU" if config.gated_linear_unit else "GeLU",
+                {"rope": "RoPE", "learned_absolute": "learned positions"}.get(config.position_embedding_type,
+                                                                              "no positions"),
+                "biases" if config.bias else "no biases", "tied embeddings" if model.tied_embeddings else "untied"]
+    return {"layers": config.num_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
+            "kv_heads": config.num_query_groups, "kv_channels": config.kv_channels, "ffn": config.ffn_hidden_size,
+            "seq_length": model.seq_length, "max_position_embeddings": model.max_position_embeddings,
+            "vocab_size": model.vocab_size, "precision": model.precision, "features": features}
+
+
+def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:
+    device = cluster.device
+    return {"world_size": cluster.world_size, "gpus_per_node": cluster.gpus_per_node, "device": device.name,
+            "memory_gib": device.memory_gib, "peak_tflops": cluster.peak_flops(sixteen_bit) / 1e12,
+            "memory_bandwidth_gbs": device.memory_bandwidth_gbs, "intra_node_gbs": device.intra_node_gbs,
+            "inter_node_gbs": device.inter_node_gbs, "source": device.source}
+
+
+def assumptions_text(assumptions: PerformanceAssumptions):
+    return assumptions.describe() + [
+        f"memory: {RUNTIME_OVERHEAD_BYTES / GIB:g} GiB per device for CUDA context, NCCL and allocator slack; "
+        f"activation bytes from Korthikanti et al. 2022 (DESIGN.md); peak over the 1F1B in-flight micro-batches"]
+
+
+def instantiate_check(model: ModelSpec, tp: int, pp: int) -> dict:
+    from megatron_ds.planning.meta import check_against_formula   # imports the model code (and DeepSpeed)
+    start = time.perf_counter()
+    stages = check_against_formula(model, tp, pp)
+    return {"tp": tp, "pp": pp, "stages": stages, "ok": not any(row["difference"] for row in stages.values()),
+            "seconds": time.perf_counter() - start}
+
+
+def run(args) -> tuple:
+    """(result dict, exit status)."""
+    checked = validated_args(args)
+    model = model_spec(checked)
+    cluster = Cluster(device_spec(checked.device), checked.world_size, checked.gpus_per_node, checked.peak_tflops)
+    assumptions = PerformanceAssumptions(checked.compute_efficiency, checked.bandwidth_efficiency)
+    result = {"model": model_summary(model), "cluster": cluster_summary(cluster, model.sixteen_bit),
+              "assumptions": assumptions_text(assumptions)}
+    status = 0
+    if checked.search:
+        result["search"] = search_layouts(model, cluster, checked.global_batch_size, checked.zero_stage, assumptions,
+                                          checked.top)
+    else:
+        layout = layout_from_args(checked)
+        result["layout_description"] = layout.describe()
+        result["plan"] = make_plan(model, layout, cluster, assumptions)
+        status = 2 if result["plan"]["errors"] else 0
+    if checked.instantiate:
+        result["instantiate"] = instantiate_check(model, checked.tensor_model_parallel_size,
+                                                  checked.pipeline_model_parallel_size)
+        status = status or (0 if result["instantiate"]["ok"] else 1)
+    return result, status
+
+
+def main(argv=None) -> int:
+    args = build_plan_parser().parse_args(argv)
+    try:
+        result, status = run(args)
+    except ArgumentsError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return status
+    print(report.search_text(result) if args.search else report.plan_text(result))
+    if "instantiate" in result:
+        print()
+        print(report.instantiate_text(result["instantiate"]))
+    return status

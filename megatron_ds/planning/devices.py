@@ -1,0 +1,53 @@
+"""Device facts the planner uses: the one table of peak FLOP/s, memory and link bandwidths.
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s): "intra-node" is the GPU's NVLink
+bandwidth through NVSwitch, "inter-node" is the GPU's share of the node's InfiniBand (one NIC per GPU
+in the DGX systems). Memory is in GiB as the driver reports it (e.g. 81920 MiB for an A100-80GB).
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    peak_16bit_tflops: float      # dense bf16/fp16 tensor-core peak (no sparsity)
+    peak_fp32_tflops: float       # plain fp32 (what fp32 training gets without TF32)
+    memory_gib: float
+    memory_bandwidth_gbs: float   # HBM
+    intra_node_gbs: float         # NVLink, per direction
+    inter_node_gbs: float         # InfiniBand per GPU, per direction
+    source: str
+
+    def peak_tflops(self, sixteen_bit: bool) -> float:
+        return self.peak_16bit_tflops if sixteen_bit else self.peak_fp32_tflops
+
+
+DEVICES = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4): BF16 312 TFLOP/s dense (624 with sparsity), FP32 19.5,
+    # 40 GB HBM2 1,555 GB/s; NVLink 3: 600 GB/s total = 300 per direction. NVIDIA DGX A100 datasheet:
+    # 8 x 200 Gb/s HDR InfiniBand for compute = 25 GB/s per GPU.
+    "a100-40gb": DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 19.5, 40.0, 1555.0, 300.0, 25.0,
+                            "A100 datasheet; DGX A100 datasheet (8 x HDR 200 Gb/s)"),
+    # Same datasheets: the 80 GB SXM4 part has HBM2e at 2,039 GB/s.
+    "a100-80gb": DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 19.5, 80.0, 2039.0, 300.0, 25.0,
+                            "A100 datasheet; DGX A100 datasheet (8 x HDR 200 Gb/s)"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 989 TFLOP/s dense (1,979 with sparsity), FP32 67,
+    # 80 GB HBM3 3.35 TB/s; NVLink 4: 900 GB/s total = 450 per direction. NVIDIA DGX H100 datasheet:
+    # 8 x 400 Gb/s NDR InfiniBand (ConnectX-7) = 50 GB/s per GPU.
+    "h100-80gb": DeviceSpec("NVIDIA H100-SXM5-80GB", 989.0, 67.0, 80.0, 3350.0, 450.0, 50.0,
+                            "H100 datasheet; DGX H100 datasheet (8 x NDR 400 Gb/s)"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141 GB HBM3e 4.8 TB/s, NVLink
+    # 900 GB/s total. NVIDIA DGX H200 datasheet: 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h200": DeviceSpec("NVIDIA H200-SXM-141GB", 989.0, 67.0, 141.0, 4800.0, 450.0, 50.0,
+                       "H200 datasheet; DGX H200 datasheet (8 x NDR 400 Gb/s)"),
+    # Nominal, not measured: a many-core server socket. Measure yours with
+    # megatron_ds.throughput.measure_matmul_tflops and pass --peak-tflops.
+    "cpu": DeviceSpec("CPU (nominal)", 2.0, 2.0, 64.0, 100.0, 20.0, 1.25,
+                      "nominal entry (shared memory between ranks, 10 GbE between hosts)"),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return DEVICES[name]

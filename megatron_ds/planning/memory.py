@@ -1,0 +1,165 @@
+"""Memory per device: model states (weights, gradients, optimizer) and activations.
+
+Model states, bytes per parameter (Adam):
+- bf16: weights 2 + gradients 2 + optimizer 12 (fp32 master, m, v), the optimizer sharded over DP with
+  ZeRO-1 (DESIGN.md: 2 + 2 + 12/dp). Plus 4 for the fp32 gradient-accumulation buffer, unsharded:
+  megatron_ds writes `"data_types": {"grad_accum_dtype": "fp32"}` for bf16 + ZeRO-1, which selects
+  DeepSpeed's BF16_Optimizer, and that keeps a full fp32 gradient buffer beside the bf16 gradients.
+- fp16: 2 + 2 + 12/dp (DeepSpeed's ZeRO-1 optimizer: fp32 master, m, v sharded).
+- fp32: 4 + 4 + 12/dp with ZeRO-1 (DeepSpeed's ZeRO optimizer keeps an fp32 copy of its partition even when
+  the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
+ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only).
+
+Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, DESIGN.md), s
+sequence, b micro batch, h hidden, a heads, t TP:
+  no recompute, TP:       s b h (10 + 24/t + 5 a s / (h t))       (t = 1: s b h (34 + 5 a s / h))
+  no recompute, TP + SP:  s b h / t (34 + 5 a s / h)
+  selective recompute:    the same without the 5 a s / h attention-score term
+  full recompute:         2 s b h (the layer input), / t with SP or --distribute-saved-activations
+fp32 activations count twice. These are the paper's GPT-2-shape counts; SwiGLU and GQA layers differ
+somewhat. With flash attention (the sdpa backend on GPUs) the s x s scores are not stored at all, so the
+no-recompute figures are upper bounds there.
+A 1F1B stage i of p holds min(p - i, m) micro-batches in flight. Added terms: the first stage keeps the
+embedding-dropout mask (s b h bytes, / t with SP) per micro-batch in flight; the last stage keeps the final
+norm and head inputs (4 s b h, / t with SP) and the fp32 softmax of the vocabulary-parallel cross entropy
+(4 s b V / t) for its one micro-batch. Full recompute (Megatron's methods): "uniform" with N layers per
+chunk keeps one input per chunk and needs one chunk's whole activations while it runs backward; "block"
+recomputes only the first N layers of each stage and keeps the others' whole activations.
+"""
+from dataclasses import dataclass
+from typing import List
+
+from megatron_ds.planning.model import Layout, ModelSpec
+from megatron_ds.planning.parameters import StageParameters
+
+GIB = 1024 ** 3
+# Assumed: CUDA context, NCCL buffers, allocator fragmentation and DeepSpeed's communication buffers.
+RUNTIME_OVERHEAD_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state before ZeRO sharding."""
+    weights: float
+    gradients: float
+    grad_accumulation: float
+    optimizer: float
+
+
+def state_bytes_per_parameter(precision: str, zero_stage: int) -> StateBytes:
+    if precision == "bf16":
+        return StateBytes(2, 2, 4 if zero_stage == 1 else 0, 12)
+    if precision == "fp16":
+        return StateBytes(2, 2, 0, 12)
+    return StateBytes(4, 4, 0, 12 if zero_stage >= 1 else 8)
+
+
+def sharded_state_bytes(state: StateBytes, zero_stage: int, dp: int) -> StateBytes:
+    """Bytes per parameter held by one rank after ZeRO sharding over `dp` ranks."""
+    return StateBytes(weights=state.weights / (dp if zero_stage >= 3 else 1),
+                      gradients=state.gradients / (dp if zero_stage >= 2 else 1),
+                      grad_accumulation=state.grad_accumulation / (dp if zero_stage >= 2 else 1),
+                      optimizer=state.optimizer / (dp if zero_stage >= 1 else 1))
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
+    """One transformer layer, one micro-batch, one device, for the layout's SP and recompute choice."""
+    return layer_activation_bytes(model, layout, layout.recompute)
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float:
+    """As activation_bytes_per_layer, for recompute None, "selective" or "full"."""
+    config, t, sp = model.config, layout.tp, layout.sequence_parallel
+    s, b, h, a = model.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
+    if recompute == "full":
+        return _saved_layer_input_bytes(model, layout)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    per_layer = s * b * h / t * (34 + scores) if sp else s * b * h * (10 + 24 / t + scores / t)
+    return per_layer * (1 if model.sixteen_bit else 2)
+
+
+def in_flight_micro_batches(layout: Layout, stage: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at its peak."""
+    return min(layout.pp - stage, layout.num_micro_batches)
+
+
+def _first_stage_extra_bytes(model, layout):
+    s, b, h = model.seq_length, layout.micro_batch_size, model.config.hidden_size
+    return s * b * h / (layout.tp if layout.sequence_parallel else 1)
+
+
+def _last_stage_extra_bytes(model, layout):
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
+    norm_and_head_inputs = 4 * s * b * h / (t if layout.sequence_parallel else 1) * (1 if model.sixteen_bit else 2)
+    return norm_and_head_inputs + 4 * s * b * model.padded_vocab_size(t) / t
+
+
+def _saved_layer_input_bytes(model, layout):
+    """Full recompute keeps only a layer's (or chunk's) input: 2 s b h, split over TP with SP or
+    --distribute-saved-activations."""
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
+    split = layout.sequence_parallel or layout.distribute_saved_activations
+    return 2 * s * b * h / (t if split else 1) * (1 if model.sixteen_bit else 2)
+
+
+def _layer_activations_per_micro_batch(model, layout, num_layers):
+    """(bytes kept per micro-batch in flight, bytes of the one chunk being recomputed in backward)."""
+    if layout.recompute != "full":
+        return num_layers * activation_bytes_per_layer(model, layout), 0.0
+    whole_layer = layer_activation_bytes(model, layout, recompute=None)
+    if layout.recompute_method == "uniform":
+        chunks = -(-num_layers // layout.recompute_num_layers)
+        return (chunks * _saved_layer_input_bytes(model, layout),
+                min(layout.recompute_num_layers, num_layers) * whole_layer)
+    recomputed = layout.recomputed_layers(num_layers)
+    kept = recomputed * _saved_layer_input_bytes(model, layout) + (num_layers - recomputed) * whole_layer
+    return kept, whole_layer if recomputed else 0.0
+
+
+def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int) -> float:
+    in_flight = in_flight_micro_batches(layout, stage)
+    kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers)
+    total = in_flight * kept + recompute_working_set
+    if stage == 0:
+        total += in_flight * _first_stage_extra_bytes(model, layout)
+    if stage == layout.pp - 1:
+        total += _last_stage_extra_bytes(model, layout)
+    return total
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    parameters: int
+    in_flight_micro_batches: int
+    weights: float
+    gradients: float
+    grad_accumulation: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.gradients + self.grad_accumulation + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.overhead
+
+
+def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StageMemory:
+    per_param = sharded_state_bytes(state_bytes_per_parameter(model.precision, layout.zero_stage),
+                                    layout.zero_stage, layout.dp)
+    n = stage_params.total
+    return StageMemory(stage=stage_params.stage, parameters=n,
+                       in_flight_micro_batches=in_flight_micro_batches(layout, stage_params.stage),
+                       weights=n * per_param.weights, gradients=n * per_param.gradients,
+                       grad_accumulation=n * per_param.grad_accumulation, optimizer=n * per_param.optimizer,
+                       activations=stage_activation_bytes(model, layout, stage_params.stage,
+                                                          stage_params.num_layers),
+                       overhead=RUNTIME_OVERHEAD_BYTES)
+
+
+def memory_per_stage(model: ModelSpec, layout: Layout, stages: List[StageParameters]) -> List[StageMemory]:
+    return [stage_memory(model, layout, stage) for stage in stages]

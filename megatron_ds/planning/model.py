@@ -1,0 +1,114 @@
+"""What a plan is about: the model (ModelSpec) and one 3D layout of it on a cluster (Layout, Cluster)."""
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from megatron_ds.arguments import padded_vocab_size
+from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.planning.devices import DeviceSpec
+
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as pretrain.py's flags describe it. vocab_size is the tokenizer's (unpadded) size: the
+    embedding is padded to a multiple of make_vocab_size_divisible_by x TP, as in training."""
+    config: TransformerConfig
+    vocab_size: int
+    make_vocab_size_divisible_by: int
+    max_position_embeddings: int
+    seq_length: int
+    tied_embeddings: bool
+
+    def padded_vocab_size(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    @property
+    def precision(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.config.params_dtype, "fp32")
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.config.position_embedding_type == "learned_absolute"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: TP x PP x DP, batch split and the memory-saving choices."""
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None   # None, "selective" (attention scores) or "full" (whole layers)
+    zero_stage: int = 1
+    recompute_method: str = "uniform"  # full only: "uniform" (chunks of N layers) or "block" (first N per stage)
+    recompute_num_layers: int = 1      # full only: N
+    distribute_saved_activations: bool = False   # full only: saved layer inputs split across TP
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per pipeline per iteration (= gradient accumulation steps)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def recomputed_layers(self, stage_layers: int) -> int:
+        """Layers of a stage that full recompute runs forward twice."""
+        if self.recompute != "full":
+            return 0
+        return stage_layers if self.recompute_method == "uniform" else min(self.recompute_num_layers, stage_layers)
+
+    def describe_recompute(self) -> str:
+        if self.recompute != "full":
+            return self.recompute or "none"
+        chunk = "" if self.recompute_num_layers == 1 else f" {self.recompute_num_layers}"
+        method = "" if self.recompute_method == "uniform" and not chunk else f" ({self.recompute_method}{chunk})"
+        return "full" + method + (", saved inputs split over TP" if self.distribute_saved_activations else "")
+
+    def describe(self) -> str:
+        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}, micro batch {self.micro_batch_size} x "
+                f"{self.num_micro_batches} micro-batches, SP {'on' if self.sequence_parallel else 'off'}, "
+                f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: DeviceSpec
+    world_size: int
+    gpus_per_node: int
+    peak_tflops_override: Optional[float] = None   # --peak-tflops
+
+    def peak_flops(self, sixteen_bit: bool) -> float:
+        tflops = self.peak_tflops_override or self.device.peak_tflops(sixteen_bit)
+        return tflops * 1e12
+
+
+def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
+    """(reason, detail) for each rule the layout breaks, before any memory or time estimate."""
+    config, tp, pp = model.config, layout.tp, layout.pp
+    checks = [
+        (config.num_attention_heads % tp, "heads not divisible by TP",
+         f"{config.num_attention_heads} heads over TP {tp}"),
+        (config.num_query_groups % tp, "kv heads not divisible by TP",
+         f"{config.num_query_groups} kv heads over TP {tp}"),
+        (config.ffn_hidden_size % tp, "FFN not divisible by TP", f"FFN {config.ffn_hidden_size} over TP {tp}"),
+        (config.num_layers % pp, "layers not divisible by PP", f"{config.num_layers} layers over PP {pp}"),
+        (layout.global_batch_size % (layout.micro_batch_size * layout.dp),
+         "global batch not a multiple of micro batch x DP",
+         f"{layout.global_batch_size} over {layout.micro_batch_size} x {layout.dp}"),
+        (layout.zero_stage >= 2 and pp > 1, "ZeRO-2/3 with PP > 1",
+         f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
+        (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
+         f"sequence {model.seq_length} over TP {tp}"),
+    ]
+    return [(reason, detail) for broken, reason, detail in checks if broken]

@@ -1,0 +1,109 @@
+"""Estimated iteration time, TFLOP/s per device and MFU.
+
+The model (assumptions also printed with every plan and listed in the README):
+- compute runs at `compute_efficiency` x the device's peak (one factor for GEMMs and the memory-bound
+  ops between them); communication at `bandwidth_efficiency` x link bandwidth; latency terms ignored;
+- nothing overlaps: TP collectives, pipeline sends/receives, the data-parallel reduction and the optimizer
+  step all add to the compute time (Megatron's TP collectives sit on the critical path; DeepSpeed's
+  pipeline engine sends/receives blockingly and reduces gradients after the last micro-batch);
+- 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
+  micro-batch, so the bubble is (p - 1) / (m + p - 1) of it;
+- memory-bound work at `bandwidth_efficiency` x HBM bandwidth: with bf16 + ZeRO-1 DeepSpeed's BF16_Optimizer
+  adds each micro-batch's bf16 gradients into its fp32 buffer (read 2 + 4, write 4 bytes per parameter);
+  the optimizer step reads and writes its states once (read the fp32 gradient, read and write master, m,
+  v, write the 16-bit weights).
+"""
+from dataclasses import asdict, dataclass
+
+from megatron_ds.planning import communication as comm
+from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
+                                        stage_hardware_flops_per_micro_batch)
+from megatron_ds.planning.model import Cluster, Layout, ModelSpec
+from megatron_ds.planning.parameters import StageParameters
+
+
+@dataclass(frozen=True)
+class PerformanceAssumptions:
+    compute_efficiency: float = 0.7
+    bandwidth_efficiency: float = 0.7
+
+    def describe(self):
+        return [f"compute at {self.compute_efficiency:.0%} of the device's peak FLOP/s (GEMMs and the "
+                f"memory-bound ops between them, one factor)",
+                f"communication at {self.bandwidth_efficiency:.0%} of link bandwidth (ring collectives, "
+                f"no latency term); memory-bound work at {self.bandwidth_efficiency:.0%} of HBM bandwidth",
+                "no overlap: TP collectives, pipeline sends/receives, the data-parallel reduction and the "
+                "optimizer step add to compute time",
+                "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch"]
+
+
+def bubble_fraction(pp: int, num_micro_batches: int) -> float:
+    """1F1B: (p - 1) / (m + p - 1) of the iteration is pipeline fill and drain."""
+    return (pp - 1) / (num_micro_batches + pp - 1)
+
+
+def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) -> float:
+    """HBM bytes per micro-batch for BF16_Optimizer's fp32 accumulation (read bf16 + fp32, write fp32)."""
+    return parameters * 10.0 if model.precision == "bf16" and layout.zero_stage == 1 else 0.0
+
+
+def _optimizer_step_bytes(model: ModelSpec, layout: Layout, parameters: int) -> float:
+    shard = parameters / (layout.dp if layout.zero_stage >= 1 else 1)
+    weights = 2 if model.sixteen_bit else 0      # fp32 training updates the master copy in place
+    return shard * (4 + 2 * 12 + weights)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds one device of a stage spends per micro-batch (forward + backward), by cause."""
+    stage: int
+    compute: float
+    tensor_parallel: float
+    pipeline_p2p: float
+    grad_accumulation: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
+
+
+def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
+    flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers, last=stage.stage == layout.pp - 1)
+    tp_bytes = comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
+    pp_bytes = 2 * comm.pipeline_payload_per_micro_batch(model, layout) if layout.pp > 1 else 0
+    hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
+    return StageTime(stage=stage.stage,
+                     compute=flops / (cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency),
+                     tensor_parallel=tp_bytes / (links.tensor * assumptions.bandwidth_efficiency),
+                     pipeline_p2p=pp_bytes / (links.pipeline * assumptions.bandwidth_efficiency),
+                     grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm)
+
+
+def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, stages, assumptions) -> dict:
+    """Iteration time and its parts, TFLOP/s per device (hardware and model FLOPs) and MFU."""
+    links = comm.links(layout, cluster)
+    eff = assumptions.bandwidth_efficiency
+    times = [stage_time(model, layout, cluster, assumptions, stage, links) for stage in stages]
+    slowest = max(times, key=lambda t: t.total)
+    m = layout.num_micro_batches
+    pipeline = (m + layout.pp - 1) * slowest.total
+    largest = max(stage.total for stage in stages)
+    dp_traffic = comm.data_parallel_traffic(model, layout, largest) if layout.dp > 1 else {}
+    data_parallel = sum(dp_traffic.values()) / (links.data * eff)
+    tied = comm.tied_embedding_traffic(model, layout) / (links.pipeline * eff)
+    optimizer = _optimizer_step_bytes(model, layout, largest) / (cluster.device.memory_bandwidth_gbs * 1e9 * eff)
+    iteration = pipeline + data_parallel + tied + optimizer
+    hardware, model_flops = hardware_flops_per_iteration(model, layout), model_flops_per_iteration(model, layout)
+    peak = cluster.peak_flops(model.sixteen_bit)
+    return {
+        "iteration_s": iteration,
+        "breakdown_s": {"pipeline": pipeline, "of_which_bubble": pipeline * bubble_fraction(layout.pp, m),
+                        "data_parallel": data_parallel, "tied_embedding": tied, "optimizer_step": optimizer},
+        "slowest_stage": asdict(slowest) | {"total": slowest.total},
+        "bubble_fraction": bubble_fraction(layout.pp, m),
+        "hardware_tflops_per_device": hardware / iteration / layout.world_size / 1e12,
+        "model_tflops_per_device": model_flops / iteration / layout.world_size / 1e12,
+        "mfu": model_flops / iteration / layout.world_size / peak,
+        "tokens_per_second": layout.global_batch_size * model.seq_length / iteration,
+        "links": asdict(links),
+    }

@@ -1,0 +1,176 @@
+"""Plain-text rendering of a plan, a search and a meta-instantiation check."""
+from megatron_ds.planning.memory import GIB
+
+MIB = 1024 ** 2
+
+
+def _count(n) -> str:
+    return f"{n:,} ({n / 1e9:.2f}e9)" if n >= 1e8 else f"{n:,}"
+
+
+def _gib(x) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def _bytes(x) -> str:
+    return f"{x / GIB:.2f} GiB" if x >= GIB else f"{x / MIB:.1f} MiB"
+
+
+def model_lines(model_summary, cluster_summary):
+    m, c = model_summary, cluster_summary
+    kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] != m["heads"] else ""
+    features = ", ".join(m["features"])
+    return [f"model:   {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{kv}, FFN {m['ffn']}, "
+            f"seq {m['seq_length']}, vocab {m['vocab_size']}, {m['precision']}, {features}",
+            f"cluster: {c['world_size']} x {c['device']} ({c['memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s "
+            f"peak), {c['gpus_per_node']} per node"]
+
+
+def _parameter_lines(parameters):
+    lines = ["Parameters", f"  total (distinct, vocab padded to {parameters['padded_vocab_size']}): "
+                           f"{_count(parameters['total'])}"]
+    lines.append("  stages  layers  stage total (all TP ranks)   per device     (embedding / layers / norm / head)")
+    for first, last, row in _runs_of_equal_stages(parameters["per_stage"]):
+        parts = row["per_device_parts"]
+        stages = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(f"  {stages:>6}  {row['layers']:>6}  {_count(row['stage_total']):>27}  "
+                     f"{_count(row['per_device']):>22}  ({parts['embedding']:,} / {parts['layers']:,} / "
+                     f"{parts['final_norm']:,} / {parts['output_head']:,})")
+    return lines
+
+
+def _runs_of_equal_stages(rows):
+    """(first stage, last stage, row) for each run of consecutive stages with the same counts."""
+    runs = []
+    for row in rows:
+        same = runs and {**runs[-1][2], "stage": row["stage"]} == row and runs[-1][1] == row["stage"] - 1
+        if same:
+            runs[-1] = (runs[-1][0], row["stage"], runs[-1][2])
+        else:
+            runs.append((row["stage"], row["stage"], row))
+    return runs
+
+
+def _stage_columns(rows):
+    """Stages to show as columns: all up to 4, else the first two, the peak and the last."""
+    if len(rows) <= 4:
+        return rows
+    return rows[:2] + [rows[-1]]
+
+
+def _memory_lines(memory):
+    rows = memory["per_stage"]
+    shown = _stage_columns(rows)
+    peak = next(row for row in rows if row["stage"] == memory["peak_stage"])
+    if peak not in shown:
+        shown = shown[:2] + [peak] + shown[2:]
+    state = memory["state_bytes_per_parameter_on_device"]
+    header = "  GiB per device                 " + "".join(f"{'stage ' + str(row['stage']):>11}" for row in shown)
+    entries = [("weights", "weights", f"{state['weights']:g} B/param"),
+               ("gradients", "gradients", f"{state['gradients']:g} B/param"),
+               ("fp32 grad accumulation", "grad_accumulation", f"{state['grad_accumulation']:g} B/param"),
+               ("optimizer (sharded)", "optimizer", f"{state['optimizer']:.3g} B/param"),
+               ("activations", "activations", "micro-batches in flight: " +
+                ", ".join(str(row["in_flight_micro_batches"]) for row in shown)),
+               ("runtime overhead (assumed)", "overhead", ""),
+               ("total", "total", "")]
+    lines = ["Memory per device", header]
+    for label, key, note in entries:
+        lines.append(f"  {label:<30}" + "".join(f"{_gib(row[key]):>11}" for row in shown) + (f"   {note}" if note else ""))
+    verdict = "fits" if memory["fits"] else "DOES NOT FIT"
+    lines.append(f"  peak: stage {memory['peak_stage']}, {_gib(memory['peak_bytes'])} GiB of "
+                 f"{_gib(memory['capacity_bytes'])} GiB: {verdict}, margin {_gib(memory['margin_bytes'])} GiB")
+    per_layer = memory["activation_bytes_per_layer"]
+    lines.append("  activations per layer and micro-batch: " + ", ".join(
+        f"{'no recompute' if key == 'None' else key} {_bytes(value)}" for key, value in per_layer.items()))
+    return lines
+
+
+def _flops_lines(flops, layout):
+    variants = flops["hardware_per_iteration_by_recompute"]
+    return ["FLOPs per iteration",
+            f"  model {flops['model_per_iteration']:.4e}; hardware {flops['hardware_per_iteration']:.4e} "
+            f"(recompute {layout['recompute'] or 'none'})",
+            "  hardware by recompute: " + ", ".join(
+                f"{'none' if key == 'None' else key} {value:.4e}" for key, value in variants.items())]
+
+
+def _communication_lines(communication, links):
+    tp, pp, dp = communication["tensor_parallel"], communication["pipeline"], communication["data_parallel"]
+    per_layer = tp["per_layer_per_micro_batch"]
+    dp_parts = dp["per_iteration_per_device"]
+    return ["Communication per device per iteration (bytes sent, ring algorithms)",
+            f"  TP ({links['tensor'] / 1e9:g} GB/s{' inter-node' if links['tensor_spans_nodes'] else ''}): "
+            f"{tp['collectives']}; payload {_bytes(tp['payload_bytes'])}; per layer per micro-batch forward "
+            f"{_bytes(per_layer['forward'])}, backward {_bytes(per_layer['backward'])}, recompute "
+            f"{_bytes(per_layer['recompute'])}; per iteration {_bytes(tp['per_iteration_per_device'])}",
+            f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {_bytes(pp['payload_bytes_per_micro_batch'])} "
+            f"forward + gradient backward per micro-batch; per iteration {_bytes(pp['per_iteration_per_device'])}",
+            f"  DP ({links['data'] / 1e9:g} GB/s): gradient all-reduce "
+            f"{_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
+            f"{_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
+            f"{_bytes(dp['tied_embedding_all_reduce'])}"]
+
+
+def _performance_lines(performance):
+    b, slowest = performance["breakdown_s"], performance["slowest_stage"]
+    return ["Estimated time",
+            f"  iteration {performance['iteration_s']:.3f} s = pipeline {b['pipeline']:.3f} (bubble "
+            f"{performance['bubble_fraction']:.1%}: {b['of_which_bubble']:.3f}) + data-parallel "
+            f"{b['data_parallel']:.3f} + tied embedding {b['tied_embedding']:.3f} + optimizer step "
+            f"{b['optimizer_step']:.3f}",
+            f"  slowest stage ({slowest['stage']}) per micro-batch: compute {slowest['compute'] * 1e3:.1f} ms, TP "
+            f"{slowest['tensor_parallel'] * 1e3:.1f} ms, PP send/recv {slowest['pipeline_p2p'] * 1e3:.1f} ms, "
+            f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms",
+            f"  TFLOP/s per device: {performance['hardware_tflops_per_device']:.1f} hardware, "
+            f"{performance['model_tflops_per_device']:.1f} model; MFU {performance['mfu']:.1%}; "
+            f"{performance['tokens_per_second']:,.0f} tokens/s"]
+
+
+def plan_text(result) -> str:
+    lines = model_lines(result["model"], result["cluster"])
+    plan = result["plan"]
+    lines.append(f"layout:  {result['layout_description']}")
+    if plan["errors"]:
+        lines += ["Invalid layout:"] + [f"  - {reason}: {detail}" for reason, detail in plan["errors"]]
+        return "\n".join(lines)
+    for section in (_parameter_lines(plan["parameters"]), _memory_lines(plan["memory"]),
+                    _flops_lines(plan["flops"], plan["layout"]),
+                    _communication_lines(plan["communication"], plan["performance"]["links"]),
+                    _performance_lines(plan["performance"])):
+        lines += [""] + section
+    if plan["warnings"]:
+        lines += ["", "Warnings"] + [f"  - {warning}" for warning in plan["warnings"]]
+    lines += ["", "Assumptions"] + [f"  - {assumption}" for assumption in result["assumptions"]]
+    return "\n".join(lines)
+
+
+def search_text(result) -> str:
+    search = result["search"]
+    lines = model_lines(result["model"], result["cluster"])
+    lines.append(f"search:  global batch {search['global_batch_size']}; {search['candidates']} layouts, "
+                 f"{search['feasible']} feasible; top {len(search['ranked'])} by estimated iteration time")
+    lines.append("   #   TP   PP   DP  mb     m  SP   recompute  mem GiB  bubble   iter s  TFLOP/s    MFU")
+    for rank, row in enumerate(search["ranked"], 1):
+        lines.append(f"  {rank:>2} {row['tp']:>4} {row['pp']:>4} {row['dp']:>4} {row['micro_batch_size']:>3} "
+                     f"{row['num_micro_batches']:>5}  {'on ' if row['sequence_parallel'] else 'off'} "
+                     f"{row['recompute'] or 'none':>11} {row['peak_memory_gib']:>8.1f} {row['bubble_fraction']:>7.1%} "
+                     f"{row['iteration_s']:>8.3f} {row['hardware_tflops_per_device']:>8.1f} {row['mfu']:>6.1%}"
+                     + ("  TP spans nodes" if row["tp_spans_nodes"] else ""))
+    lines.append("Infeasible, by the first rule broken:")
+    for reason, entry in search["infeasible_by_reason"].items():
+        lines.append(f"  {reason}: {entry['count']}")
+        lines += [f"      e.g. {example}" for example in entry["examples"]]
+    lines += ["", "Assumptions"] + [f"  - {assumption}" for assumption in result["assumptions"]]
+    return "\n".join(lines)
+
+
+def instantiate_text(check) -> str:
+    lines = [f"Meta-device instantiation (TP rank 0 of {check['tp']}, {check['pp']} stages): "
+             + ("every stage matches the formula" if check["ok"] else "MISMATCH")]
+    for stage, row in check["stages"].items():
+        if row["difference"] or len(check["stages"]) <= 4 or stage in (0, check["pp"] - 1):
+            lines.append(f"  stage {stage}: built {row['built']:,}, formula {row['formula']:,}, "
+                         f"difference {row['difference']:,}")
+    lines.append(f"  ({check['seconds']:.1f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""--search: every (tp, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by estimated
+iteration time; the infeasible ones counted by the first rule they break, with the nearest examples."""
+from collections import defaultdict
+
+from megatron_ds.planning.memory import GIB, memory_per_stage
+from megatron_ds.planning.model import RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, layout_errors
+from megatron_ds.planning.parameters import stage_parameters
+from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
+from megatron_ds.planning.planner import representative_stages
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+EXAMPLES_PER_REASON = 3
+
+
+def divisors(n: int):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int):
+    """All layouts of the world; micro batches larger than a data-parallel rank's share are skipped."""
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            for micro in MICRO_BATCH_SIZES:
+                if micro > 1 and micro * dp > global_batch_size:
+                    continue
+                for sequence_parallel in ((False, True) if tp > 1 else (False,)):
+                    for recompute in RECOMPUTE_CHOICES:
+                        yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute, zero_stage)
+
+
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: PerformanceAssumptions):
+    """(reason, detail, shortfall bytes) for an infeasible layout, else the summary row."""
+    errors = layout_errors(model, layout)
+    if errors:
+        return errors[0] + (None,)
+    stages = representative_stages(stage_parameters(model, layout.tp, layout.pp))
+    peak = max(memory.total for memory in memory_per_stage(model, layout, stages))
+    capacity = cluster.device.memory_gib * GIB
+    if peak > capacity:
+        return ("out of memory", f"needs {peak / GIB:.1f} GiB of {cluster.device.memory_gib:g} "
+                                 f"(over by {(peak - capacity) / GIB:.1f} GiB)", peak - capacity)
+    performance = estimate_performance(model, layout, cluster, stages, assumptions)
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch_size": layout.micro_batch_size,
+            "num_micro_batches": layout.num_micro_batches, "sequence_parallel": layout.sequence_parallel,
+            "recompute": layout.recompute, "peak_memory_gib": peak / GIB, "margin_gib": (capacity - peak) / GIB,
+            "bubble_fraction": performance["bubble_fraction"], "iteration_s": performance["iteration_s"],
+            "hardware_tflops_per_device": performance["hardware_tflops_per_device"], "mfu": performance["mfu"],
+            "tp_spans_nodes": performance["links"]["tensor_spans_nodes"]}
+
+
+def _describe(layout: Layout) -> str:
+    return (f"TP {layout.tp} PP {layout.pp} DP {layout.dp} mb {layout.micro_batch_size} "
+            f"SP {'on' if layout.sequence_parallel else 'off'} recompute {layout.recompute or 'none'}")
+
+
+def _examples(items):
+    """The layouts closest to feasible (smallest memory shortfall), one per distinct detail."""
+    examples, details = [], set()
+    for _, (layout_text, detail) in sorted(items, key=lambda item: item[0]):
+        if detail not in details:
+            details.add(detail)
+            examples.append(f"{layout_text}: {detail}")
+        if len(examples) == EXAMPLES_PER_REASON:
+            break
+    return examples
+
+
+def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, zero_stage: int = 1,
+                   assumptions: PerformanceAssumptions = PerformanceAssumptions(), top: int = 20) -> dict:
+    feasible, infeasible = [], defaultdict(list)
+    for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage):
+        result = evaluate(model, layout, cluster, assumptions)
+        if isinstance(result, dict):
+            feasible.append(result)
+        else:
+            reason, detail, shortfall = result
+            infeasible[reason].append((shortfall or 0.0, (_describe(layout), detail)))
+    feasible.sort(key=lambda row: (row["iteration_s"], row["peak_memory_gib"]))
+    by_reason = {reason: {"count": len(items), "examples": _examples(items)}
+                 for reason, items in sorted(infeasible.items(), key=lambda entry: -len(entry[1]))}
+    return {"world_size": cluster.world_size, "global_batch_size": global_batch_size,
+            "candidates": len(feasible) + sum(len(items) for items in infeasible.values()),
+            "feasible": len(feasible), "ranked": feasible[:top], "infeasible_by_reason": by_reason}

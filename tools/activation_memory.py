@@ -1,0 +1,146 @@
+"""Measure the bytes one transformer layer saves for backward, per parallelism scheme, beside the paper.
+
+    python tools/activation_memory.py --hidden-size 256 --num-attention-heads 8 --seq-length 256 \\
+        --micro-batch-size 2 --tensor-model-parallel-size 2
+
+Each scheme runs a real TransformerLayer on real TP ranks (gloo processes started here) in 16-bit
+activations; every tensor saved for backward is seen by torch.autograd.graph.saved_tensors_hooks, each
+storage counted once, parameters excluded. Formulas (Korthikanti et al. 2022, arXiv 2205.05198), s b h
+bytes: no parallelism 34 + 5as/h; TP 10 + 24/t + 5as/(ht); TP+SP (34 + 5as/h)/t; TP+SP+selective 34/t;
+full recompute 2 (the layer input). The sdpa backend keeps no s x s tensor: its formula drops the 5as/h
+term. Attention dropout is 0 for sdpa rows: on CPU only the math kernel implements dropout, and it
+stores the s x s probabilities (GPU flash kernels regenerate the mask instead).
+"""
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+
+from megatron_ds.core import parallel_state  # noqa: E402
+from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
+from megatron_ds.glue.runtime import free_port  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    tp: bool = False
+    sequence_parallel: bool = False
+    recompute: str = None
+    backend: str = "local"
+
+
+SCHEMES = [Scheme("no parallelism"), Scheme("TP", tp=True), Scheme("TP + SP", tp=True, sequence_parallel=True),
+           Scheme("TP + SP + selective", tp=True, sequence_parallel=True, recompute="selective"),
+           Scheme("full recompute", tp=True, recompute="full"),
+           Scheme("no parallelism", backend="sdpa"), Scheme("TP", tp=True, backend="sdpa"),
+           Scheme("TP + SP", tp=True, sequence_parallel=True, backend="sdpa")]
+
+
+def paper_bytes(scheme, s, b, h, a, t, with_attention_scores=True):
+    """The paper's bytes per layer for this scheme (16-bit activations, 1-byte dropout masks)."""
+    t = t if scheme.tp else 1
+    scores = 5 * a * s / h if with_attention_scores else 0.0
+    if scheme.recompute == "full":
+        per_sbh = 2.0
+    elif scheme.recompute == "selective":
+        per_sbh = 34.0 / t
+    elif scheme.sequence_parallel:
+        per_sbh = (34.0 + scores) / t
+    else:
+        per_sbh = 10.0 + 24.0 / t + scores / t if t > 1 else 34.0 + scores
+    return s * b * h * per_sbh
+
+
+def _storage_key(tensor):
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def measure_saved_bytes(layer, hidden_states):
+    """Bytes of the distinct storages saved for backward by one forward of `layer`, parameters excluded."""
+    parameter_storages = {_storage_key(p) for p in layer.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        key = _storage_key(tensor)
+        if key not in parameter_storages:
+            saved[key] = key[1]
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = layer(hidden_states)
+    output.float().sum().backward()  # the layer really trains with what it saved
+    return sum(saved.values())
+
+
+def _layer_bytes(args, scheme):
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                               hidden_dropout=0.1, attention_dropout=0.1 if scheme.backend == "local" else 0.0,
+                               params_dtype=torch.bfloat16, attention_backend=scheme.backend,
+                               sequence_parallel=scheme.sequence_parallel, recompute_granularity=scheme.recompute)
+    layer = TransformerLayer(config, layer_number=1)
+    seq = args.seq_length // tp if scheme.sequence_parallel else args.seq_length
+    hidden_states = torch.randn(seq, args.micro_batch_size, args.hidden_size, dtype=torch.bfloat16,
+                                requires_grad=True)
+    return measure_saved_bytes(layer, hidden_states)
+
+
+def _rank_main(rank, world_size, port, args, scheme, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    model_parallel_cuda_manual_seed(1234)
+    measured = _layer_bytes(args, scheme)
+    if rank == 0:
+        results.put(measured)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_scheme(args, scheme):
+    world = args.tensor_model_parallel_size if scheme.tp else 1
+    context = mp.get_context("fork")
+    results = context.Queue()
+    mp.start_processes(_rank_main, args=(world, free_port(), args, scheme, results), nprocs=world,
+                       start_method="fork")
+    return results.get(timeout=10)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    s, b, h, a, t = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
+                     args.tensor_model_parallel_size)
+    if s % t or a % t:
+        parser.error(f"--seq-length {s} and --num-attention-heads {a} must be divisible by "
+                     f"--tensor-model-parallel-size {t}")
+    print(f"activation bytes saved for backward by one transformer layer: s={s} b={b} h={h} a={a} t={t}, "
+          f"bf16 activations, hidden dropout 0.1 (1-byte masks)")
+    print(f"{'scheme':<22} {'backend':<8} {'measured':>12} {'paper':>12} {'ratio':>7}  paper formula")
+    for scheme in SCHEMES:
+        measured = run_scheme(args, scheme)
+        expected = paper_bytes(scheme, s, b, h, a, t, with_attention_scores=scheme.backend == "local")
+        note = "" if scheme.backend == "local" else " without the 5as/h term (no s x s tensor)"
+        print(f"{scheme.name:<22} {scheme.backend:<8} {measured:>12,} {int(expected):>12,} "
+              f"{measured / expected:>7.3f} {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
