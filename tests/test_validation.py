@@ -79,6 +79,13 @@ CASES = dict([
     case("json-optimizer", ds={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
          expect=['{path} defines "optimizer"']),
     case("json-scheduler", ds={"scheduler": {"type": "WarmupLR"}}, expect=['{path} defines "scheduler"']),
+    case("sp-without-tp", "--sequence-parallel",
+         expect=["--sequence-parallel needs --tensor-model-parallel-size > 1"]),
+    case("sp-seq-vs-tp", "--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "18",
+         "--max-position-embeddings", "32", world=4,
+         expect=["--sequence-parallel: --seq-length 18 is not divisible by --tensor-model-parallel-size 4"]),
+    case("recompute-conflict", "--recompute-activations", "--recompute-granularity", "full",
+         expect=["--recompute-activations (selective) conflicts with --recompute-granularity full"]),
     case("no-data", base=[flag for flag in BASE if flag != "--mock-data"],
          expect=["give exactly one source of training data (--mock-data, --data-path or --train-data-path), "
                  "got none"]),
