@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from megatron_ds.batch_schedule import rampup_errors
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
@@ -72,6 +73,9 @@ def _add_training_args(parser):
     group.add_argument("--micro-batch-size", type=int, default=None, help="default: from the DeepSpeed JSON, or 1")
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="default: from the DeepSpeed JSON, or micro batch x data-parallel size")
+    group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                       metavar=("START", "INCREMENT", "SAMPLES"),
+                       help="grow the global batch from START by INCREMENT over the first SAMPLES samples")
     group.add_argument("--train-iters", type=int, required=True)
     group.add_argument("--lr", type=float, default=1e-4)
     group.add_argument("--min-lr", type=float, default=0.0)
@@ -103,7 +107,14 @@ def _add_parallel_args(parser):
                        help="Megatron-DeepSpeed compatibility: PP = 1 always uses the plain DeepSpeed engine")
     group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                        help="default: nccl with CUDA, gloo without")
-    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                       help="collective timeout; the watchdog ends every rank within about a minute of any "
+                            "rank failing, whatever this is")
+    group.add_argument("--distributed-port", type=int, default=None,
+                       help="rendezvous port under mpirun/srun (default: MASTER_PORT, else 29500); overrides "
+                            "MASTER_PORT for every launcher when given")
+    group.add_argument("--print-topology", action="store_true",
+                       help="print every rank's host and its TP/PP/DP groups at start-up")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                        help="set by the deepspeed launcher")
 
@@ -352,6 +363,8 @@ def _batch_and_precision_errors(args):
     if args.fp16 and not torch.cuda.is_available():
         errors.append("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 or fp32 "
                       "on CPU")
+    if args.rampup_batch_size:
+        errors += rampup_errors(*args.rampup_batch_size, global_batch, micro, dp)
     if args.zero_stage not in (0, 1, 2, 3):
         errors.append(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
     elif args.zero_stage >= 2 and args.pipeline_model_parallel_size > 1:

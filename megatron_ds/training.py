@@ -13,6 +13,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress
 from megatron_ds.core import parallel_state
@@ -112,39 +113,41 @@ class MetricsLogger:
 
     def __init__(self, args, config, peak_tflops):
         self.args = args
-        self.flops_per_iteration = model_flops_per_iteration(config, args.padded_vocab_size,
-                                                             args.global_batch_size, args.seq_length)
+        self.flops_per_sample = model_flops_per_iteration(config, args.padded_vocab_size, 1, args.seq_length)
         self.peak_tflops = peak_tflops
         self.writer = None
         if args.tensorboard_dir and is_logging_rank():
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
-        self.losses, self.interval_start = [], time.perf_counter()
+        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
 
-    def iteration(self, iteration, loss, lr, engine):
+    def iteration(self, iteration, loss, lr, engine, batch_size, consumed_samples):
         self.losses.append(loss)
+        self.samples += batch_size
         if iteration % self.args.log_interval:
             return
         args = self.args
         seconds = (time.perf_counter() - self.interval_start) / len(self.losses)
-        tflops = self.flops_per_iteration / seconds / args.world_size / 1e12
+        samples_per_second = self.samples / len(self.losses) / seconds
+        tflops = self.flops_per_sample * samples_per_second / args.world_size / 1e12
         scalars = {"lm loss": sum(self.losses) / len(self.losses), "learning-rate": lr,
-                   "batch-size": args.global_batch_size, "loss-scale": _loss_scale(engine),
+                   "batch-size": batch_size, "consumed-samples": consumed_samples,
+                   "loss-scale": _loss_scale(engine),
                    "grad-norm": engine.get_global_grad_norm(),
-                   "tokens-per-second": args.global_batch_size * args.seq_length / seconds,
+                   "tokens-per-second": samples_per_second * args.seq_length,
                    "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
         if is_logging_rank():
             print(self._line(iteration, seconds, scalars, engine), flush=True)
             self._write(scalars, iteration)
-        self.losses, self.interval_start = [], time.perf_counter()
+        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
 
     def _line(self, iteration, seconds, s, engine):
         args = self.args
         grad_norm = "nan" if s["grad-norm"] is None else f"{float(s['grad-norm']):.3f}"
         skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
-        return (f" iteration {iteration}/{args.train_iters} | consumed samples: {iteration * args.global_batch_size} |"
+        return (f" iteration {iteration}/{args.train_iters} | consumed samples: {s['consumed-samples']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
-                f" global batch size: {args.global_batch_size} | lm loss: {s['lm loss']:.6E} |"
+                f" global batch size: {s['batch-size']} | lm loss: {s['lm loss']:.6E} |"
                 f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{skipped}"
                 f" tokens per second: {s['tokens-per-second']:.1f} | TFLOP/s per device: {s['tflops-per-device']:.3f} |"
                 f" MFU: {100 * s['mfu']:.1f}% |")
@@ -178,7 +181,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None):
     """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress; checkpoints
     (a CheckpointManager) saves at intervals, on a signal and at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
-    accumulation_steps = engine.gradient_accumulation_steps()
+    batch_schedule = build_batch_schedule(args)
     train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device())
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
@@ -186,14 +189,18 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None):
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
     for iteration in range(progress.iteration + 1, args.train_iters + 1):
+        batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
+        if batch_size != engine.train_batch_size():
+            engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
+        accumulation_steps = engine.gradient_accumulation_steps()
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
         progress.iteration = iteration
-        progress.consumed_train_samples += args.global_batch_size
-        logger.iteration(iteration, loss, lr, engine)
+        progress.consumed_train_samples += batch_size
+        logger.iteration(iteration, loss, lr, engine, batch_size, progress.consumed_train_samples)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps))
-            progress.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            progress.consumed_valid_samples += args.eval_iters * batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
             return progress
     if checkpoints is not None:

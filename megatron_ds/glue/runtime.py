@@ -9,6 +9,8 @@ import socket
 
 import torch
 
+from megatron_ds.glue.launcher_env import export_launcher_environment
+
 
 def local_world_size():
     """Ranks on this node, as announced by torchrun, the deepspeed launcher, Open MPI or SLURM."""
@@ -33,16 +35,19 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_distributed(backend=None, timeout_minutes=10.0):
-    """Initialize torch.distributed through DeepSpeed (nccl on GPUs, gloo on CPUs)."""
+def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None):
+    """Initialize torch.distributed through DeepSpeed (nccl on GPUs, gloo on CPUs), whichever launcher
+    started us (torchrun, deepspeed, mpirun, srun: see launcher_env)."""
     import deepspeed
+    export_launcher_environment(distributed_port)
     if not torch.cuda.is_available():
         # the shared-memory all-reduce op serves only inference and costs a ~26 s JIT build per cold start
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def free_port():

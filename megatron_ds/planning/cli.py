@@ -17,10 +17,10 @@ from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
+from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 from megatron_ds.planning.performance import PerformanceAssumptions
 from megatron_ds.planning.planner import make_plan
-from megatron_ds.planning.memory import RUNTIME_OVERHEAD_BYTES, GIB
 from megatron_ds.planning.search import search_layouts
 
 DEFAULT_VOCAB_SIZE = 51200
@@ -81,7 +81,8 @@ def _vocab_size(args):
 def validated_args(args):
     """pretrain.py's checks on a copy that needs no data; returns the copy with every default filled."""
     if args.world_size < 1 or args.gpus_per_node < 1:
-        raise ArgumentsError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} must be positive")
+        raise ArgumentsError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} "
+                             f"must be positive")
     checked = argparse.Namespace(**vars(args))
     checked.vocab_size = _vocab_size(args)
     checked.tokenizer_type, checked.mock_data = "NullTokenizer", True

@@ -63,7 +63,8 @@ def tensor_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_
     if layout.tp == 1:
         return 0.0
     per_layer = tensor_parallel_traffic_per_layer(model, layout)
-    return num_layers * (per_layer.forward + per_layer.backward) + layout.recomputed_layers(num_layers) * per_layer.recompute
+    recomputed = layout.recomputed_layers(num_layers)
+    return num_layers * (per_layer.forward + per_layer.backward) + recomputed * per_layer.recompute
 
 
 def pipeline_payload_per_micro_batch(model: ModelSpec, layout: Layout) -> float:

@@ -76,7 +76,8 @@ def _memory_lines(memory):
                ("total", "total", "")]
     lines = ["Memory per device", header]
     for label, key, note in entries:
-        lines.append(f"  {label:<30}" + "".join(f"{_gib(row[key]):>11}" for row in shown) + (f"   {note}" if note else ""))
+        values = "".join(f"{_gib(row[key]):>11}" for row in shown)
+        lines.append(f"  {label:<30}{values}" + (f"   {note}" if note else ""))
     verdict = "fits" if memory["fits"] else "DOES NOT FIT"
     lines.append(f"  peak: stage {memory['peak_stage']}, {_gib(memory['peak_bytes'])} GiB of "
                  f"{_gib(memory['capacity_bytes'])} GiB: {verdict}, margin {_gib(memory['margin_bytes'])} GiB")
