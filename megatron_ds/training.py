@@ -23,7 +23,9 @@ from megatron_ds.core.transformer.transformer_layer import TransformerLayer, ass
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.ds_config import build_deepspeed_config
 from megatron_ds.glue.mpu import ModelParallelUnit
-from megatron_ds.glue.runtime import device, init_distributed
+from megatron_ds.glue.runtime import device, init_distributed, local_world_size
+from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
+from megatron_ds.glue.watchdog import Watchdog
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.throughput import peak_tflops_per_device
 
@@ -177,7 +179,7 @@ def _loss_scale(engine):
     return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
 
 
-def train(args, engine, datasets, logger, progress=None, checkpoints=None):
+def train(args, engine, datasets, logger, progress=None, checkpoints=None, watchdog=None):
     """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress; checkpoints
     (a CheckpointManager) saves at intervals, on a signal and at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
@@ -189,6 +191,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None):
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
     for iteration in range(progress.iteration + 1, args.train_iters + 1):
+        if watchdog is not None:
+            watchdog.activity = f"iteration {iteration}"
         batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
         if batch_size != engine.train_batch_size():
             engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
@@ -251,25 +255,50 @@ def pretrain(argv=None):
     except ArgumentsError as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
-    init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.distributed_port)
+    watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
+    try:
+        status = _pretrain(args, watchdog)
+    except BaseException as error:
+        watchdog.report_failure(error)  # the other ranks stop within seconds instead of hanging
+        raise
+    watchdog.stop()  # before the last barrier: after it, rank 0 (the store's host) may be gone
+    dist.barrier()
+    if status == 0:
+        print_rank_0("megatron_ds: training done")
+    return status
+
+
+def _pretrain(args, watchdog):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    _log_placement(args)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args)
     ds_config = build_deepspeed_config(args)
+    watchdog.activity = "building the model and the DeepSpeed engine"
     engine = setup_engine(args, config, ds_config)
     peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
     log_startup(args, engine, ds_config, peak, peak_source)
+    watchdog.activity = "building the datasets"
     datasets = build_datasets(args)
     logger = MetricsLogger(args, config, peak)
     checkpoints = CheckpointManager(args, engine, ds_config)
+    watchdog.activity = "loading the checkpoint"
     try:
         progress = checkpoints.load()
     except CheckpointError as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
-    train(args, engine, datasets, logger, progress, checkpoints)
+    train(args, engine, datasets, logger, progress, checkpoints, watchdog)
     logger.close()
-    dist.barrier()
-    print_rank_0("megatron_ds: training done")
     return 0
+
+
+def _log_placement(args):
+    warning = tensor_parallel_placement_warning(args.tensor_model_parallel_size, local_world_size())
+    if warning:
+        print_rank_0(f"megatron_ds: WARNING: {warning}")
+    lines = describe_ranks() if args.print_topology else []
+    for line in lines:
+        print_rank_0(f"megatron_ds: {line}")

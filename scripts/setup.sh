@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, deepspeed, megatron_ds, tensorboard, pytest" 2>/dev/null; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, deepspeed, megatron_ds, tensorboard, pytest, transformers, safetensors" 2>/dev/null; then
   exit 0
 fi
 python3 -m venv "$VENV"
@@ -16,3 +16,6 @@ else
 fi
 "$VENV/bin/pip" install -q -r requirements.txt
 "$VENV/bin/pip" install -q -e .
+if command -v mpicc >/dev/null 2>&1; then  # mpirun across hosts finds rank 0's address through mpi4py
+  "$VENV/bin/pip" install -q mpi4py
+fi
