@@ -16,10 +16,20 @@ FAMILIES = {
               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-key-value-heads", "2"],
 }
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
-_reference_cache = {}
+
+
+_runs = {}
 
 
 def run_layout(family, tp, pp, dp, extra=()):
+    """Per-iteration losses of one launch; memoized, so test files that need the same run share it."""
+    key = (family, tp, pp, dp, tuple(extra))
+    if key not in _runs:
+        _runs[key] = _launch_layout(family, tp, pp, dp, extra)
+    return _runs[key]
+
+
+def _launch_layout(family, tp, pp, dp, extra):
     flags = COMMON + FAMILIES[family] + ["--tensor-model-parallel-size", str(tp),
                                          "--pipeline-model-parallel-size", str(pp),
                                          "--make-vocab-size-divisible-by", str(256 // tp), *extra]
@@ -31,9 +41,7 @@ def run_layout(family, tp, pp, dp, extra=()):
 
 
 def reference(family):
-    if family not in _reference_cache:
-        _reference_cache[family] = run_layout(family, 1, 1, 1)
-    return _reference_cache[family]
+    return run_layout(family, 1, 1, 1)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}-pp{}-dp{}".format(*l))

@@ -17,14 +17,8 @@ CASES = {
                 "full-block-distributed": FULL_BLOCK_DISTRIBUTED},
     (2, 2, 2): {"sp-selective": SP + SELECTIVE, "sp-full-uniform": SP + FULL_UNIFORM},
 }
-_baselines = {}
-
-
 def _baseline(family, layout, extra=()):
-    key = (family, layout, tuple(extra))
-    if key not in _baselines:
-        _baselines[key] = run_layout(family, *layout, list(extra))
-    return _baselines[key]
+    return run_layout(family, *layout, list(extra))
 
 
 @pytest.mark.parametrize("layout,name,flags", [(layout, name, flags) for layout, cases in CASES.items()
