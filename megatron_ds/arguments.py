@@ -180,8 +180,9 @@ def _add_checkpoint_args(parser):
 
 
 def _checkpoint_errors(args):
-    errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
-              for name in ("save_interval", "exit_interval") if (getattr(args, name) or 1) <= 0]
+    intervals = {name: getattr(args, name) for name in ("save_interval", "exit_interval")}
+    errors = [f"--{name.replace('_', '-')} must be positive, got {value}"
+              for name, value in intervals.items() if value is not None and value <= 0]
     if args.load_iteration is not None:
         if args.load is None:
             errors.append("--load-iteration needs --load")

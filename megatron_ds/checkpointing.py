@@ -164,7 +164,6 @@ class CheckpointManager:
                 scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 ranks=ranks, has_optimizer_states=True, has_rng_states=True)
             files.finish_folder(tmp_path, metadata)
-            files.pause_for_test("metadata", str(progress.iteration))
             files.publish(args.save, tmp_tag, tag, str(progress.iteration))
         dist.barrier()
         self.last_saved_iteration = progress.iteration
@@ -181,9 +180,12 @@ class CheckpointManager:
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
-        """Every rank's coordinates, DeepSpeed checkpoint rank and optimizer parameter names (per group)."""
-        names = {id(param): name for name, param in self.engine.module.named_parameters()}
-        groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
+        """Every rank's coordinates and DeepSpeed checkpoint rank; the first data-parallel rank of each model
+        shard adds its optimizer's parameter names per group (the order DeepSpeed flattens them in)."""
+        groups = None
+        if parallel_state.get_data_parallel_rank() == 0:
+            names = {id(param): name for name, param in self.engine.module.named_parameters()}
+            groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
         entry = {**_coordinates(), "mp_rank": self.engine.checkpoint_mp_rank, "param_groups": groups}
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, entry)

@@ -31,6 +31,9 @@ FORMAT_DEEPSPEED = "deepspeed"
 FORMAT_SHARDED = "megatron_ds-sharded"
 FORMAT_VERSION = 1
 _TAG = re.compile(r"^global_step(\d+)$")
+# what killed saves leave: checkpoint folders being written or replaced, pointer temporaries
+_LEFTOVER = re.compile(r"^((global_step\d+|release)(\.tmp|\.old\.\d+)|(latest|latest_checkpointed_iteration\.txt)"
+                       r"\.tmp\.\d+)$")
 
 
 class CheckpointError(Exception):
@@ -100,6 +103,7 @@ def publish(save_dir, tmp_tag, tag, iteration_text):
     """Rename the finished folder save_dir/tmp_tag to save_dir/tag, then point both pointers at it.
     Called by one process after every file of the checkpoint (metadata last) is fsync'ed."""
     tmp_path, final_path = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
+    pause_for_test("metadata", iteration_text)
     fsync_path(tmp_path)
     if os.path.exists(final_path):  # an older run saved this iteration: replace it
         old = f"{final_path}.old.{os.getpid()}"
@@ -124,7 +128,7 @@ def remove_stale_temporaries(save_dir):
     """Folders and pointer temporaries left by saves that were killed; returns their names."""
     if not os.path.isdir(save_dir):
         return []
-    stale = [name for name in os.listdir(save_dir) if TMP_SUFFIX in name or ".old." in name]
+    stale = [name for name in os.listdir(save_dir) if _LEFTOVER.match(name)]
     for name in stale:
         path = os.path.join(save_dir, name)
         if os.path.isdir(path):

@@ -1,0 +1,58 @@
+"""The command line of tools/convert_checkpoint.py (see there)."""
+import argparse
+import sys
+
+from megatron_ds.conversion import convert
+from megatron_ds.conversion.files import CheckpointError
+
+DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
+from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM)."""
+EXAMPLES = """examples:
+  convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 --target-tensor-parallel-size 1 \\
+      --target-pipeline-model-parallel-size 2
+  convert_checkpoint.py --to-hf --load ckpt --save hf_model
+  convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf --target-tensor-parallel-size 2 \\
+      --target-pipeline-model-parallel-size 2"""
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", allow_abbrev=False, description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--to-hf", action="store_true", help="write a Hugging Face model folder to --save")
+    mode.add_argument("--from-hf", metavar="HF_DIR", help="read this Hugging Face model folder")
+    parser.add_argument("--load", help="our checkpoint folder (its pointers name the checkpoint)")
+    parser.add_argument("--load-iteration", default=None, help="this iteration instead of the pointers' one")
+    parser.add_argument("--save", required=True, help="output folder")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None)
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--no-optim", action="store_true", help="reshape: drop the optimizer states")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                        help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
+    parser.add_argument("--trim-vocab-padding", action="store_true",
+                        help="--to-hf: keep only the tokenizer's rows (default: all rows, padding included, so a "
+                             "round trip reproduces every tensor)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.from_hf:
+            convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
+                            args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by)
+        elif not args.load:
+            parser.error("give --load (reshape or --to-hf) or --from-hf")
+        elif args.to_hf:
+            convert.to_hf(args.load, args.save, args.load_iteration, args.trim_vocab_padding)
+        else:
+            if args.target_tensor_parallel_size is None or args.target_pipeline_model_parallel_size is None:
+                parser.error("reshaping needs --target-tensor-parallel-size and --target-pipeline-model-parallel-size")
+            convert.reshape(args.load, args.save, args.target_tensor_parallel_size,
+                            args.target_pipeline_model_parallel_size, args.load_iteration, not args.no_optim)
+    except CheckpointError as error:
+        print(f"convert_checkpoint: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+

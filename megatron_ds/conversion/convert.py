@@ -1,0 +1,241 @@
+"""What tools/convert_checkpoint.py does: reshape a checkpoint to another (TP, PP), export it to Hugging
+Face, import Hugging Face weights. Runs in one process on CPU; the whole model is held in memory."""
+import json
+import os
+import shutil
+
+import torch
+
+from megatron_ds.conversion import files, huggingface, state
+from megatron_ds.conversion.files import CheckpointError
+
+
+def _log(message):
+    print(f"convert_checkpoint: {message}", flush=True)
+
+
+def padded_vocab_size(vocab_size, divisible_by, tp):
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def load_full(load_dir, iteration=None, with_optimizer=True):
+    """(FullState, checkpoint folder) of the checkpoint --load [--load-iteration] names."""
+    tag, metadata, notes = files.resolve_checkpoint(load_dir, iteration)
+    for note in notes:
+        _log(f"note: {note}")
+    if tag is None:
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there")
+    path = os.path.join(load_dir, tag)
+    with_optimizer = with_optimizer and metadata.get("has_optimizer_states", False)
+    full = state.read_full_state(path, metadata, with_optimizer=with_optimizer)
+    return full, path
+
+
+def _check_target(args, tp, pp):
+    shape = files.model_shape(args)
+    problems = []
+    for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
+                        ("--num-key-value-heads", shape["num_key_value_heads"]),
+                        ("--ffn-hidden-size", shape["ffn_hidden_size"])):
+        if value % tp:
+            problems.append(f"{what} {value} is not divisible by --target-tensor-parallel-size {tp}")
+    if shape["num_layers"] % pp:
+        problems.append(f"--num-layers {shape['num_layers']} is not divisible by "
+                        f"--target-pipeline-model-parallel-size {pp}")
+    if tp < 1 or pp < 1:
+        problems.append("target sizes must be positive")
+    if problems:
+        raise CheckpointError("cannot reshape to this layout:\n  - " + "\n  - ".join(problems))
+
+
+def _retarget(full, tp, pp, divisible_by=None):
+    """Set the layout in full.args; keep the vocabulary rows when they split over tp, else pad them."""
+    args = full.args
+    rows = full.weights[state.layout.WORD_EMBEDDINGS].size(0)
+    if divisible_by is not None:
+        wanted = padded_vocab_size(args["vocab_size"], divisible_by, tp)
+    elif rows % tp == 0:
+        wanted, divisible_by = rows, rows // tp
+    else:
+        wanted = -(-rows // tp) * tp
+        divisible_by = wanted // tp
+    if wanted != rows:
+        _log(f"vocabulary rows {rows} -> {wanted} (zero rows added or padding rows dropped: the softmax over the "
+             f"padded vocabulary changes slightly)")
+        state.resize_vocabulary(full, wanted)
+    old_dp = args.get("data_parallel_size") or 1
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=wanted,
+                make_vocab_size_divisible_by=divisible_by, world_size=tp * pp * old_dp)
+    return divisible_by
+
+
+def _training_hint(args, tp, pp):
+    return (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+            f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']} (any data-parallel size)")
+
+
+def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True):
+    full, path = load_full(load_dir, iteration, with_optimizer)
+    _check_target(full.args, tp, pp)
+    source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"])
+    _retarget(full, tp, pp)
+    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path)
+    _log(f"reshaped {path} (TP {source[0]} x PP {source[1]}) to {folder} (TP {tp} x PP {pp}), iteration "
+         f"{full.iteration}, {'with' if full.optimizer is not None else 'without'} optimizer states; "
+         + _training_hint(full.args, tp, pp))
+    return folder
+
+
+# --- Hugging Face -------------------------------------------------------------------------------------
+
+def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
+    from transformers import AutoModelForCausalLM
+    full, path = load_full(load_dir, iteration, with_optimizer=False)
+    args = full.args
+    rows = args["vocab_size"] if trim_vocab_padding else full.weights[state.layout.WORD_EMBEDDINGS].size(0)
+    config, hf_state = huggingface.to_hf_state(args, full.weights, rows)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(hf_state, strict=False)
+    missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise CheckpointError(f"Hugging Face state mismatch: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    os.makedirs(hf_dir, exist_ok=True)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    with open(os.path.join(hf_dir, huggingface.SIDECAR_FILE), "w") as handle:
+        json.dump({"args": args, "iteration": full.iteration, "source": path}, handle, indent=1, sort_keys=True)
+    tokenizer = _copy_tokenizer_to_hf(args, hf_dir)
+    _log(f"wrote {type(model).__name__} ({rows} vocabulary rows, safetensors) to {hf_dir} from {path}"
+         + (f"; tokenizer: {tokenizer}" if tokenizer else "; no tokenizer (NullTokenizer run)"))
+    return hf_dir
+
+
+def _copy_tokenizer_to_hf(args, hf_dir):
+    kind = args.get("tokenizer_type")
+    eos = None
+    if kind == "HuggingFaceTokenizer":
+        source = args["tokenizer_model"]
+        folder = source if os.path.isdir(source) else os.path.dirname(source)
+        tokenizer_json = source if os.path.isfile(source) else os.path.join(source, "tokenizer.json")
+        shutil.copyfile(tokenizer_json, os.path.join(hf_dir, "tokenizer.json"))
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.isfile(os.path.join(folder, name)):
+                shutil.copyfile(os.path.join(folder, name), os.path.join(hf_dir, name))
+        if not os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json")):
+            from tokenizers import Tokenizer
+            eos = Tokenizer.from_file(tokenizer_json).id_to_token(args["eod"])
+            _write_tokenizer_config(hf_dir, "PreTrainedTokenizerFast", eos)
+        return "tokenizer.json"
+    if kind == "GPT2BPETokenizer":
+        shutil.copyfile(args["vocab_file"], os.path.join(hf_dir, "vocab.json"))
+        shutil.copyfile(args["merge_file"], os.path.join(hf_dir, "merges.txt"))
+        _write_tokenizer_config(hf_dir, "GPT2Tokenizer", "<|endoftext|>")
+        return "vocab.json + merges.txt"
+    if kind == "SentencePieceTokenizer":
+        shutil.copyfile(args["tokenizer_model"], os.path.join(hf_dir, "tokenizer.model"))
+        _write_tokenizer_config(hf_dir, "LlamaTokenizer", "</s>")
+        return "tokenizer.model (SentencePiece)"
+    return None
+
+
+def _write_tokenizer_config(hf_dir, tokenizer_class, eos):
+    config = {"tokenizer_class": tokenizer_class, "eos_token": eos, "bos_token": eos, "unk_token": eos,
+              "model_max_length": 1 << 30}
+    with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as handle:
+        json.dump(config, handle, indent=1)
+
+
+def read_hf(hf_dir, divisible_by=None, tp=1):
+    """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(hf_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    if config.model_type == "gpt2" and config.activation_function != "gelu":
+        _log(f"note: the HF model uses activation_function {config.activation_function!r} (tanh approximation); "
+             f"megatron_ds's GeLU is exact (erf): outputs differ slightly")
+    model_args, weights = huggingface.from_hf_state(config, model.state_dict())
+    sidecar = os.path.join(hf_dir, huggingface.SIDECAR_FILE)
+    base = json.load(open(sidecar))["args"] if os.path.isfile(sidecar) else {}
+    args = {**_default_args(), **base, **model_args}
+    args.update(_hf_tokenizer_args(hf_dir, base))
+    hf_rows = weights[state.layout.WORD_EMBEDDINGS].size(0)
+    args["vocab_size"] = base.get("vocab_size") or args.get("vocab_size") or hf_rows
+    if args["tokenizer_type"] == "NullTokenizer":
+        args["vocab_size"] = base.get("vocab_size") or hf_rows
+    args["eod"] = base.get("eod", config.eos_token_id if isinstance(config.eos_token_id, int) else None)
+    if args["tokenizer_type"] != "NullTokenizer":  # the tokenizer's own end-of-document id
+        from megatron_ds.data.tokenizers import build_tokenizer
+        try:
+            args["eod"] = build_tokenizer(args["tokenizer_type"], tokenizer_model=args.get("tokenizer_model"),
+                                          vocab_file=args.get("vocab_file"), merge_file=args.get("merge_file")).eod
+        except ValueError as error:
+            _log(f"note: the tokenizer files in {hf_dir} do not load ({error}); end-of-document id from config.json")
+    full = state.FullState(args=args, weights=weights)
+    divisible_by = divisible_by or base.get("make_vocab_size_divisible_by") or 128
+    wanted = padded_vocab_size(max(args["vocab_size"], 1), divisible_by, tp)
+    if wanted < hf_rows:  # HF rows beyond our padding: grow the padding to keep them
+        wanted = -(-hf_rows // (divisible_by * tp)) * divisible_by * tp
+    if wanted != hf_rows:
+        state.resize_vocabulary(full, wanted)
+    args.update(padded_vocab_size=wanted, make_vocab_size_divisible_by=divisible_by)
+    return full
+
+
+def _default_args():
+    return {"params_dtype": "float32", "tokenizer_type": "NullTokenizer", "tokenizer_model": None,
+            "vocab_file": None, "merge_file": None, "rotary_base": 10000.0, "data_parallel_size": 1}
+
+
+def _hf_tokenizer_args(hf_dir, base):
+    """Tokenizer flags for the files in the HF folder (kept there: pass them to pretrain.py)."""
+    hf_dir = os.path.abspath(hf_dir)
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_dir}
+    if os.path.isfile(os.path.join(hf_dir, "vocab.json")) and os.path.isfile(os.path.join(hf_dir, "merges.txt")):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.join(hf_dir, "vocab.json"),
+                "merge_file": os.path.join(hf_dir, "merges.txt")}
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.join(hf_dir, "tokenizer.model")}
+    return {key: base[key] for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if key in base}
+
+
+def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None):
+    full = read_hf(hf_dir, divisible_by, tp)
+    _check_target(full.args, tp, pp)
+    full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
+                                            source=os.path.abspath(hf_dir))
+    shape = files.model_shape(full.args)
+    _log(f"wrote {folder} ({files.model_family(shape)} family, TP {tp} x PP {pp}, weights only) from {hf_dir}; "
+         f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
+         f"{model_flags(full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
+    return folder
+
+
+def model_flags(args):
+    """The pretrain.py model flags that describe args' model."""
+    shape = files.model_shape(args)
+    flags = [f"--num-layers {shape['num_layers']}", f"--hidden-size {shape['hidden_size']}",
+             f"--num-attention-heads {shape['num_attention_heads']}",
+             f"--num-key-value-heads {shape['num_key_value_heads']}", f"--ffn-hidden-size {shape['ffn_hidden_size']}"]
+    if shape["kv_channels"] * shape["num_attention_heads"] != shape["hidden_size"]:
+        flags.append(f"--kv-channels {shape['kv_channels']}")
+    if shape["position_embedding_type"] == "learned_absolute":
+        flags.append(f"--max-position-embeddings {shape['max_position_embeddings']}")
+    if shape["normalization"] == "RMSNorm":
+        flags.append("--normalization RMSNorm")
+    if shape["swiglu"]:
+        flags.append("--swiglu")
+    if shape["position_embedding_type"] == "rope":
+        flags.append(f"--use-rotary-position-embeddings --rotary-base {args.get('rotary_base', 10000.0):g}")
+    if not shape["bias"]:
+        flags.append("--disable-bias-linear")
+    if not shape["tied_embeddings"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags.append(f"--norm-epsilon {args.get('norm_epsilon', 1e-5):g}")
+    return " ".join(flags)

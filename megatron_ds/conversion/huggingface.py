@@ -1,0 +1,239 @@
+"""Our canonical weights <-> Hugging Face `transformers` models, for the two model families.
+
+GPT-2 family (LayerNorm, GeLU, learned positions, biases) <-> GPT2LMHeadModel:
+  - HF's Conv1D stores weights as [in, out]: every linear is transposed;
+  - c_attn's output columns are [all q heads; all k heads; all v heads], ours per head [q, k, v]: rows reordered;
+  - activation_function "gelu" (exact erf, as ours; GPT-2's own default "gelu_new" is the tanh approximation).
+LLaMA family (RMSNorm, SwiGLU, RoPE, no biases) <-> LlamaForCausalLM:
+  - our QKV rows per query group [q heads of the group, k, v] split into q_proj, k_proj, v_proj (GQA kept:
+    query head n uses key/value head n // (heads / kv heads) in both);
+  - our fc1 [gate; up] split into gate_proj and up_proj; RoPE is rotate-half in both, so no permutation.
+
+The vocabulary rows go across as they are (our padding rows included, so a round trip reproduces every
+tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
+"""
+import torch
+
+from megatron_ds.conversion.files import CheckpointError, model_family, model_shape
+from megatron_ds.conversion.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+
+SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
+
+
+def _layer(i, rest):
+    return f"decoder.layers.{i}.{rest}"
+
+
+# --- ours -> Hugging Face -----------------------------------------------------------------------------
+
+def to_hf_state(args, weights, vocab_rows):
+    """(transformers config, HF state dict) for our canonical weights."""
+    shape = model_shape(args)
+    family = model_family(shape)
+    if family == "gpt2":
+        return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)
+    if family == "llama":
+        return _llama_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows)
+    raise CheckpointError(
+        f"Hugging Face export supports the GPT-2 family (LayerNorm, GeLU, learned positions, biases) and the LLaMA "
+        f"family (RMSNorm, SwiGLU, RoPE, no biases); this model has normalization {shape['normalization']}, "
+        f"swiglu {shape['swiglu']}, position embeddings {shape['position_embedding_type']}, biases {shape['bias']}")
+
+
+def _special_ids(args):
+    eod = args.get("eod")
+    return {"bos_token_id": eod, "eos_token_id": eod}
+
+
+def _gpt2_config(args, shape, vocab_rows):
+    from transformers import GPT2Config
+    if shape["num_key_value_heads"] != shape["num_attention_heads"]:
+        raise CheckpointError(f"GPT2LMHeadModel has no grouped-query attention; the model has "
+                              f"{shape['num_key_value_heads']} key/value heads for "
+                              f"{shape['num_attention_heads']} heads")
+    if shape["kv_channels"] * shape["num_attention_heads"] != shape["hidden_size"]:
+        raise CheckpointError("GPT2LMHeadModel needs head dim x heads == hidden size (--kv-channels)")
+    return GPT2Config(vocab_size=vocab_rows, n_positions=shape["max_position_embeddings"],
+                      n_embd=shape["hidden_size"], n_layer=shape["num_layers"], n_head=shape["num_attention_heads"],
+                      n_inner=shape["ffn_hidden_size"], activation_function="gelu",
+                      resid_pdrop=args.get("hidden_dropout", 0.0), embd_pdrop=args.get("hidden_dropout", 0.0),
+                      attn_pdrop=args.get("attention_dropout", 0.0), layer_norm_epsilon=args.get("norm_epsilon", 1e-5),
+                      tie_word_embeddings=shape["tied_embeddings"], **_special_ids(args))
+
+
+def _to_gpt2(weights, shape, vocab_rows):
+    heads, d, h = shape["num_attention_heads"], shape["kv_channels"], shape["hidden_size"]
+    word = weights[WORD_EMBEDDINGS][:vocab_rows]
+    state = {"transformer.wte.weight": word, "transformer.wpe.weight": weights[POSITION_EMBEDDINGS]}
+    for i in range(shape["num_layers"]):
+        hf = f"transformer.h.{i}."
+        qkv_w = weights[_layer(i, "self_attention.linear_qkv.weight")]
+        qkv_b = weights[_layer(i, "self_attention.linear_qkv.bias")]
+        state.update({
+            hf + "ln_1.weight": weights[_layer(i, "input_layernorm.weight")],
+            hf + "ln_1.bias": weights[_layer(i, "input_layernorm.bias")],
+            hf + "attn.c_attn.weight": qkv_w.view(heads, 3, d, h).transpose(0, 1).reshape(3 * heads * d, h).t(),
+            hf + "attn.c_attn.bias": qkv_b.view(heads, 3, d).transpose(0, 1).reshape(-1),
+            hf + "attn.c_proj.weight": weights[_layer(i, "self_attention.linear_proj.weight")].t(),
+            hf + "attn.c_proj.bias": weights[_layer(i, "self_attention.linear_proj.bias")],
+            hf + "ln_2.weight": weights[_layer(i, "pre_mlp_layernorm.weight")],
+            hf + "ln_2.bias": weights[_layer(i, "pre_mlp_layernorm.bias")],
+            hf + "mlp.c_fc.weight": weights[_layer(i, "mlp.linear_fc1.weight")].t(),
+            hf + "mlp.c_fc.bias": weights[_layer(i, "mlp.linear_fc1.bias")],
+            hf + "mlp.c_proj.weight": weights[_layer(i, "mlp.linear_fc2.weight")].t(),
+            hf + "mlp.c_proj.bias": weights[_layer(i, "mlp.linear_fc2.bias")],
+        })
+    state["transformer.ln_f.weight"] = weights["decoder.final_layernorm.weight"]
+    state["transformer.ln_f.bias"] = weights["decoder.final_layernorm.bias"]
+    state["lm_head.weight"] = word if shape["tied_embeddings"] else weights[OUTPUT_LAYER][:vocab_rows]
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _llama_config(args, shape, vocab_rows):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=vocab_rows, hidden_size=shape["hidden_size"],
+                       intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
+                       num_attention_heads=shape["num_attention_heads"],
+                       num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["kv_channels"],
+                       max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"),
+                       rms_norm_eps=args.get("norm_epsilon", 1e-5), rope_theta=float(args.get("rotary_base", 10000.0)),
+                       tie_word_embeddings=shape["tied_embeddings"], attention_bias=False, mlp_bias=False,
+                       hidden_act="silu", attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args))
+
+
+def _to_llama(weights, shape, vocab_rows):
+    groups, d, h = shape["num_key_value_heads"], shape["kv_channels"], shape["hidden_size"]
+    per_group = shape["num_attention_heads"] // groups
+    ffn = shape["ffn_hidden_size"]
+    word = weights[WORD_EMBEDDINGS][:vocab_rows]
+    state = {"model.embed_tokens.weight": word}
+    for i in range(shape["num_layers"]):
+        hf = f"model.layers.{i}."
+        qkv = weights[_layer(i, "self_attention.linear_qkv.weight")].view(groups, per_group + 2, d, h)
+        fc1 = weights[_layer(i, "mlp.linear_fc1.weight")]
+        state.update({
+            hf + "input_layernorm.weight": weights[_layer(i, "input_layernorm.weight")],
+            hf + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * d, h),
+            hf + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * d, h),
+            hf + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * d, h),
+            hf + "self_attn.o_proj.weight": weights[_layer(i, "self_attention.linear_proj.weight")],
+            hf + "post_attention_layernorm.weight": weights[_layer(i, "pre_mlp_layernorm.weight")],
+            hf + "mlp.gate_proj.weight": fc1[:ffn],
+            hf + "mlp.up_proj.weight": fc1[ffn:],
+            hf + "mlp.down_proj.weight": weights[_layer(i, "mlp.linear_fc2.weight")],
+        })
+    state["model.norm.weight"] = weights["decoder.final_layernorm.weight"]
+    state["lm_head.weight"] = word if shape["tied_embeddings"] else weights[OUTPUT_LAYER][:vocab_rows]
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+# --- Hugging Face -> ours -----------------------------------------------------------------------------
+
+def from_hf_state(config, state):
+    """(model arguments, canonical full weights) of a GPT2LMHeadModel or LlamaForCausalLM."""
+    if config.model_type == "gpt2":
+        return _from_gpt2(config, state)
+    if config.model_type == "llama":
+        return _from_llama(config, state)
+    raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM); "
+                          f"config.json says {config.model_type!r}")
+
+
+def _from_gpt2(config, state):
+    problems = []
+    if config.activation_function not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function {config.activation_function!r} (megatron_ds's GPT-2 family uses GeLU)")
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(config, "reorder_and_upcast_attn", False):
+        problems.append("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not getattr(config, "scale_attn_weights", True):
+        problems.append("scale_attn_weights False is not supported")
+    if problems:
+        raise CheckpointError("cannot convert this GPT-2 model: " + "; ".join(problems))
+    h, heads, layers = config.n_embd, config.n_head, config.n_layer
+    d = h // heads
+    ffn = config.n_inner or 4 * h
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    weights = {WORD_EMBEDDINGS: state["transformer.wte.weight"], POSITION_EMBEDDINGS: state["transformer.wpe.weight"]}
+    for i in range(layers):
+        hf = f"transformer.h.{i}."
+        c_attn_w = state[hf + "attn.c_attn.weight"].t()  # [3h, h]: [q; k; v]
+        c_attn_b = state[hf + "attn.c_attn.bias"]
+        weights.update({
+            _layer(i, "input_layernorm.weight"): state[hf + "ln_1.weight"],
+            _layer(i, "input_layernorm.bias"): state[hf + "ln_1.bias"],
+            _layer(i, "self_attention.linear_qkv.weight"):
+                c_attn_w.reshape(3, heads, d, h).transpose(0, 1).reshape(3 * h, h),
+            _layer(i, "self_attention.linear_qkv.bias"): c_attn_b.view(3, heads, d).transpose(0, 1).reshape(-1),
+            _layer(i, "self_attention.linear_proj.weight"): state[hf + "attn.c_proj.weight"].t(),
+            _layer(i, "self_attention.linear_proj.bias"): state[hf + "attn.c_proj.bias"],
+            _layer(i, "pre_mlp_layernorm.weight"): state[hf + "ln_2.weight"],
+            _layer(i, "pre_mlp_layernorm.bias"): state[hf + "ln_2.bias"],
+            _layer(i, "mlp.linear_fc1.weight"): state[hf + "mlp.c_fc.weight"].t(),
+            _layer(i, "mlp.linear_fc1.bias"): state[hf + "mlp.c_fc.bias"],
+            _layer(i, "mlp.linear_fc2.weight"): state[hf + "mlp.c_proj.weight"].t(),
+            _layer(i, "mlp.linear_fc2.bias"): state[hf + "mlp.c_proj.bias"],
+        })
+    weights["decoder.final_layernorm.weight"] = state["transformer.ln_f.weight"]
+    weights["decoder.final_layernorm.bias"] = state["transformer.ln_f.bias"]
+    if not tied:
+        weights[OUTPUT_LAYER] = state["lm_head.weight"]
+    args = {"num_layers": layers, "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "kv_channels": None, "ffn_hidden_size": ffn, "max_position_embeddings": config.n_positions,
+            "seq_length": config.n_positions, "normalization": "LayerNorm", "swiglu": False,
+            "position_embedding_type": "learned_absolute", "use_rotary_position_embeddings": False,
+            "disable_bias_linear": False, "untie_embeddings_and_output_weights": not tied,
+            "norm_epsilon": config.layer_norm_epsilon, "hidden_dropout": config.resid_pdrop,
+            "attention_dropout": config.attn_pdrop}
+    return args, _contiguous(weights)
+
+
+def _from_llama(config, state):
+    # transformers >= 5: config.rope_parameters; before: config.rope_theta and config.rope_scaling
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    problems = []
+    if rope_type != "default":
+        problems.append(f"rope_type {rope_type!r} (only plain RoPE is supported, no scaling)")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        problems.append("attention_bias / mlp_bias (the LLaMA family has no biases)")
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
+    if problems:
+        raise CheckpointError("cannot convert this LLaMA model: " + "; ".join(problems))
+    h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    groups = config.num_key_value_heads or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    per_group = heads // groups
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = {WORD_EMBEDDINGS: state["model.embed_tokens.weight"]}
+    for i in range(layers):
+        hf = f"model.layers.{i}."
+        q = state[hf + "self_attn.q_proj.weight"].view(groups, per_group, d, h)
+        k = state[hf + "self_attn.k_proj.weight"].view(groups, 1, d, h)
+        v = state[hf + "self_attn.v_proj.weight"].view(groups, 1, d, h)
+        weights.update({
+            _layer(i, "input_layernorm.weight"): state[hf + "input_layernorm.weight"],
+            _layer(i, "self_attention.linear_qkv.weight"): torch.cat([q, k, v], dim=1).reshape(-1, h),
+            _layer(i, "self_attention.linear_proj.weight"): state[hf + "self_attn.o_proj.weight"],
+            _layer(i, "pre_mlp_layernorm.weight"): state[hf + "post_attention_layernorm.weight"],
+            _layer(i, "mlp.linear_fc1.weight"): torch.cat([state[hf + "mlp.gate_proj.weight"],
+                                                          state[hf + "mlp.up_proj.weight"]], dim=0),
+            _layer(i, "mlp.linear_fc2.weight"): state[hf + "mlp.down_proj.weight"],
+        })
+    weights["decoder.final_layernorm.weight"] = state["model.norm.weight"]
+    if not tied:
+        weights[OUTPUT_LAYER] = state["lm_head.weight"]
+    args = {"num_layers": layers, "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": groups,
+            "kv_channels": d if d * heads != h else None, "ffn_hidden_size": config.intermediate_size,
+            "max_position_embeddings": config.max_position_embeddings,
+            "seq_length": min(config.max_position_embeddings, 4096), "normalization": "RMSNorm", "swiglu": True,
+            "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
+            "rotary_base": float(rope_theta), "disable_bias_linear": True,
+            "untie_embeddings_and_output_weights": not tied, "norm_epsilon": config.rms_norm_eps,
+            "hidden_dropout": 0.0, "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0)}
+    return args, _contiguous(weights)
+
+
+def _contiguous(weights):
+    return {name: tensor.detach().float().contiguous().clone() for name, tensor in weights.items()}

@@ -1,0 +1,167 @@
+"""Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage).
+
+The incremental forward reuses the model's own modules (norms, QKV and projection linears, rotary
+embedding, MLP, head): per step only the new tokens go through the layers, their keys and values (per
+query group, before expansion to the heads) are appended to the cache, and the queries attend to every
+cached position. The logits of all TP ranks are gathered, the padded vocabulary rows masked, and every
+rank draws the same token (the same gathered logits and the same seeded generator), so TP 2 generates
+exactly what TP 1 does.
+"""
+import argparse
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.conversion import layout
+from megatron_ds.conversion.state import FullState, rank_state_of
+from megatron_ds.core import parallel_state
+from megatron_ds.core.models.gpt import GPTModel
+from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
+from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron_ds.core.transformer.rotary import apply_rotary_pos_emb
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0       # 0: greedy
+    top_k: int = 0                 # 0: no top-k filter
+    top_p: float = 1.0             # 1: no nucleus filter
+    stop_at_eod: bool = True
+
+
+def inference_args(saved_args):
+    """An args namespace for transformer_config_from_args from a checkpoint's saved arguments: parser
+    defaults for flags the checkpoint predates, fp32 unless saved otherwise, no dropout, no SP/recompute."""
+    from megatron_ds.arguments import build_parser
+    defaults = {action.dest: action.default for action in build_parser()._actions if action.dest != "help"}
+    args = argparse.Namespace(**{**defaults, **saved_args})
+    args.params_dtype = getattr(torch, saved_args.get("params_dtype", "float32"))
+    args.hidden_dropout = args.attention_dropout = 0.0
+    for name in ("sequence_parallel", "distribute_saved_activations"):
+        setattr(args, name, False)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        setattr(args, name, None)
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    return args
+
+
+def build_model(full: FullState):
+    """GPTModel for this process's TP rank (PP 1), holding full's weights; eval mode."""
+    from megatron_ds.arguments import transformer_config_from_args
+    args = inference_args(full.args)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
+    if rows % tp:  # more padding rows so the vocabulary splits (they are masked when sampling)
+        from megatron_ds.conversion.state import resize_vocabulary
+        resize_vocabulary(full, -(-rows // tp) * tp)
+        rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
+    config = transformer_config_from_args(args)
+    model = GPTModel(config, rows, args.max_position_embeddings, not args.untie_embeddings_and_output_weights)
+    shard = rank_state_of(full, tp, 1, parallel_state.get_tensor_model_parallel_rank(), 0)
+    with torch.no_grad():
+        for local, param in model.named_parameters():
+            param.copy_(shard.weights[layout.canonical_name(local, config.num_layers, False)].to(param.dtype))
+    return model.eval()
+
+
+class KVCache:
+    """Per layer: keys and values [tokens so far, batch, local query groups, head dim]."""
+
+    def __init__(self, num_layers):
+        self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.length = 0
+
+
+def _attention_step(attention, hidden_states, cache, index):
+    """The layer's self-attention for the new tokens [s, b, h], with the cached keys and values."""
+    mixed, _ = attention.linear_qkv(hidden_states)
+    s, b, _ = mixed.shape
+    per_group, groups, d = attention.heads_per_group, attention.num_groups, attention.head_dim
+    grouped = mixed.view(s, b, groups, per_group + 2, d)
+    query = grouped[:, :, :, :per_group].reshape(s, b, attention.num_heads, d)
+    key, value = grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]  # [s, b, groups, d]
+    if attention.rotary is not None:
+        cos, sin = attention.rotary(s, hidden_states.device, offset=cache.length)
+        query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+    if cache.keys[index] is not None:
+        key, value = torch.cat([cache.keys[index], key]), torch.cat([cache.values[index], value])
+    cache.keys[index], cache.values[index] = key, value
+    total = key.size(0)
+    expand = lambda t: t.unsqueeze(3).expand(total, b, groups, per_group, d).reshape(total, b, -1, d)  # noqa: E731
+    query, key, value = (t.permute(1, 2, 0, 3) for t in (query, expand(key), expand(value)))
+    positions = torch.arange(cache.length, cache.length + s, device=query.device)
+    allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # causal over the cache
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
+    context = context.permute(2, 0, 1, 3).reshape(s, b, attention.num_heads * d)
+    return attention.linear_proj(context)
+
+
+def _add(x, bias, residual):
+    return residual + (x if bias is None else x + bias)
+
+
+@torch.no_grad()
+def forward_step(model: GPTModel, input_ids, cache: KVCache):
+    """Logits [b, s, padded vocab] (gathered over TP) of the new tokens input_ids [b, s]; extends the cache."""
+    s = input_ids.size(1)
+    position_ids = torch.arange(cache.length, cache.length + s, device=input_ids.device).unsqueeze(0)
+    hidden = model.embedding(pack_model_inputs(input_ids, position_ids))
+    for index, layer in enumerate(model.layers):
+        attention_out, attention_bias = _attention_step(layer.self_attention, layer.input_layernorm(hidden),
+                                                        cache, index)
+        hidden = _add(attention_out, attention_bias, hidden)
+        mlp_out, mlp_bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        hidden = _add(mlp_out, mlp_bias, hidden)
+    cache.length += s
+    hidden = model.final_layernorm(hidden)
+    logits = tied_output_logits(model.embedding, hidden) if model.output_layer is None else model.output_layer(hidden)
+    return gather_from_tensor_model_parallel_region(logits).transpose(0, 1).float()
+
+
+def _sample(logits, params: SamplingParams, generator):
+    """One token id from logits [vocab] (greedy when temperature is 0)."""
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first token always
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def generate(model: GPTModel, prompt_ids, params: SamplingParams, vocab_size, eod=None, seed=0, max_length=None):
+    """New token ids after prompt_ids (a list of ints): prefill once, then one token per step from the cache."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: give at least one token")
+    generator = torch.Generator().manual_seed(seed)
+    cache = KVCache(len(model.layers))
+    device = next(model.parameters()).device
+    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    generated = []
+    for _ in range(params.max_new_tokens):
+        if max_length is not None and cache.length + tokens.size(1) > max_length:
+            break
+        logits = forward_step(model, tokens, cache)[0, -1].cpu()
+        logits[vocab_size:] = float("-inf")  # padding rows are not tokens
+        token = _sample(logits, params, generator)
+        generated.append(token)
+        if params.stop_at_eod and eod is not None and token == eod:
+            break
+        tokens = torch.tensor([[token]], dtype=torch.long, device=device)
+    return generated
+
+
+@torch.no_grad()
+def full_forward_logits(model: GPTModel, input_ids):
+    """Logits [b, s, padded vocab] of the model's own (uncached) forward, gathered over TP."""
+    return gather_from_tensor_model_parallel_region(model(input_ids)).transpose(0, 1).float()

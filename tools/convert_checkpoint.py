@@ -1,0 +1,26 @@
+"""Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and from
+Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM).
+One process, CPU only, no download.
+
+    # another layout (any data-parallel size loads the result); optimizer states reshaped too unless --no-optim
+    python tools/convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 \\
+        --target-tensor-parallel-size 1 --target-pipeline-model-parallel-size 2
+    # to Hugging Face (safetensors + config.json + tokenizer files when the run had a tokenizer)
+    python tools/convert_checkpoint.py --to-hf --load ckpt --save hf_model
+    # from Hugging Face, for pretrain.py --load ckpt_from_hf --finetune
+    python tools/convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf \\
+        --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ds.glue.runtime import prepare_host  # noqa: E402
+
+prepare_host()  # DeepSpeed (imported by the readers) picks its accelerator at import time
+
+from megatron_ds.conversion.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
