@@ -1,10 +1,12 @@
 """Triton import shim shared by the fused ops.
 
 Kernels are written as plain functions decorated with `kernel`; they are handed to `triton.jit` on their
-first launch, not at import. Triton decides at `jit` time whether a kernel is compiled for the GPU or run by
-its CPU interpreter (`TRITON_INTERPRET=1`), so deferring it lets tests set the variable after this package
-was imported. Without triton installed the module still imports (`tl.constexpr` annotations resolve to a
-stub) and `TRITON_IMPORT_ERROR` says why the backend is missing.
+first launch, not at import (without triton installed this module still imports: `tl.constexpr`
+annotations resolve to a stub and `TRITON_IMPORT_ERROR` says why the backend is missing).
+
+Triton's CPU interpreter (`TRITON_INTERPRET=1`, for tests) must be switched on before triton is first
+imported: triton's own standard library (tl.sum, tl.max, tl.sigmoid) is jitted at import, in the mode
+set then. `interpreter_ready()` tells whether this process can interpret kernels.
 """
 import os
 
@@ -27,6 +29,25 @@ except ImportError as error:  # the backend registry reports this; nothing here 
 def interpreting() -> bool:
     """True when TRITON_INTERPRET asks Triton to run kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def interpreter_ready() -> bool:
+    """True when triton was imported with TRITON_INTERPRET=1, so its kernels can run on CPU tensors."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.max, InterpretedFunction)
+
+
+def interpreter_problem():
+    """Why kernels cannot run on CPU tensors in this process, or None."""
+    if TRITON_IMPORT_ERROR:
+        return TRITON_IMPORT_ERROR
+    if not interpreting():
+        return "triton kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
+    if not interpreter_ready():
+        return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
+    return None
 
 
 class kernel:  # noqa: N801 - used as a decorator, like triton.jit
@@ -71,7 +92,8 @@ def row_programs(rows: int, block_m: int, device: torch.device) -> int:
 def check_device(*tensors, op: str):
     """Triton kernels need CUDA tensors, or CPU tensors under the interpreter."""
     for tensor in tensors:
-        if tensor is not None and tensor.device.type != "cuda" and not interpreting():
-            raise RuntimeError(f"the triton {op} kernel got a {tensor.device.type} tensor; triton needs CUDA "
-                               f"tensors (or TRITON_INTERPRET=1 for tests): use --fusion-backend compile or "
-                               f"reference on this device")
+        if tensor is not None and tensor.device.type != "cuda":
+            problem = interpreter_problem()
+            if problem:
+                raise RuntimeError(f"the triton {op} kernel got a {tensor.device.type} tensor: {problem}; use "
+                                   f"--fusion-backend compile or reference on this device")

@@ -101,13 +101,13 @@ class _BiasDropoutAdd(torch.autograd.Function):
         x2d = x.reshape(-1, n).contiguous()
         rows = x2d.size(0)
         out = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-        keep2d = keep.reshape(rows, n).contiguous().view(torch.uint8) if keep is not None else None
+        keep2d = keep.reshape(rows, n).contiguous() if keep is not None else None
         block_m, block_n = _blocks(n)
         if x2d.numel():
             _bda_forward[(cdiv(rows, block_m), cdiv(n, block_n))](
                 x2d, bias if bias is not None else x2d, residual.reshape(rows, n).contiguous(),
-                keep2d if keep is not None else x2d, out, rows, n, float(scale), HAS_BIAS=bias is not None,
-                HAS_MASK=keep is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+                keep2d.view(torch.uint8) if keep is not None else x2d, out, rows, n, float(scale),
+                HAS_BIAS=bias is not None, HAS_MASK=keep is not None, BLOCK_M=block_m, BLOCK_N=block_n)
         ctx.save_for_backward(keep2d)
         ctx.scale, ctx.shape, ctx.x_dtype = float(scale), x.shape, x.dtype
         ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
@@ -126,8 +126,8 @@ class _BiasDropoutAdd(torch.autograd.Function):
         db_partial = torch.zeros(programs, n, dtype=torch.float32, device=dy.device) if has_bias else dx
         if dy.numel():
             _bda_backward[(programs, cdiv(n, block_n))](
-                dy, keep2d if keep2d is not None else dy, dx, db_partial, rows, n, ctx.scale, HAS_BIAS=has_bias,
-                HAS_MASK=keep2d is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+                dy, keep2d.view(torch.uint8) if keep2d is not None else dy, dx, db_partial, rows, n, ctx.scale,
+                HAS_BIAS=has_bias, HAS_MASK=keep2d is not None, BLOCK_M=block_m, BLOCK_N=block_n)
         db = db_partial.sum(0).to(ctx.bias_dtype) if has_bias else None
         return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None
 
@@ -141,4 +141,4 @@ def bias_dropout_add_triton(x, bias, residual, p: float, training: bool):
 OPS = (FusedOp("bias_dropout_add",
                {"reference": bias_dropout_add_reference, "triton": bias_dropout_add_triton,
                 "compile": bias_dropout_add_compile},
-               auto_cpu=("compile", "reference")),)
+               auto_cpu=("reference",)),)

@@ -35,11 +35,19 @@ def _local_stats(chunk):
     """Per row of this rank's logits: (max, sum of exp(logit - max)), fp32."""
     chunk = chunk.float()
     row_max = chunk.amax(dim=-1)
-    return row_max, torch.exp(chunk - row_max.unsqueeze(-1)).sum(dim=-1)
+    return row_max, (chunk - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
 
 
 def _grad_chunk(chunk, lse, local_target, grad_loss):
     """(softmax - one_hot(local_target)) * grad_loss in the logits' dtype; local_target -1 = not on this rank."""
+    grad = (chunk.float() - lse.unsqueeze(-1)).exp_().mul_(grad_loss.unsqueeze(-1))
+    rows = torch.nonzero(local_target >= 0).squeeze(-1)
+    grad[rows, local_target[rows]] -= grad_loss[rows]
+    return grad.to(chunk.dtype)
+
+
+def _grad_chunk_compilable(chunk, lse, local_target, grad_loss):
+    """_grad_chunk without in-place updates or data-dependent shapes, for torch.compile to fuse."""
     probs = torch.exp(chunk.float() - lse.unsqueeze(-1))
     columns = torch.arange(chunk.size(-1), device=chunk.device)
     probs = probs - (columns == local_target.unsqueeze(-1)).to(probs.dtype)
@@ -58,7 +66,7 @@ class _Torch:
         return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
 
     def grad(self, logits, lse, local_target, grad_loss, chunk_rows):
-        grad_fn = compiled(_grad_chunk) if self.use_compile else _grad_chunk
+        grad_fn = compiled(_grad_chunk_compilable) if self.use_compile else _grad_chunk
         grad = torch.empty_like(logits)
         for start in range(0, logits.size(0), chunk_rows):
             rows = slice(start, start + chunk_rows)
@@ -177,4 +185,4 @@ def cross_entropy_triton(logits, target, chunk_rows=None):
 OPS = (FusedOp("cross_entropy",
                {"reference": cross_entropy_reference, "triton": cross_entropy_triton,
                 "compile": cross_entropy_compile},
-               auto_cpu=("reference",)),)
+               auto_cpu=("compile", "reference")),)

@@ -4,7 +4,7 @@ transformer/rotary.py): x [s, b, heads, d] (q and k may have different head coun
 
 y = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); its adjoint (the backward) is
 dx = dy * cos + cat(dy2 * sin2, -dy1 * sin1). The triton kernel reads cos/sin once per token for all
-heads of a token and saves nothing but cos and sin.
+its heads and saves nothing but cos and sin.
 """
 import torch
 
@@ -97,8 +97,6 @@ class _RotaryQK(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         check_device(q, k, cos, op="rotary_pos_emb")
         _check_shapes(q, k, cos, sin)
-        if q.dtype != k.dtype:
-            raise ValueError(f"rotary embedding expects q and k of one dtype, got {q.dtype} and {k.dtype}")
         s, d = q.size(0), q.size(-1)
         cos2d, sin2d = cos.reshape(s, d).contiguous(), sin.reshape(s, d).contiguous()
         ctx.save_for_backward(cos2d, sin2d)

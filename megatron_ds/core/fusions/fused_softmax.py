@@ -20,14 +20,17 @@ def scale_mask_softmax_reference(scores, mask=None, scale: float = 1.0, causal: 
     """softmax(scale * scores, masked positions excluded) in fp32, returned in scores' dtype."""
     x = scores.float() * scale
     if causal:
-        x = x.masked_fill(causal_mask(x.size(-2), x.size(-1), x.device), float("-inf"))
-    if mask is not None:
-        x = x.masked_fill(mask, float("-inf"))
-    row_max = x.amax(dim=-1, keepdim=True)
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
-    exp = torch.exp(x - row_max)
-    # the row maximum contributes exp(0) = 1, so the clamp only changes fully masked rows (0 / 1 = 0)
-    return (exp / exp.sum(dim=-1, keepdim=True).clamp_min(1.0)).to(scores.dtype)
+        causal_part = causal_mask(x.size(-2), x.size(-1), x.device)
+        mask = causal_part if mask is None else mask | causal_part
+    if mask is None:
+        return torch.softmax(x, dim=-1).to(scores.dtype)
+    # the lowest finite value, not -inf: a fully masked row then gives a finite (uniform) softmax, zeroed
+    # below, where -inf would give NaN in forward and backward; elsewhere exp underflows to exactly 0 either way
+    probs = torch.softmax(x.masked_fill(mask, torch.finfo(torch.float32).min), dim=-1).to(scores.dtype)
+    fully_masked = mask.all(dim=-1, keepdim=True)
+    if torch.compiler.is_compiling() or fully_masked.any():  # eager skips the pass when no row needs it
+        probs = probs.masked_fill(fully_masked, 0.0)
+    return probs
 
 
 def scale_mask_softmax_compile(scores, mask=None, scale: float = 1.0, causal: bool = False):
@@ -117,4 +120,4 @@ def scale_mask_softmax_triton(scores, mask=None, scale: float = 1.0, causal: boo
 OPS = (FusedOp("scale_mask_softmax",
                {"reference": scale_mask_softmax_reference, "triton": scale_mask_softmax_triton,
                 "compile": scale_mask_softmax_compile},
-               auto_cpu=("compile", "reference")),)
+               auto_cpu=("reference",)),)

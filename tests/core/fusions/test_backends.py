@@ -1,0 +1,129 @@
+"""Backend selection: --fusion-backend values, availability, auto's order and its one-time warning."""
+import warnings
+
+import pytest
+import torch
+
+from megatron_ds.core import fusions
+from megatron_ds.core.fusions import backends, fused_layer_norm
+from megatron_ds.core.fusions._triton import interpreter_problem
+
+OPS = ["scale_mask_softmax", "layer_norm", "rms_norm", "rotary_pos_emb", "bias_gelu", "bias_dropout_add", "swiglu",
+       "cross_entropy"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(backends, "_STATE", backends._State())
+
+
+def _auto_choices(device):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = backends.backend_report("auto", device)
+    return chosen, [str(w.message) for w in caught]
+
+
+def test_every_op_is_registered_with_reference_triton_and_compile():
+    assert list(backends.registered_ops()) == OPS
+    for op in backends.registered_ops().values():
+        assert {"reference", "triton", "compile"} <= set(op.implementations)
+        assert set(op.auto_cpu) <= set(op.implementations) and "triton" not in op.auto_cpu
+    assert {name for name, op in backends.registered_ops().items() if "apex" in op.implementations} == \
+        {"layer_norm", "rms_norm"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_reference_is_always_available(device):
+    for op in OPS:
+        assert backends.select_backend(op, "reference", device) == "reference"
+        assert backends.get_fused_op(op, "reference", device) is backends.registered_ops()[op].implementations[
+            "reference"]
+
+
+def test_bad_values_raise():
+    with pytest.raises(ValueError, match="--fusion-backend 'fast' is not one of auto, triton, compile, apex"):
+        backends.select_backend("swiglu", "fast")
+    with pytest.raises(ValueError, match="unknown fused op 'gelu'"):
+        backends.select_backend("gelu", "reference")
+    with pytest.raises(ValueError, match="--fusion-backend apex: cannot use apex for swiglu: swiglu has no apex"):
+        backends.select_backend("swiglu", "apex", "cuda")
+
+
+def test_explicit_triton_without_cuda_or_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--fusion-backend triton: cannot use triton for bias_gelu: .*CUDA"):
+        backends.select_backend("bias_gelu", "triton", "cpu")
+    monkeypatch.setattr(backends, "TRITON_IMPORT_ERROR", "triton is not installed (test)")
+    with pytest.raises(ValueError, match="--fusion-backend triton: .*triton is not installed"):
+        backends.select_backend("bias_gelu", "triton", "cuda")
+    with pytest.raises(ValueError, match="--fusion-backend compile: .*generates triton code"):
+        backends.select_backend("bias_gelu", "compile", "cuda")
+
+
+@pytest.mark.skipif(interpreter_problem() is not None, reason="no triton interpreter in this process")
+def test_explicit_triton_on_cpu_under_the_interpreter():
+    assert backends.select_backend("swiglu", "triton", "cpu") == "triton"
+
+
+def test_explicit_apex_raises_without_cuda_or_apex(monkeypatch):
+    with pytest.raises(ValueError, match="--fusion-backend apex: cannot use apex for layer_norm: .*CUDA"):
+        backends.select_backend("layer_norm", "apex", "cpu")
+    monkeypatch.setattr(fused_layer_norm, "APEX_IMPORT_ERROR", "apex.normalization is not importable (test)")
+    with pytest.raises(ValueError, match="--fusion-backend apex: cannot use apex for rms_norm: apex.normalization"):
+        backends.select_backend("rms_norm", "apex", "cuda")
+
+
+def test_auto_on_cpu_takes_each_ops_measured_order_and_never_triton():
+    chosen, warned = _auto_choices("cpu")
+    for op in OPS:
+        assert chosen[op] == backends.registered_ops()[op].auto_cpu[0]
+    assert not warned
+
+
+def test_auto_on_cuda_prefers_triton(monkeypatch):
+    monkeypatch.setattr(backends, "TRITON_IMPORT_ERROR", None)
+    chosen, warned = _auto_choices("cuda")
+    assert set(chosen.values()) == {"triton"} and not warned
+
+
+def test_auto_on_cuda_without_triton_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(backends, "TRITON_IMPORT_ERROR", "triton is not installed (test)")
+    monkeypatch.setattr(fused_layer_norm, "APEX_IMPORT_ERROR", "apex.normalization is not importable (test)")
+    chosen, warned = _auto_choices("cuda")
+    assert set(chosen.values()) == {"reference"}  # compile on CUDA needs triton too
+    assert len(warned) == 1 and "--fusion-backend auto: triton unavailable (triton is not installed" in warned[0]
+    assert "\n" not in warned[0]
+    assert _auto_choices("cuda")[1] == []  # once per process
+
+    monkeypatch.setattr(fused_layer_norm, "APEX_IMPORT_ERROR", None)
+    chosen, _ = _auto_choices("cuda")
+    assert chosen["layer_norm"] == chosen["rms_norm"] == "apex" and chosen["swiglu"] == "reference"
+
+
+def test_auto_on_cpu_without_a_compiler_falls_back_to_reference(monkeypatch):
+    monkeypatch.setattr(backends, "_cxx_compiler", lambda: None)
+    chosen, warned = _auto_choices("cpu")
+    assert set(chosen.values()) == {"reference"}
+    compile_first = [op for op in OPS if backends.registered_ops()[op].auto_cpu[0] == "compile"]
+    assert len(warned) == (1 if compile_first else 0)
+    with pytest.raises(ValueError, match="--fusion-backend compile: .*needs a C\\+\\+ compiler"):
+        backends.select_backend("swiglu", "compile", "cpu")
+
+
+def test_report_line_names_every_op():
+    line = backends.format_backend_report("reference", "cpu")
+    assert line.startswith("fused ops (--fusion-backend reference, cpu): ")
+    assert all(f"{op}=reference" in line for op in OPS) and "\n" not in line
+
+
+def test_auto_order():
+    assert backends.auto_order("swiglu", "cuda") == ("triton", "compile", "reference")
+    assert backends.auto_order("layer_norm", "cuda") == ("triton", "apex", "compile", "reference")
+    assert backends.auto_order("swiglu", "cpu")[-1] == "reference"
+
+
+def test_triton_kernels_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="triton swiglu kernel got a cpu tensor: .*--fusion-backend compile"):
+        fusions.swiglu_triton(torch.randn(2, 4))
