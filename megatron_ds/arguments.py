@@ -11,6 +11,7 @@ import torch
 
 from megatron_ds.batch_schedule import rampup_errors
 from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
@@ -51,6 +52,20 @@ def _add_model_args(parser):
     group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa",
                        help="sdpa: torch's scaled_dot_product_attention (flash/memory-efficient kernels, no "
                             "s x s tensor kept); local: explicit softmax(QK^T)V")
+
+
+def _add_fusion_args(parser):
+    group = parser.add_argument_group("fused kernels (core/fusions)")
+    group.add_argument("--fusion-backend", choices=["auto", "triton", "compile", "apex", "reference"],
+                       default="auto", help="auto: Triton on GPUs, the model's reference code on CPUs (cold "
+                       "compiles cost more than they save there); an unavailable explicit choice is an error")
+    for flag, help_text in (("--no-masked-softmax-fusion", "scale + mask + softmax of the local attention"),
+                            ("--no-persist-layer-norm", "LayerNorm / RMSNorm"),
+                            ("--no-rope-fusion", "rotary embedding of q and k"),
+                            ("--no-bias-gelu-fusion", "bias + GeLU"), ("--no-bias-swiglu-fusion", "SwiGLU"),
+                            ("--no-bias-dropout-fusion", "bias + dropout + residual add"),
+                            ("--no-cross-entropy-fusion", "chunked vocab-parallel cross entropy")):
+        group.add_argument(flag, action="store_true", help=f"use the model's reference code for {help_text}")
 
 
 def _add_memory_args(parser):
@@ -196,7 +211,7 @@ def _checkpoint_errors(args):
 def build_parser():
     parser = argparse.ArgumentParser(prog="pretrain.py", allow_abbrev=False,
                                      description="Megatron-style GPT pretraining on DeepSpeed")
-    for add in (_add_model_args, _add_memory_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_data_args,
+    for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_data_args,
                 _add_deepspeed_args, _add_checkpoint_args):
         add(parser)
     return parser
@@ -231,9 +246,11 @@ def parse_args(argv=None, world_size=None):
                                                args.tensor_model_parallel_size)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     try:
-        transformer_config_from_args(args)
+        errors = fusion_errors(transformer_config_from_args(args))
     except ValueError as error:
-        raise ArgumentsError(f"invalid arguments:\n  - {error}") from None
+        errors = [str(error)]
+    if errors:
+        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
     return args
 
 
@@ -393,4 +410,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        distribute_saved_activations=args.distribute_saved_activations)
+        distribute_saved_activations=args.distribute_saved_activations, fusion_backend=args.fusion_backend,
+        masked_softmax_fusion=not args.no_masked_softmax_fusion, persist_layer_norm=not args.no_persist_layer_norm,
+        apply_rope_fusion=not args.no_rope_fusion, bias_gelu_fusion=not args.no_bias_gelu_fusion,
+        bias_swiglu_fusion=not args.no_bias_swiglu_fusion, bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        cross_entropy_fusion=not args.no_cross_entropy_fusion)

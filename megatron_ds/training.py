@@ -17,8 +17,9 @@ from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress
 from megatron_ds.core import parallel_state
-from megatron_ds.core.models.gpt import GPTModel, gpt_layer_specs, language_model_loss, model_flops_per_iteration
+from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs, model_flops_per_iteration
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.ds_config import build_deepspeed_config
@@ -48,7 +49,7 @@ def build_model(args, config):
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
         model = deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
-                                              loss_fn=language_model_loss, partition_method="type:TransformerLayer")
+                                              loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
     assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
     return model
 
@@ -224,6 +225,8 @@ def log_startup(args, engine, ds_config, peak, peak_source):
     _log_parameters_per_stage(engine)
     print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(ds_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
+    print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
+                 f"{describe_fused_ops(transformer_config_from_args(args))}")
 
 
 def _log_parameters_per_stage(engine):

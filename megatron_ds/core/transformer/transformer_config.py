@@ -7,6 +7,7 @@ import torch
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("sdpa", "local")
+FUSION_BACKENDS = ("auto", "triton", "compile", "apex", "reference")
 
 
 @dataclass
@@ -34,6 +35,14 @@ class TransformerConfig:
     recompute_method: Optional[str] = None       # full only: "uniform" (chunks of N layers) or "block"
     recompute_num_layers: Optional[int] = None   # full only: N (default 1)
     distribute_saved_activations: bool = False   # full only: split each saved layer input across TP
+    fusion_backend: str = "auto"                 # auto, triton, compile, apex, reference (core/fusions)
+    masked_softmax_fusion: bool = True
+    persist_layer_norm: bool = True              # fused LayerNorm / RMSNorm
+    apply_rope_fusion: bool = True
+    bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    cross_entropy_fusion: bool = True
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -58,6 +67,7 @@ class TransformerConfig:
         self._check_choice("normalization", NORMALIZATIONS)
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
+        self._check_choice("fusion_backend", FUSION_BACKENDS)
         self._check_recompute()
 
     def _check_recompute(self):

@@ -11,6 +11,7 @@ import torch
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
 from megatron_ds.core.transformer.dropout import dropout
+from megatron_ds.core.transformer.fused_ops import fused_op
 from megatron_ds.core.transformer.mlp import MLP
 from megatron_ds.core.transformer.norms import build_norm
 
@@ -32,6 +33,8 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
+        self.bias_dropout_add = (fused_op(config, "bias_dropout_add", config.bias_dropout_fusion)
+                                 or bias_dropout_add)
         # layers this one recomputes in backward (itself alone by default under full recompute); a layer
         # absorbed into another's chunk passes its input through, the leader having already applied it
         self.recompute_chunk = [self] if config.recompute_granularity == "full" else None
@@ -59,10 +62,10 @@ class TransformerLayer(torch.nn.Module):
         p, training = self.config.hidden_dropout, self.training
         attention_out, attention_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
         with self._replicated_region_rng():
-            hidden_states = bias_dropout_add(attention_out, attention_bias, hidden_states, p, training)
+            hidden_states = self.bias_dropout_add(attention_out, attention_bias, hidden_states, p, training)
         mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         with self._replicated_region_rng():
-            return bias_dropout_add(mlp_out, mlp_bias, hidden_states, p, training)
+            return self.bias_dropout_add(mlp_out, mlp_bias, hidden_states, p, training)
 
 
 def assign_recompute_chunks(layers, config):

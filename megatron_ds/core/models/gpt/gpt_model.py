@@ -4,6 +4,8 @@ pipeline form are both built from `gpt_layer_specs`, so they cannot drift apart.
 Data flow: input ids [b, s] -> embedding -> [s, b, h] -> transformer layers -> final norm -> logits
 [s, b, vocab/tp] -> vocab-parallel cross entropy against labels [b, s].
 """
+import functools
+
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
@@ -14,6 +16,7 @@ from megatron_ds.core.tensor_parallel.mappings import scatter_to_sequence_parall
 from megatron_ds.core.tensor_parallel.random import (get_cuda_rng_tracker, init_method_normal,
                                                      initialize_deterministically, set_init_method)
 from megatron_ds.core.transformer.dropout import dropout
+from megatron_ds.core.transformer.fused_ops import fused_op
 from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 
@@ -117,16 +120,22 @@ def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
                                              embedding.config.sequence_parallel)
 
 
-def language_model_loss(logits, labels):
+def language_model_loss(logits, labels, cross_entropy=vocab_parallel_cross_entropy):
     """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair."""
     loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
-    per_token = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+    per_token = cross_entropy(logits, labels.transpose(0, 1).contiguous())
     if loss_mask is None:
         return per_token.mean()
     mask = loss_mask.transpose(0, 1).float()
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def build_loss_fn(config):
+    """language_model_loss with the cross entropy config.fusion_backend selects (chunked, fused)."""
+    fused = fused_op(config, "cross_entropy", config.cross_entropy_fusion)
+    return language_model_loss if fused is None else functools.partial(language_model_loss, cross_entropy=fused)
 
 
 def gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
@@ -157,6 +166,7 @@ class GPTModel(torch.nn.Module):
         assign_recompute_chunks(list(self.layers), config)
         self.final_layernorm = specs[-2].build()
         self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
+        self.loss_fn = build_loss_fn(config)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
         activation = self.embedding(pack_model_inputs(input_ids, position_ids, attention_mask))
@@ -165,7 +175,7 @@ class GPTModel(torch.nn.Module):
         hidden_states = self.final_layernorm(activation)
         logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
                   else self.output_layer(hidden_states))
-        return logits if labels is None else language_model_loss(logits, labels)
+        return logits if labels is None else self.loss_fn(logits, labels)
 
 
 def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):
