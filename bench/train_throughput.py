@@ -1,0 +1,146 @@
+"""End-to-end training throughput of pretrain.py against the device's dense-GEMM rate and against the
+same model written as a plain single-process PyTorch loop, measured in one run.
+
+    python bench/train_throughput.py                       # GPT of ~44M parameters, seq 512, bf16
+    python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
+
+MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
+peak). The plain loop uses the same shapes, AdamW, fp32 master weights with bf16 compute (autocast) and
+torch's scaled_dot_product_attention.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def gemm_tflops(dtype, device, size=2048, repeats=10):
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    torch.matmul(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.matmul(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def model_flops_per_sample(args):
+    from megatron_ds.core.models.gpt import model_flops_per_iteration
+    from megatron_ds.core.transformer import TransformerConfig
+    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                               num_attention_heads=args.num_attention_heads)
+    return model_flops_per_iteration(config, args.vocab_size, 1, args.seq_length)
+
+
+class PlainBlock(torch.nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(attention)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainGPT(torch.nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(args.vocab_size, args.hidden_size)
+        self.positions = torch.nn.Embedding(args.seq_length, args.hidden_size)
+        self.blocks = torch.nn.ModuleList(PlainBlock(args.hidden_size, args.num_attention_heads)
+                                          for _ in range(args.num_layers))
+        self.norm = torch.nn.LayerNorm(args.hidden_size)
+
+    def forward(self, ids, labels):
+        x = self.embedding(ids) + self.positions(torch.arange(ids.size(1), device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.norm(x), self.embedding.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def plain_loop_seconds(args, device):
+    torch.manual_seed(0)
+    model = PlainGPT(args).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), device=device)
+    times = []
+    for step in range(args.iterations):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), sum(p.numel() for p in model.parameters())
+
+
+def engine_seconds(args, peak):
+    """Median seconds per iteration of pretrain.py (one rank, TP = PP = 1) after two warm-up iterations."""
+    flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
+             args.num_attention_heads, "--seq-length", args.seq_length, "--micro-batch-size", args.micro_batch_size,
+             "--global-batch-size", args.micro_batch_size, "--train-iters", args.iterations, "--bf16",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", args.vocab_size,
+             "--make-vocab-size-divisible-by", "1", "--log-interval", "1", "--eval-interval", "0",
+             "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "pretrain.py",
+               *map(str, flags)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    times = [float(ms) / 1000 for ms in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)]
+    return statistics.median(times[2:])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=640)
+    parser.add_argument("--num-attention-heads", type=int, default=10)
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--fusion-backend", default="auto")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = gemm_tflops(torch.bfloat16, device)
+    flops = model_flops_per_sample(args) * args.micro_batch_size
+    tokens = args.micro_batch_size * args.seq_length
+    engine = engine_seconds(args, peak)
+    plain, parameters = plain_loop_seconds(args, device)
+    print(f"GPT {parameters / 1e6:.1f}M parameters: {args.num_layers} layers, h={args.hidden_size}, "
+          f"s={args.seq_length}, b={args.micro_batch_size}, bf16, {device.type} ({torch.get_num_threads()} threads); "
+          f"measured bf16 GEMM rate {peak:.3f} TFLOP/s")
+    for name, seconds in (("pretrain.py (DeepSpeed, TP=PP=1)", engine), ("plain PyTorch loop", plain)):
+        tflops = flops / seconds / 1e12
+        print(f"  {name:<34} {seconds * 1000:9.1f} ms/iter  {tokens / seconds:9.1f} tokens/s  "
+              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
+    print(f"  pretrain.py / plain loop time ratio: {engine / plain:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
