@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F

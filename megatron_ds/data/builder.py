@@ -6,7 +6,6 @@ under --data-cache-path), then loaded by the other ranks that read data: only th
 stage (inputs) and the last (labels) do.
 """
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron_ds.core import parallel_state

@@ -6,7 +6,6 @@ import random
 import subprocess
 import sys
 
-import pytest
 import sentencepiece
 
 from tests.launch import REPO
