@@ -10,8 +10,13 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 
 @pytest.fixture
 def clean_environment(monkeypatch):
+    """No launcher variables; every variable the code under test may export is restored afterwards
+    (setenv records absent ones too), so nothing leaks into later tests' subprocesses."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "")  # records the current state (set or absent) for the undo
+        monkeypatch.delenv(name)
     for name in list(os.environ):
-        if name in LAUNCH_VARIABLES or name.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")):
+        if name.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")):
             monkeypatch.delenv(name)
     return monkeypatch
 
