@@ -84,4 +84,5 @@ def test_a_killed_rank_stops_every_rank_within_the_bound():
     assert all(node.returncode != 0 for node in nodes), [node.returncode for node in nodes]
     notices = re.findall(r"megatron_ds: rank (\d) exiting while in iteration \d+: (rank \d (stopped responding|failed "
                          r"during)[^\n]*)", outputs[0])
-    assert {rank for rank, _, _ in notices} == {"0", "1"}, outputs[0][-3000:]
+    # the first node-0 rank to see the notice exits; its launcher may then SIGTERM the other before it prints
+    assert notices and {rank for rank, _, _ in notices} <= {"0", "1"}, outputs[0][-3000:]
