@@ -4,15 +4,20 @@ import time
 import torch
 import torch.distributed as dist
 
-# dense 16-bit tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name()
-KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+from megatron_ds.planning.devices import DEVICES
 
 
 def known_gpu_peak_tflops():
+    """The dense 16-bit peak of this GPU from the planner's device table (the one source of device facts),
+    matched by model name (A100, H100, H200); None for other devices."""
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((peak for key, peak in KNOWN_GPU_PEAK_TFLOPS.items() if key in name), None)
+    for spec in DEVICES.values():
+        model = spec.name.split()[-1].split("-")[0]
+        if spec.name.startswith("NVIDIA") and model in name:
+            return spec.peak_16bit_tflops
+    return None
 
 
 def measure_matmul_tflops(dtype, device, size=768, repeats=6):
