@@ -4,7 +4,8 @@
 #   1. the fused-op benchmarks with the Triton backend against the references (bench/ops.py);
 #   2. training MFU of a 1.3B LLaMA-style model on one GPU, beside a plain PyTorch loop of the same
 #      shapes (bench/train_throughput.py; MFU against the GEMM rate measured in the same run), then the
-#      same model through pretrain.py with the datasheet peak (--peak-tflops 989).
+#      same model through pretrain.py with the datasheet peak (--peak-tflops 989), profiling iterations
+#      18-19 (the table of costliest kernels is in pretrain_llama_1b3.txt, the trace beside it).
 # Output goes to stdout and to $OUT (default bench-gpu-results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +25,5 @@ timeout 150 torchrun --nproc_per_node 1 pretrain.py --num-layers 24 --hidden-siz
   --disable-bias-linear --untie-embeddings-and-output-weights --seq-length 2048 --micro-batch-size 4 \
   --global-batch-size 16 --train-iters 20 --bf16 --hidden-dropout 0 --attention-dropout 0 --mock-data \
   --vocab-size 32000 --log-interval 5 --eval-interval 0 --fusion-backend triton --peak-tflops 989 \
+  --profile --use-pytorch-profiler --profile-step-start 18 --profile-step-end 20 --profile-dir "$OUT" \
   2>&1 | tee "$OUT/pretrain_llama_1b3.txt" | grep -E "iteration|fused ops|error"

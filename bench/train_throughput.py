@@ -3,10 +3,11 @@ same model written as a plain single-process PyTorch loop, measured in one run.
 
     python bench/train_throughput.py                       # GPT of ~44M parameters, seq 512, bf16
     python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
+    python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
 
 MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
-peak). The plain loop uses the same shapes, AdamW, fp32 master weights with bf16 compute (autocast) and
-torch's scaled_dot_product_attention.
+peak). The plain loop uses the same shapes, fp32 master weights with bf16 compute (autocast), torch's
+scaled_dot_product_attention and torch's fused AdamW (what pretrain.py steps with where apex is absent).
 """
 import argparse
 import os
@@ -14,6 +15,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -78,7 +80,7 @@ class PlainGPT(torch.nn.Module):
 def plain_loop_seconds(args, device):
     torch.manual_seed(0)
     model = PlainGPT(args).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), device=device)
     times = []
     for step in range(args.iterations):
@@ -96,7 +98,7 @@ def plain_loop_seconds(args, device):
     return statistics.median(times), sum(p.numel() for p in model.parameters())
 
 
-def engine_seconds(args, peak):
+def engine_seconds(args, peak, profile=False):
     """Median seconds per iteration of pretrain.py (one rank, TP = PP = 1) after two warm-up iterations."""
     flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
              args.num_attention_heads, "--seq-length", args.seq_length, "--micro-batch-size", args.micro_batch_size,
@@ -104,13 +106,35 @@ def engine_seconds(args, peak):
              "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", args.vocab_size,
              "--make-vocab-size-divisible-by", "1", "--log-interval", "1", "--eval-interval", "0",
              "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}"]
+    if profile:
+        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", args.iterations - 1,
+                  "--profile-step-end", args.iterations + 1, "--profile-dir", args.profile_dir]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "pretrain.py",
                *map(str, flags)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     times = [float(ms) / 1000 for ms in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)]
-    return statistics.median(times[2:])
+    if not profile:
+        return statistics.median(times[2:]), ""
+    table = result.stdout[result.stdout.find("megatron_ds [rank 0]: profile"):]
+    return statistics.median(times[2:-2]), table.split("\n iteration ")[0]
+
+
+def measure_rounds(args, device):
+    """GEMM rate, pretrain.py and the plain loop, alternated --rounds times so that the machine's noise
+    falls on both alike. Returns per-round (gemm TFLOP/s, engine s, plain s), the parameter count and the
+    profile table (first round, with --profile)."""
+    rounds, profile = [], ""
+    for index in range(args.rounds):
+        gemm = gemm_tflops(torch.bfloat16, device)
+        engine, table = engine_seconds(args, gemm, profile=args.profile and index == 0)
+        plain, parameters = plain_loop_seconds(args, device)
+        rounds.append((gemm, engine, plain))
+        profile = profile or table
+        print(f"  round {index + 1}: GEMM {gemm:.3f} TFLOP/s, pretrain.py {engine * 1000:.1f} ms/iter, "
+              f"plain loop {plain * 1000:.1f} ms/iter, ratio {engine / plain:.3f}", flush=True)
+    return rounds, parameters, profile
 
 
 def main(argv=None):
@@ -123,21 +147,31 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--fusion-backend", default="auto")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and plain loop")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile pretrain.py's last two iterations (excluded from the timing) and print "
+                             "where the time goes")
+    parser.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(), "megatron_ds_profile"),
+                        help="where the Chrome trace goes")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    peak = gemm_tflops(torch.bfloat16, device)
+    rounds, parameters, profile = measure_rounds(args, device)
+    peak = max(gemm for gemm, _, _ in rounds)  # noise only slows a GEMM down
+    engine = statistics.median(e for _, e, _ in rounds)
+    plain = statistics.median(p for _, _, p in rounds)
     flops = model_flops_per_sample(args) * args.micro_batch_size
     tokens = args.micro_batch_size * args.seq_length
-    engine = engine_seconds(args, peak)
-    plain, parameters = plain_loop_seconds(args, device)
     print(f"GPT {parameters / 1e6:.1f}M parameters: {args.num_layers} layers, h={args.hidden_size}, "
           f"s={args.seq_length}, b={args.micro_batch_size}, bf16, {device.type} ({torch.get_num_threads()} threads); "
-          f"measured bf16 GEMM rate {peak:.3f} TFLOP/s")
+          f"best measured bf16 GEMM rate {peak:.3f} TFLOP/s; medians of {args.rounds} rounds")
     for name, seconds in (("pretrain.py (DeepSpeed, TP=PP=1)", engine), ("plain PyTorch loop", plain)):
         tflops = flops / seconds / 1e12
         print(f"  {name:<34} {seconds * 1000:9.1f} ms/iter  {tokens / seconds:9.1f} tokens/s  "
               f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
-    print(f"  pretrain.py / plain loop time ratio: {engine / plain:.3f}")
+    ratios = sorted(e / p for _, e, p in rounds)
+    print(f"  pretrain.py / plain loop time ratio: {engine / plain:.3f} (per round {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    if profile:
+        print(profile)
     return 0
 
 

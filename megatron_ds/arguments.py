@@ -16,6 +16,7 @@ from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_ds.profiling import profile_errors
 
 
 class ArgumentsError(Exception):
@@ -142,6 +143,17 @@ def _add_logging_args(parser):
     group.add_argument("--tensorboard-dir", default=None)
     group.add_argument("--peak-tflops", type=float, default=None,
                        help="per-device peak TFLOP/s for MFU (default: known GPU table, or measured matmul rate)")
+    group.add_argument("--profile", action="store_true",
+                       help="profile iterations --profile-step-start .. --profile-step-end - 1 (see "
+                            "--use-pytorch-profiler; without it, CUDA's profiler API for nsys)")
+    group.add_argument("--use-pytorch-profiler", action="store_true",
+                       help="with --profile: torch.profiler, a Chrome trace per profiled rank and a table of the "
+                            "costliest operators on stdout")
+    group.add_argument("--profile-step-start", type=int, default=10)
+    group.add_argument("--profile-step-end", type=int, default=12)
+    group.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    group.add_argument("--profile-dir", default=None,
+                       help="where traces go (default: --tensorboard-dir, else the working directory)")
 
 
 def _add_data_args(parser):
@@ -316,6 +328,7 @@ def _size_errors(args):
     if args.bf16 and args.fp16:
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
     errors += _data_source_errors(args) + _tokenizer_errors(args) + _checkpoint_errors(args)
+    errors += profile_errors(args)
     for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "loss_scale"):
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -23,11 +23,14 @@ from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.ds_config import build_deepspeed_config
+from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
+from megatron_ds.optimizer import adam_implementation, build_adamw
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
 
 
@@ -55,12 +58,7 @@ def build_model(args, config):
 
 
 def build_optimizer(args, model):
-    """AdamW; no weight decay on biases and norm weights (the 1-D parameters), as in Megatron."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                  fused=torch.cuda.is_available())
+    optimizer = build_adamw(model, args, device().type)
     scheduler = OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                         args.lr_decay_style)
     return optimizer, scheduler
@@ -75,6 +73,7 @@ def setup_engine(args, config, ds_config):
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
+    install_flat_gradient_reduction(engine, parallel_state.get_data_parallel_group())
     return engine
 
 
@@ -188,6 +187,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device())
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
+    profiler = IterationProfiler(args, dist.get_rank())
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -199,7 +199,9 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
         accumulation_steps = engine.gradient_accumulation_steps()
         lr = engine.optimizer.param_groups[0]["lr"]
+        profiler.begin(iteration)
         loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
+        profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
         logger.iteration(iteration, loss, lr, engine, batch_size, progress.consumed_train_samples)
@@ -226,7 +228,8 @@ def log_startup(args, engine, ds_config, peak, peak_source):
     print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(ds_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
-                 f"{describe_fused_ops(transformer_config_from_args(args))}")
+                 f"{describe_fused_ops(transformer_config_from_args(args))} "
+                 f"optimizer=AdamW:{adam_implementation(args.fusion_backend, device().type)}")
 
 
 def _log_parameters_per_stage(engine):

@@ -1,0 +1,84 @@
+"""--profile: record iterations --profile-step-start .. --profile-step-end - 1 on the ranks in --profile-ranks.
+
+With --use-pytorch-profiler, torch.profiler records CPU operators (and CUDA kernels on GPUs). Each
+profiled rank writes a Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev):
+
+    <--profile-dir, else --tensorboard-dir, else .>/profile_rank<R>_iterations<START>-<END - 1>.json
+
+and prints the operators that took the most time, as torch.profiler's table. Without
+--use-pytorch-profiler the window is handed to CUDA's profiler API (cudaProfilerStart/Stop), for
+`nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`, as in Megatron-LM.
+"""
+import os
+
+import torch
+
+TABLE_ROWS = 25
+
+
+def profile_errors(args):
+    """Problems with the --profile flags, found before any process group exists."""
+    if not args.profile:
+        return []
+    start, end = args.profile_step_start, args.profile_step_end
+    errors = []
+    if not 1 <= start < end:
+        errors.append(f"--profile-step-start {start} and --profile-step-end {end}: need 1 <= start < end "
+                      f"(iterations start .. end - 1 are recorded)")
+    elif end > args.train_iters + 1:
+        errors.append(f"--profile-step-end {end} is past --train-iters {args.train_iters}: the window would "
+                      f"never close (use at most {args.train_iters + 1})")
+    outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+    if outside:
+        errors.append(f"--profile-ranks {outside} outside the world of {args.world_size} ranks")
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        errors.append("--profile without --use-pytorch-profiler drives CUDA's profiler API (for nsys), which "
+                      "needs a GPU; add --use-pytorch-profiler")
+    return errors
+
+
+class IterationProfiler:
+    """Call begin(iteration) before and end(iteration) after each training iteration."""
+
+    def __init__(self, args, rank):
+        self.active = bool(args.profile) and rank in args.profile_ranks
+        self.rank = rank
+        self.start, self.stop = args.profile_step_start, args.profile_step_end
+        self.use_torch = args.use_pytorch_profiler
+        self.folder = args.profile_dir or args.tensorboard_dir or "."
+        self.recorder = None
+
+    def begin(self, iteration):
+        if self.active and iteration == self.start:
+            if self.use_torch:
+                self.recorder = torch.profiler.profile(activities=_activities())
+                self.recorder.__enter__()
+            else:
+                torch.cuda.cudart().cudaProfilerStart()
+
+    def end(self, iteration):
+        if self.active and iteration == self.stop - 1:
+            if self.use_torch:
+                self.recorder.__exit__(None, None, None)
+                self._report(self.recorder)
+                self.recorder = None
+            else:
+                torch.cuda.cudart().cudaProfilerStop()
+
+    def _report(self, recorder):
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"profile_rank{self.rank}_iterations{self.start}-{self.stop - 1}.json")
+        partial = f"{path}.tmp"
+        recorder.export_chrome_trace(partial)
+        os.replace(partial, path)
+        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = recorder.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
+        print(f"megatron_ds [rank {self.rank}]: profile of iterations {self.start}-{self.stop - 1} "
+              f"(trace: {path}):\n{table}", flush=True)
+
+
+def _activities():
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
