@@ -16,6 +16,7 @@ from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
 from megatron_ds.profiling import profile_errors
 
 
@@ -240,23 +241,15 @@ def launcher_world_size():
 def parse_args(argv=None, world_size=None):
     """Parse, reconcile with the DeepSpeed JSON and validate. Raises ArgumentsError.
     Unknown flags make argparse exit with status 2 and its usage message."""
-    from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
-
     args = build_parser().parse_args(argv)
     args.world_size = launcher_world_size() if world_size is None else world_size
-    _fill_model_defaults(args)
-    errors = _size_errors(args)
-    if not errors:
-        args.data_parallel_size = args.world_size // (args.tensor_model_parallel_size *
-                                                      args.pipeline_model_parallel_size)
-        errors = reconcile_with_deepspeed_config(args)
+    errors = check_model_and_layout(args)
     if not errors:
         errors = _batch_and_precision_errors(args)
     if errors:
         raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     try:
         errors = fusion_errors(transformer_config_from_args(args))
     except ValueError as error:
@@ -264,6 +257,19 @@ def parse_args(argv=None, world_size=None):
     if errors:
         raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
     return args
+
+
+def check_model_and_layout(args):
+    """Fill the model defaults, the data-parallel size and the parameter dtype, and reconcile with the
+    DeepSpeed JSON; returns the problems found, each naming its flags and values. args.world_size must
+    be set. Shared by pretrain.py and tools/plan.py (which plans for machines other than this one)."""
+    _fill_model_defaults(args)
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    errors = _size_errors(args)
+    if errors:
+        return errors
+    args.data_parallel_size = args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    return reconcile_with_deepspeed_config(args)
 
 
 def _fill_model_defaults(args):

@@ -46,24 +46,28 @@ class IterationProfiler:
         self.start, self.stop = args.profile_step_start, args.profile_step_end
         self.use_torch = args.use_pytorch_profiler
         self.folder = args.profile_dir or args.tensorboard_dir or "."
-        self.recorder = None
+        self.recording, self.recorder = False, None
 
     def begin(self, iteration):
-        if self.active and iteration == self.start:
-            if self.use_torch:
-                self.recorder = torch.profiler.profile(activities=_activities())
-                self.recorder.__enter__()
-            else:
-                torch.cuda.cudart().cudaProfilerStart()
+        if not (self.active and iteration == self.start):
+            return  # a run resumed past the start records nothing
+        self.recording = True
+        if self.use_torch:
+            self.recorder = torch.profiler.profile(activities=_activities())
+            self.recorder.__enter__()
+        else:
+            torch.cuda.cudart().cudaProfilerStart()
 
     def end(self, iteration):
-        if self.active and iteration == self.stop - 1:
-            if self.use_torch:
-                self.recorder.__exit__(None, None, None)
-                self._report(self.recorder)
-                self.recorder = None
-            else:
-                torch.cuda.cudart().cudaProfilerStop()
+        if not (self.recording and iteration == self.stop - 1):
+            return
+        self.recording = False
+        if self.use_torch:
+            self.recorder.__exit__(None, None, None)
+            self._report(self.recorder)
+            self.recorder = None
+        else:
+            torch.cuda.cudart().cudaProfilerStop()
 
     def _report(self, recorder):
         os.makedirs(self.folder, exist_ok=True)

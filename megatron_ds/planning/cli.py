@@ -9,12 +9,9 @@ import json
 import sys
 import time
 
-import torch
-
 from megatron_ds import arguments
 from megatron_ds.arguments import ArgumentsError, build_parser, transformer_config_from_args
 from megatron_ds.data.tokenizers import build_tokenizer
-from megatron_ds.glue.ds_config import reconcile_with_deepspeed_config
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
 from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES
@@ -90,13 +87,7 @@ def validated_args(args):
     if args.search:   # the layout is searched: check only the model, at TP = PP = 1
         checked.tensor_model_parallel_size = checked.pipeline_model_parallel_size = 1
         _without_memory_choices(checked)
-    arguments._fill_model_defaults(checked)
-    errors = arguments._size_errors(checked)
-    if not errors:
-        checked.data_parallel_size = checked.world_size // (checked.tensor_model_parallel_size *
-                                                            checked.pipeline_model_parallel_size)
-        errors = reconcile_with_deepspeed_config(checked)
-    checked.params_dtype = torch.bfloat16 if checked.bf16 else torch.float16 if checked.fp16 else torch.float32
+    errors = arguments.check_model_and_layout(checked)
     if not errors:
         try:   # the combination of SP and recompute options, as training would build it
             transformer_config_from_args(checked)

@@ -37,10 +37,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        # the saved softmax becomes the gradient in place: one [tokens, vocab/tp] fp32 buffer, not three
+        grad, local_target, outside = ctx.saved_tensors
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
-        return grad * grad_output.unsqueeze(-1), None
+        return grad.mul_(grad_output.unsqueeze(-1)), None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target):
