@@ -4,6 +4,7 @@ same model written as a plain single-process PyTorch loop, measured in one run.
     python bench/train_throughput.py                       # GPT of ~44M parameters, seq 512, bf16
     python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
     python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
+    python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2
 
 MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
 peak). The plain loop uses the same shapes, fp32 master weights with bf16 compute (autocast), torch's
@@ -98,18 +99,22 @@ def plain_loop_seconds(args, device):
     return statistics.median(times), sum(p.numel() for p in model.parameters())
 
 
-def engine_seconds(args, peak, profile=False):
-    """Median seconds per iteration of pretrain.py (one rank, TP = PP = 1) after two warm-up iterations."""
+def engine_seconds(args, peak, profile=False, layout=(1, 1)):
+    """Median seconds per iteration of pretrain.py at layout (TP, PP) on TP x PP local ranks (DP = 1) after
+    two warm-up iterations. PP > 1 runs --pipeline-micro-batches micro-batches per iteration."""
+    tp, pp = layout
+    micro_batches = args.pipeline_micro_batches if pp > 1 else 1
     flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
              args.num_attention_heads, "--seq-length", args.seq_length, "--micro-batch-size", args.micro_batch_size,
-             "--global-batch-size", args.micro_batch_size, "--train-iters", args.iterations, "--bf16",
+             "--global-batch-size", args.micro_batch_size * micro_batches, "--train-iters", args.iterations, "--bf16",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", args.vocab_size,
              "--make-vocab-size-divisible-by", "1", "--log-interval", "1", "--eval-interval", "0",
-             "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}"]
+             "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}",
+             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if profile:
         flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", args.iterations - 1,
                   "--profile-step-end", args.iterations + 1, "--profile-dir", args.profile_dir]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "pretrain.py",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "pretrain.py",
                *map(str, flags)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
@@ -148,6 +153,10 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--fusion-backend", default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and plain loop")
+    parser.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1)],
+                        help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the plain loop), "
+                             "e.g. 1x1 2x1 1x2")
+    parser.add_argument("--pipeline-micro-batches", type=int, default=4, help="micro-batches per iteration at PP > 1")
     parser.add_argument("--profile", action="store_true",
                         help="also profile pretrain.py's last two iterations (excluded from the timing) and print "
                              "where the time goes")
@@ -172,6 +181,26 @@ def main(argv=None):
     print(f"  pretrain.py / plain loop time ratio: {engine / plain:.3f} (per round {ratios[0]:.3f}-{ratios[-1]:.3f})")
     if profile:
         print(profile)
+    report_other_layouts(args, peak, flops, tokens)
+
+
+def report_other_layouts(args, peak, flops_per_micro_batch, tokens_per_micro_batch):
+    """pretrain.py at each --layouts TPxPP other than 1x1, measured once; TFLOP/s and GEMM share are for all
+    ranks together, against the one-device GEMM rate (on a CPU the ranks share its cores)."""
+    for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
+        micro_batches = args.pipeline_micro_batches if pp > 1 else 1
+        seconds, _ = engine_seconds(args, peak, layout=(tp, pp))
+        tflops = flops_per_micro_batch * micro_batches / seconds / 1e12
+        print(f"  pretrain.py TP={tp} PP={pp} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
+              f"{seconds * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / seconds:9.1f} tokens/s  "
+              f"{tflops:.3f} TFLOP/s  of one device's GEMM rate {100 * tflops / peak:5.1f}%")
+
+
+def layout(text):
+    tp, _, pp = text.partition("x")
+    if not (tp.isdigit() and pp.isdigit() and int(tp) > 0 and int(pp) > 0):
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected TPxPP, e.g. 2x1")
+    return int(tp), int(pp)
     return 0
 
 
