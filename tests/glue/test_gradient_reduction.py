@@ -33,13 +33,13 @@ def _batches():
                torch.randn(3, HIDDEN, generator=generator).bfloat16())
 
 
-def _engine(pipelined):
+def _engine(pipelined, config):
     if pipelined:
         model = deepspeed.pipe.PipelineModule(layers=_layers(), num_stages=1, loss_fn=_squared_error)
     else:
         model = torch.nn.Sequential(*_layers())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG,
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            dist_init_required=False)
     return engine
 
@@ -53,8 +53,8 @@ def _step(engine, batches):
     engine.step()
 
 
-def _weights_after_two_steps(pipelined, flat):
-    engine = _engine(pipelined)
+def _weights_after_two_steps(pipelined, config, flat):
+    engine = _engine(pipelined, config)
     assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     if flat:
         assert install_flat_gradient_reduction(engine, dist.group.WORLD)
@@ -66,11 +66,11 @@ def _weights_after_two_steps(pipelined, flat):
     return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
-def _compare(pipelined):
+def _compare(pipelined, config):
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     init_distributed("gloo")
-    deepspeed_weights = _weights_after_two_steps(pipelined, flat=False)
-    flat_weights = _weights_after_two_steps(pipelined, flat=True)
+    deepspeed_weights = _weights_after_two_steps(pipelined, config, flat=False)
+    flat_weights = _weights_after_two_steps(pipelined, config, flat=True)
     for ours, theirs in zip(flat_weights, deepspeed_weights):
         assert torch.equal(ours, theirs)
     gathered = [torch.empty_like(flat_weights[0]) for _ in range(dist.get_world_size())]
@@ -78,6 +78,9 @@ def _compare(pipelined):
     assert torch.equal(gathered[0], gathered[1]), "data-parallel replicas diverged: gradients were not reduced"
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["plain-engine", "pipeline-engine"])
-def test_flat_reduction_matches_deepspeed(pipelined):
-    run_distributed(_compare, 2, pipelined, timeout=240)
+@pytest.mark.parametrize("pipelined, communication", [(False, None), (True, None), (False, "fp32")],
+                         ids=["plain-engine", "pipeline-engine", "plain-engine-fp32-communication"])
+def test_flat_reduction_matches_deepspeed(pipelined, communication):
+    """Default communication_data_type (bf16: reduced through a cast copy) and fp32 (reduced in place)."""
+    config = DS_CONFIG if communication is None else {**DS_CONFIG, "communication_data_type": communication}
+    run_distributed(_compare, 2, pipelined, config, timeout=240)
