@@ -245,7 +245,7 @@ def parse_args(argv=None, world_size=None):
     args.world_size = launcher_world_size() if world_size is None else world_size
     errors = check_model_and_layout(args)
     if not errors:
-        errors = _batch_and_precision_errors(args)
+        errors = _batch_and_precision_errors(args) + profile_errors(args)
     if errors:
         raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
@@ -334,7 +334,6 @@ def _size_errors(args):
     if args.bf16 and args.fp16:
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
     errors += _data_source_errors(args) + _tokenizer_errors(args) + _checkpoint_errors(args)
-    errors += profile_errors(args)
     for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "loss_scale"):
         value = getattr(args, name)
         if value is not None and value <= 0:
