@@ -264,12 +264,13 @@ def check_model_and_layout(args):
     DeepSpeed JSON; returns the problems found, each naming its flags and values. args.world_size must
     be set. Shared by pretrain.py and tools/plan.py (which plans for machines other than this one)."""
     _fill_model_defaults(args)
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     errors = _size_errors(args)
-    if errors:
-        return errors
-    args.data_parallel_size = args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    return reconcile_with_deepspeed_config(args)
+    if not errors:
+        args.data_parallel_size = args.world_size // (args.tensor_model_parallel_size *
+                                                      args.pipeline_model_parallel_size)
+        errors = reconcile_with_deepspeed_config(args)  # may set --bf16 / --fp16 from the JSON
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return errors
 
 
 def _fill_model_defaults(args):
