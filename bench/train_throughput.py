@@ -163,6 +163,9 @@ def main(argv=None):
     parser.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(), "megatron_ds_profile"),
                         help="where the Chrome trace goes")
     args = parser.parse_args(argv)
+    needed = 5 if args.profile else 3  # two warm-up iterations, and with --profile two profiled ones
+    if args.iterations < needed:
+        parser.error(f"--iterations {args.iterations}: need at least {needed}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rounds, parameters, profile = measure_rounds(args, device)
     peak = max(gemm for gemm, _, _ in rounds)  # noise only slows a GEMM down
@@ -182,6 +185,7 @@ def main(argv=None):
     if profile:
         print(profile)
     report_other_layouts(args, peak, flops, tokens)
+    return 0
 
 
 def report_other_layouts(args, peak, flops_per_micro_batch, tokens_per_micro_batch):
@@ -201,7 +205,6 @@ def layout(text):
     if not (tp.isdigit() and pp.isdigit() and int(tp) > 0 and int(pp) > 0):
         raise argparse.ArgumentTypeError(f"layout {text!r}: expected TPxPP, e.g. 2x1")
     return int(tp), int(pp)
-    return 0
 
 
 if __name__ == "__main__":
