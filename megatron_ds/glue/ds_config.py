@@ -158,7 +158,10 @@ def build_deepspeed_config(args):
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
         if args.zero_stage == 1:  # DeepSpeed's BF16_Optimizer: fp32 master weights and gradient accumulation
-            config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+            if config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32") == "fp32":
+                # and, as in Megatron-LM, the data-parallel reduction of those fp32 gradients in fp32
+                # (DeepSpeed's default would round them to bf16 for the all-reduce)
+                config.setdefault("communication_data_type", "fp32")
     elif args.fp16:
         config["fp16"] = _fp16_block(args, config.get("fp16", {}))
     return config

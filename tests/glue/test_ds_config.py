@@ -61,8 +61,10 @@ def test_json_only_values_fill_args(parse, ds, world, expected):
     (["--micro-batch-size", "2", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
       "--pipeline-model-parallel-size", "2"], 8,  # data-parallel size 8 / (2 x 2) = 2
      {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}),
-    (["--bf16"], 1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "fp16": None}),
-    (["--bf16", "--zero-stage", "2"], 1, {"bf16": {"enabled": True}, "data_types": None}),  # fp32 accum: ZeRO-1 only
+    (["--bf16"], 1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "fp16": None,
+                     "communication_data_type": "fp32"}),
+    (["--bf16", "--zero-stage", "2"], 1, {"bf16": {"enabled": True}, "data_types": None,  # fp32 accum: ZeRO-1 only
+                                          "communication_data_type": None}),
     (["--zero-stage", "3"], 1, {"zero_optimization": {"stage": 3}}),
     (["--clip-grad", "0.3"], 1, {"gradient_clipping": 0.3}),
 ], ids=["batch", "batch-3d", "bf16", "bf16-zero2", "zero", "clip"])
@@ -140,6 +142,7 @@ def test_unmanaged_json_keys_preserved(parse):
     assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 123}
     assert config["bf16"] == {"enabled": True, "immediate_grad_update": False}
     assert config["data_types"] == {"grad_accum_dtype": "bf16"}  # not replaced by the fp32 default
+    assert "communication_data_type" not in config  # fp32 reduction goes with fp32 accumulation only
     assert config["activation_checkpointing"] == {"partition_activations": True}
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert args.user_deepspeed_config == ds  # building the effective config does not touch the user's JSON
@@ -183,3 +186,8 @@ def test_non_positive_initial_loss_scale_rejected(parse):
 def test_bad_json_values_rejected(parse, ds):
     with pytest.raises(ArgumentsError):
         parse(ds=ds)
+
+
+def test_user_communication_dtype_kept(parse):
+    config = build_deepspeed_config(parse("--bf16", ds={"communication_data_type": "bf16"}))
+    assert config["communication_data_type"] == "bf16" and config["data_types"] == {"grad_accum_dtype": "fp32"}
