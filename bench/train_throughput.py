@@ -103,7 +103,7 @@ def engine_seconds(args, peak, profile=False, layout=(1, 1)):
     """Median seconds per iteration of pretrain.py at layout (TP, PP) on TP x PP local ranks (DP = 1) after
     two warm-up iterations. PP > 1 runs --pipeline-micro-batches micro-batches per iteration."""
     tp, pp = layout
-    micro_batches = args.pipeline_micro_batches if pp > 1 else 1
+    micro_batches = micro_batches_per_iteration(args, pp)
     flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
              args.num_attention_heads, "--seq-length", args.seq_length, "--micro-batch-size", args.micro_batch_size,
              "--global-batch-size", args.micro_batch_size * micro_batches, "--train-iters", args.iterations, "--bf16",
@@ -124,6 +124,10 @@ def engine_seconds(args, peak, profile=False, layout=(1, 1)):
         return statistics.median(times[2:]), ""
     table = result.stdout[result.stdout.find("megatron_ds [rank 0]: profile"):]
     return statistics.median(times[2:-2]), table.split("\n iteration ")[0]
+
+
+def micro_batches_per_iteration(args, pp):
+    return args.pipeline_micro_batches if pp > 1 else 1
 
 
 def measure_rounds(args, device):
@@ -192,7 +196,7 @@ def report_other_layouts(args, peak, flops_per_micro_batch, tokens_per_micro_bat
     """pretrain.py at each --layouts TPxPP other than 1x1, measured once; TFLOP/s and GEMM share are for all
     ranks together, against the one-device GEMM rate (on a CPU the ranks share its cores)."""
     for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
-        micro_batches = args.pipeline_micro_batches if pp > 1 else 1
+        micro_batches = micro_batches_per_iteration(args, pp)
         seconds, _ = engine_seconds(args, peak, layout=(tp, pp))
         tflops = flops_per_micro_batch * micro_batches / seconds / 1e12
         print(f"  pretrain.py TP={tp} PP={pp} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "

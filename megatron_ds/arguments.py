@@ -244,19 +244,26 @@ def parse_args(argv=None, world_size=None):
     args = build_parser().parse_args(argv)
     args.world_size = launcher_world_size() if world_size is None else world_size
     errors = check_model_and_layout(args)
-    if not errors:
-        errors = _batch_and_precision_errors(args) + profile_errors(args)
-    if errors:
-        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+    raise_if_invalid(errors or _batch_and_precision_errors(args) + profile_errors(args))
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
-    try:
-        errors = fusion_errors(transformer_config_from_args(args))
-    except ValueError as error:
-        errors = [str(error)]
+    raise_if_invalid(config_errors(args, check_fusions=True))
+    return args
+
+
+def raise_if_invalid(errors):
     if errors:
         raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
-    return args
+
+
+def config_errors(args, check_fusions):
+    """Problems building the TransformerConfig (SP and recompute combinations) and, with check_fusions,
+    explicitly requested fused kernels this machine cannot run."""
+    try:
+        config = transformer_config_from_args(args)
+    except ValueError as error:
+        return [str(error)]
+    return fusion_errors(config) if check_fusions else []
 
 
 def check_model_and_layout(args):

@@ -87,14 +87,9 @@ def validated_args(args):
     if args.search:   # the layout is searched: check only the model, at TP = PP = 1
         checked.tensor_model_parallel_size = checked.pipeline_model_parallel_size = 1
         _without_memory_choices(checked)
-    errors = arguments.check_model_and_layout(checked)
-    if not errors:
-        try:   # the combination of SP and recompute options, as training would build it
-            transformer_config_from_args(checked)
-        except ValueError as error:
-            errors = [str(error)]
-    if errors:
-        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+    # the fused kernels run on the planned machines, not here: only the SP/recompute combination is checked
+    arguments.raise_if_invalid(arguments.check_model_and_layout(checked)
+                               or arguments.config_errors(checked, check_fusions=False))
     return checked
 
 

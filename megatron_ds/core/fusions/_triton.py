@@ -72,6 +72,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def elementwise_tiles(n: int):
+    """(rows, columns) per program of the 2-D elementwise kernels over [rows, n]: 16 rows, up to 256 columns."""
+    return 16, min(next_power_of_2(n), 256)
+
+
 def num_warps_for(block: int) -> int:
     """Warps for a one-row-per-program kernel with `block` elements in flight."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16

@@ -8,7 +8,7 @@ Not training, or p == 0: residual + x + bias, no mask.
 """
 import torch
 
-from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, row_programs, tl
+from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, row_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
 
@@ -87,10 +87,6 @@ def _bda_backward(DY, KEEP, DX, DB_PARTIAL, rows, n, scale, HAS_BIAS: tl.constex
         tl.store(DB_PARTIAL + pid_m * n + c, db, mask=inside_c)
 
 
-def _blocks(n):
-    return 16, min(next_power_of_2(n), 256)
-
-
 class _BiasDropoutAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, keep, scale):
@@ -102,7 +98,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
         rows = x2d.size(0)
         out = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         keep2d = keep.reshape(rows, n).contiguous() if keep is not None else None
-        block_m, block_n = _blocks(n)
+        block_m, block_n = elementwise_tiles(n)
         if x2d.numel():
             _bda_forward[(cdiv(rows, block_m), cdiv(n, block_n))](
                 x2d, bias if bias is not None else x2d, residual.reshape(rows, n).contiguous(),
@@ -121,7 +117,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
         rows = dy.size(0)
         has_bias = ctx.bias_dtype is not None
         dx = torch.empty(dy.shape, dtype=ctx.x_dtype, device=dy.device)
-        block_m, block_n = _blocks(n)
+        block_m, block_n = elementwise_tiles(n)
         programs = row_programs(rows, block_m, dy.device)
         db_partial = torch.zeros(programs, n, dtype=torch.float32, device=dy.device) if has_bias else dx
         if dy.numel():

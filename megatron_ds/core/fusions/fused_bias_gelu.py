@@ -5,7 +5,7 @@ no fp32 copies) and reduce the bias gradient as fp32 partial sums.
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, row_programs, tl
+from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, row_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
 _APPROXIMATIONS = ("none", "tanh")
@@ -82,10 +82,6 @@ def _gelu_backward(DY, X, B, DX, DB_PARTIAL, rows, n, HAS_BIAS: tl.constexpr, TA
         tl.store(DB_PARTIAL + pid_m * n + c, db, mask=inside_c)
 
 
-def _blocks(n):
-    return 16, min(next_power_of_2(n), 256)
-
-
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, tanh):
@@ -94,7 +90,7 @@ class _BiasGelu(torch.autograd.Function):
         x2d = x.reshape(-1, n).contiguous()
         rows = x2d.size(0)
         y = torch.empty_like(x2d)
-        block_m, block_n = _blocks(n)
+        block_m, block_n = elementwise_tiles(n)
         if x2d.numel():
             grid = (cdiv(rows, block_m), cdiv(n, block_n))
             _gelu_forward[grid](x2d, bias if bias is not None else x2d, y, rows, n, HAS_BIAS=bias is not None,
@@ -109,7 +105,7 @@ class _BiasGelu(torch.autograd.Function):
         rows, n = x2d.shape
         dy = grad_output.reshape(rows, n).contiguous()
         dx = torch.empty_like(x2d)
-        block_m, block_n = _blocks(n)
+        block_m, block_n = elementwise_tiles(n)
         programs = row_programs(rows, block_m, x2d.device)
         db_partial = torch.zeros(programs, n, dtype=torch.float32, device=x2d.device) if bias is not None else dx
         if x2d.numel():

@@ -1,6 +1,7 @@
-"""Rotary position embedding applied to the query and the key in one call (rotate-half convention, as
-transformer/rotary.py): x [s, b, heads, d] (q and k may have different head counts), cos and sin
-[s, 1, 1, d]; rotation in fp32, results in the inputs' dtype. cos and sin get no gradient.
+"""Rotary position embedding applied to the query and the key in one call, rotate-half convention:
+x [s, b, heads, d] (q and k may have different head counts), cos and sin [s, 1, 1, d]; rotation in fp32,
+results in the inputs' dtype. cos and sin get no gradient. `apply_rotary_pos_emb` (one tensor) is also
+what the model runs without fusion (transformer/rotary.py re-exports it).
 
 y = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); its adjoint (the backward) is
 dx = dy * cos + cat(dy2 * sin2, -dy1 * sin1). The triton kernel reads cos/sin once per token for all
@@ -17,7 +18,8 @@ def _rotate_half(x):
     return torch.cat((-second, first), dim=-1)
 
 
-def _rope(x, cos, sin):
+def apply_rotary_pos_emb(x, cos, sin):
+    """x: [s, b, heads, d]; rotation in fp32, result in x's dtype."""
     x32 = x.float()
     return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
 
@@ -35,11 +37,11 @@ def _check_shapes(q, k, cos, sin):
 def rotary_pos_emb_reference(q, k, cos, sin):
     """(rope(q), rope(k))."""
     _check_shapes(q, k, cos, sin)
-    return _rope(q, cos, sin), _rope(k, cos, sin)
+    return _rope_pair(q, k, cos, sin)
 
 
 def _rope_pair(q, k, cos, sin):
-    return _rope(q, cos, sin), _rope(k, cos, sin)
+    return apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
 
 
 def rotary_pos_emb_compile(q, k, cos, sin):

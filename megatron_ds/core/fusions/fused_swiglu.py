@@ -5,7 +5,7 @@ input alone and write both halves' gradients into one [..., 2f] tensor.
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
+from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
 
@@ -49,10 +49,6 @@ def _swiglu_backward(DY, X, DX, rows, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     tl.store(dst + f, (dy * silu).to(DX.dtype.element_ty), mask=inside)
 
 
-def _blocks(f):
-    return 16, min(next_power_of_2(f), 256)
-
-
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -63,7 +59,7 @@ class _SwiGLU(torch.autograd.Function):
         x2d = x.reshape(-1, 2 * f).contiguous()
         rows = x2d.size(0)
         y = torch.empty(rows, f, dtype=x.dtype, device=x.device)
-        block_m, block_n = _blocks(f)
+        block_m, block_n = elementwise_tiles(f)
         if y.numel():
             _swiglu_forward[(cdiv(rows, block_m), cdiv(f, block_n))](x2d, y, rows, f, BLOCK_M=block_m,
                                                                      BLOCK_N=block_n)
@@ -77,7 +73,7 @@ class _SwiGLU(torch.autograd.Function):
         rows, f = x2d.size(0), x2d.size(1) // 2
         dy = grad_output.reshape(rows, f).contiguous()
         dx = torch.empty_like(x2d)
-        block_m, block_n = _blocks(f)
+        block_m, block_n = elementwise_tiles(f)
         if dy.numel():
             _swiglu_backward[(cdiv(rows, block_m), cdiv(f, block_n))](dy, x2d, dx, rows, f, BLOCK_M=block_m,
                                                                       BLOCK_N=block_n)

@@ -1,5 +1,10 @@
-"""Rotary position embedding (RoPE), rotate-half convention (as in LLaMA and Hugging Face)."""
+"""Rotary position embedding (RoPE), rotate-half convention (as in LLaMA and Hugging Face). The rotation
+itself, apply_rotary_pos_emb, is the reference in core/fusions/fused_rope.py."""
 import torch
+
+from megatron_ds.core.fusions.fused_rope import apply_rotary_pos_emb
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -17,13 +22,3 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         return angles.cos(), angles.sin()
 
-
-def _rotate_half(x):
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary_pos_emb(x, cos, sin):
-    """x: [s, b, heads, d]; rotation in fp32, result in x's dtype."""
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
