@@ -5,9 +5,14 @@
 """
 import sys
 
+from megatron_ds.glue.launcher_env import LauncherError
 from megatron_ds.glue.runtime import prepare_host
 
-prepare_host()  # before DeepSpeed is imported: it picks its accelerator at import time
+try:
+    prepare_host()  # before DeepSpeed is imported: it picks its accelerator at import time
+except LauncherError as error:
+    print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 from megatron_ds.training import pretrain  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Fused ops: each available backend against the plain-PyTorch reference and the model's current code.
+"""Fused ops: each available backend against the plain-PyTorch reference (what the model runs unfused).
 
 Time of forward + backward (median of --repeats after --warmup calls) and memory, in one run:
 
@@ -24,14 +24,11 @@ from pathlib import Path
 from typing import Callable, Dict
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_ds.core import fusions  # noqa: E402
-from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
-from megatron_ds.core.transformer.transformer_layer import bias_dropout_add as model_bias_dropout_add  # noqa: E402
+from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
 SIZES = {  # sequence, micro batch, hidden, heads, ffn, vocab
     "small": dict(s=256, b=2, h=1024, heads=8, ffn=2816, vocab=32000),
@@ -44,7 +41,6 @@ class Case:
     """inputs(): fresh leaf tensors; call(fn, inputs): the op's outputs (a tensor or a tuple)."""
     inputs: Callable[[], Dict[str, torch.Tensor]]
     call: Callable
-    model: Callable  # the model's current code, same calling convention as the backends
 
 
 def _leaf(shape, dtype, device, scale=1.0):
@@ -58,40 +54,25 @@ def build_cases(size, dtype, device):
     rotary = RotaryEmbedding(d).to(device)
     cos, sin = rotary(s, device)
     target = torch.randint(0, vocab, (s, b), device=device)
-
-    def model_softmax(scores, mask, scale, causal_flag):
-        return torch.softmax((scores * scale).float().masked_fill(mask, float("-inf")), dim=-1).to(scores.dtype)
-
-    def model_rms(x, w, bias=None, eps=1e-5):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-    def model_swiglu(x):
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
     return {
         "scale_mask_softmax": Case(lambda: dict(scores=_leaf((b, heads, s, s), dtype, device)),
-                                   lambda fn, t: fn(t["scores"], causal, 1 / math.sqrt(d), False), model_softmax),
+                                   lambda fn, t: fn(t["scores"], causal, 1 / math.sqrt(d), False)),
         "layer_norm": Case(lambda: dict(x=_leaf((s, b, h), dtype, device), w=_leaf((h,), torch.float32, device),
                                         bias=_leaf((h,), torch.float32, device)),
-                           lambda fn, t: fn(t["x"], t["w"], t["bias"], 1e-5), fusions.layer_norm_reference),
+                           lambda fn, t: fn(t["x"], t["w"], t["bias"], 1e-5)),
         "rms_norm": Case(lambda: dict(x=_leaf((s, b, h), dtype, device), w=_leaf((h,), dtype, device)),
-                         lambda fn, t: fn(t["x"], t["w"], None, 1e-5), model_rms),
+                         lambda fn, t: fn(t["x"], t["w"], None, 1e-5)),
         "rotary_pos_emb": Case(lambda: dict(q=_leaf((s, b, heads, d), dtype, device),
                                             k=_leaf((s, b, heads, d), dtype, device)),
-                               lambda fn, t: fn(t["q"], t["k"], cos, sin),
-                               lambda q, k, c, sn: (apply_rotary_pos_emb(q, c, sn), apply_rotary_pos_emb(k, c, sn))),
+                               lambda fn, t: fn(t["q"], t["k"], cos, sin)),
         "bias_gelu": Case(lambda: dict(x=_leaf((s, b, ffn), dtype, device), bias=_leaf((ffn,), dtype, device)),
-                          lambda fn, t: fn(t["x"], t["bias"]), lambda x, bias: F.gelu(x + bias)),
+                          lambda fn, t: fn(t["x"], t["bias"])),
         "bias_dropout_add": Case(lambda: dict(x=_leaf((s, b, h), dtype, device), bias=_leaf((h,), dtype, device),
                                               residual=_leaf((s, b, h), dtype, device)),
-                                 lambda fn, t: fn(t["x"], t["bias"], t["residual"], 0.1, True),
-                                 model_bias_dropout_add),
-        "swiglu": Case(lambda: dict(x=_leaf((s, b, 2 * ffn), dtype, device)), lambda fn, t: fn(t["x"]),
-                       model_swiglu),
+                                 lambda fn, t: fn(t["x"], t["bias"], t["residual"], 0.1, True)),
+        "swiglu": Case(lambda: dict(x=_leaf((s, b, 2 * ffn), dtype, device)), lambda fn, t: fn(t["x"])),
         "cross_entropy": Case(lambda: dict(logits=_leaf((s, b, vocab), dtype, device, scale=3.0)),
-                              lambda fn, t: fn(t["logits"], target), vocab_parallel_cross_entropy),
+                              lambda fn, t: fn(t["logits"], target)),
     }
 
 
@@ -187,13 +168,13 @@ def main(argv=None):
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"device {device}, {args.dtype}, size {size_name} {SIZES[size_name]}, threads {torch.get_num_threads()}, "
           f"median of {repeats} after {args.warmup} warm-up calls, {args.clock} clock")
-    header = (f"{'op':<19}{'backend':<10}{'first s':>8}{'fwd ms':>9}{'fwd+bwd ms':>11}{'x ref':>7}{'x model':>8}"
+    header = (f"{'op':<19}{'backend':<10}{'first s':>8}{'fwd ms':>9}{'fwd+bwd ms':>11}{'x ref':>7}"
               f"{'saved MiB':>10}{'x ref':>7}" + (f"{'peak MiB':>9}{'x ref':>7}" if device.type == "cuda" else ""))
     print(header)
     for name, case in cases.items():
         if args.ops and name not in args.ops:
             continue
-        rows = {"model": case.model}
+        rows = {}
         for backend in ("reference", "compile", "triton", "apex"):
             if backend not in args.backends or backend not in fusions.registered_ops()[name].implementations:
                 continue
@@ -210,10 +191,10 @@ def main(argv=None):
                 warnings.simplefilter("ignore")
                 first, forward, step = timing(case, fn, device, args.warmup, repeats, clock)
             results[backend] = (first, forward, step, saved_bytes(case, fn), peak_bytes(case, fn, device))
-        ref, model = results.get("reference"), results["model"]
+        ref = results.get("reference")
         for backend, (first, forward, step, saved, peak) in results.items():
             line = (f"{name:<19}{backend:<10}{first:8.2f}{forward:9.3f}{step:11.3f}"
-                    f"{step / ref[2] if ref else float('nan'):7.2f}{step / model[2]:8.2f}"
+                    f"{step / ref[2] if ref else float('nan'):7.2f}"
                     f"{saved / 2**20:10.2f}{saved / ref[3] if ref and ref[3] else float('nan'):7.2f}")
             if peak is not None:
                 line += f"{peak / 2**20:9.1f}{peak / ref[4] if ref and ref[4] else float('nan'):7.2f}"

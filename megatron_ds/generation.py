@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.conversion import layout
-from megatron_ds.conversion.state import FullState, rank_state_of
+from megatron_ds.checkpointing import layout
+from megatron_ds.checkpointing.state import FullState, rank_state_of
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
@@ -32,20 +32,19 @@ class SamplingParams:
     stop_at_eod: bool = True
 
 
+_INFERENCE_VALUES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "sequence_parallel": False,
+                     "recompute_activations": False, "recompute_granularity": None, "recompute_method": None,
+                     "recompute_num_layers": None, "distribute_saved_activations": False}
+
+
 def inference_args(saved_args):
-    """An args namespace for transformer_config_from_args from a checkpoint's saved arguments: parser
-    defaults for flags the checkpoint predates, fp32 unless saved otherwise, no dropout, no SP/recompute."""
-    from megatron_ds.arguments import build_parser
-    defaults = {action.dest: action.default for action in build_parser()._actions if action.dest != "help"}
-    args = argparse.Namespace(**{**defaults, **saved_args})
-    args.params_dtype = getattr(torch, saved_args.get("params_dtype", "float32"))
-    args.hidden_dropout = args.attention_dropout = 0.0
-    for name in ("sequence_parallel", "distribute_saved_activations"):
-        setattr(args, name, False)
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        setattr(args, name, None)
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
+    """An args namespace for transformer_config_from_args from a checkpoint's saved arguments: flag defaults
+    for flags the checkpoint predates, pretrain.py's model defaults, fp32 unless saved otherwise, no dropout,
+    no SP or recompute."""
+    from megatron_ds.arguments import flag_defaults, model_defaults
+    args = argparse.Namespace(**{**flag_defaults(), **saved_args})
+    vars(args).update(model_defaults(args))
+    vars(args).update(_INFERENCE_VALUES, params_dtype=getattr(torch, saved_args.get("params_dtype", "float32")))
     return args
 
 
@@ -56,7 +55,7 @@ def build_model(full: FullState):
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
     if rows % tp:  # more padding rows so the vocabulary splits (they are masked when sampling)
-        from megatron_ds.conversion.state import resize_vocabulary
+        from megatron_ds.checkpointing.state import resize_vocabulary
         resize_vocabulary(full, -(-rows // tp) * tp)
         rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
     config = transformer_config_from_args(args)
@@ -159,9 +158,3 @@ def generate(model: GPTModel, prompt_ids, params: SamplingParams, vocab_size, eo
             break
         tokens = torch.tensor([[token]], dtype=torch.long, device=device)
     return generated
-
-
-@torch.no_grad()
-def full_forward_logits(model: GPTModel, input_ids):
-    """Logits [b, s, padded vocab] of the model's own (uncached) forward, gathered over TP."""
-    return gather_from_tensor_model_parallel_region(model(input_ids)).transpose(0, 1).float()

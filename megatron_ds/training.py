@@ -4,6 +4,7 @@ PP > 1: the model is a DeepSpeed PipelineModule (1F1B schedule) over our topolog
 runs a whole global batch. PP = 1: the plain DeepSpeed engine runs GPTModel with our mpu (so ZeRO-2/3
 also work), and this loop runs the micro-batches.
 """
+import copy
 import json
 import logging
 import sys
@@ -22,7 +23,6 @@ from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
-from megatron_ds.glue.ds_config import build_deepspeed_config
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
@@ -64,12 +64,13 @@ def build_optimizer(args, model):
     return optimizer, scheduler
 
 
-def setup_engine(args, config, ds_config):
+def setup_engine(args, config):
     model = build_model(args, config).to(device())
     optimizer, scheduler = build_optimizer(args, model)
     pipelined = args.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=None if pipelined else ModelParallelUnit(),
+                                           config=copy.deepcopy(args.effective_deepspeed_config),  # DeepSpeed may edit it
+                                           mpu=None if pipelined else ModelParallelUnit(),
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
@@ -215,7 +216,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     return progress
 
 
-def log_startup(args, engine, ds_config, peak, peak_source):
+def log_startup(args, config, engine, peak, peak_source):
     print_rank_0(f"megatron_ds: world size {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
                  f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; global batch "
                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
@@ -225,10 +226,10 @@ def log_startup(args, engine, ds_config, peak, peak_source):
     for axis, groups in parallel_state.all_groups_by_axis().items():
         print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
-    print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(ds_config, sort_keys=True)}")
+    print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
-                 f"{describe_fused_ops(transformer_config_from_args(args))} "
+                 f"{describe_fused_ops(config)} "
                  f"optimizer=AdamW:{adam_implementation(args.fusion_backend, device().type)}")
 
 
@@ -281,15 +282,14 @@ def _pretrain(args, watchdog):
     _log_placement(args)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args)
-    ds_config = build_deepspeed_config(args)
     watchdog.activity = "building the model and the DeepSpeed engine"
-    engine = setup_engine(args, config, ds_config)
+    engine = setup_engine(args, config)
     peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
-    log_startup(args, engine, ds_config, peak, peak_source)
+    log_startup(args, config, engine, peak, peak_source)
     watchdog.activity = "building the datasets"
     datasets = build_datasets(args)
     logger = MetricsLogger(args, config, peak)
-    checkpoints = CheckpointManager(args, engine, ds_config)
+    checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config)
     watchdog.activity = "loading the checkpoint"
     try:
         progress = checkpoints.load()

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # launches several real processes
+
 REPO = Path(__file__).resolve().parents[1]
 
 

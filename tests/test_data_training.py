@@ -11,6 +11,8 @@ import pytest
 
 from tests.launch import REPO, launch, losses
 
+pytestmark = pytest.mark.e2e  # launches several real processes
+
 VOCAB = 250
 ITERATIONS = 8
 

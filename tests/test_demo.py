@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import REPO, losses
+
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 
 def test_demo_trains_and_loss_falls(tmp_path):

@@ -2,42 +2,9 @@
 trains the same model on the same global batches, so its per-iteration lm loss equals the (1,1,1) run."""
 import pytest
 
-from tests.launch import launch, losses
+from tests.layouts import FAMILIES, ITERATIONS, LAYOUTS, run_layout
 
-ITERATIONS = 10
-COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS),
-          "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
-          "--clip-grad", "1.0", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--seed", "7", "--mock-data", "--vocab-size", "250", "--log-interval", "1", "--eval-interval", "0"]
-FAMILIES = {
-    "gpt2": [],
-    "llama": ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
-              "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-key-value-heads", "2"],
-}
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
-
-
-_runs = {}
-
-
-def run_layout(family, tp, pp, dp, extra=()):
-    """Per-iteration losses of one launch; memoized, so test files that need the same run share it."""
-    key = (family, tp, pp, dp, tuple(extra))
-    if key not in _runs:
-        _runs[key] = _launch_layout(family, tp, pp, dp, extra)
-    return _runs[key]
-
-
-def _launch_layout(family, tp, pp, dp, extra):
-    flags = COMMON + FAMILIES[family] + ["--tensor-model-parallel-size", str(tp),
-                                         "--pipeline-model-parallel-size", str(pp),
-                                         "--make-vocab-size-divisible-by", str(256 // tp), *extra]
-    result = launch(tp * pp * dp, flags)
-    assert result.returncode == 0, result.stdout[-4000:]
-    trajectory = losses(result.stdout)
-    assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
-    return trajectory
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 
 def reference(family):

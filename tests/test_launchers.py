@@ -14,6 +14,8 @@ import pytest
 from megatron_ds.glue.runtime import free_port
 from tests.launch import BIN, REPO, launch, losses
 
+pytestmark = pytest.mark.e2e  # launches several real processes
+
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--mock-data", "--vocab-size", "250", "--make-vocab-size-divisible-by", "128",

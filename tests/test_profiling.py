@@ -1,7 +1,11 @@
 """--profile --use-pytorch-profiler records exactly the requested iterations on the requested ranks."""
 import json
 
+import pytest
+
 from tests.launch import launch
+
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
          "--global-batch-size 2 --mock-data --vocab-size 128 --log-interval 1 --eval-interval 0").split()

@@ -44,6 +44,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--vocab-size", "250", "--make-vocab-size-divisible-by", "128", "--log-interval", "1", "--eval-interval", "0"]
 
 
+@pytest.mark.e2e
 def test_ramp_in_training_is_exact_across_layouts():
     single = launch(1, FLAGS)
     assert single.returncode == 0, single.stdout[-3000:]

@@ -3,7 +3,9 @@ equals the same run without them (fp32; within 1e-5 without dropout, identical w
 recompute), at (tp, pp, dp) = (2,1,1) and (2,2,2), through the real launcher."""
 import pytest
 
-from tests.test_equivalence import ITERATIONS, run_layout
+from tests.layouts import ITERATIONS, run_layout
+
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 SELECTIVE = ["--recompute-activations"]
 FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
@@ -17,6 +19,8 @@ CASES = {
                 "full-block-distributed": FULL_BLOCK_DISTRIBUTED},
     (2, 2, 2): {"sp-selective": SP + SELECTIVE, "sp-full-uniform": SP + FULL_UNIFORM},
 }
+
+
 def _baseline(family, layout, extra=()):
     return run_layout(family, *layout, list(extra))
 

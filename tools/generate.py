@@ -20,8 +20,8 @@ prepare_host()  # DeepSpeed picks its accelerator at import time
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_ds.checkpointing import CheckpointError  # noqa: E402
 from megatron_ds.conversion import convert  # noqa: E402
-from megatron_ds.conversion.files import CheckpointError  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.generation import SamplingParams, build_model, generate  # noqa: E402
@@ -60,8 +60,9 @@ def build_parser():
 
 
 def _init_parallel():
-    """TP = world size when launched by torchrun/deepspeed; a single process needs no process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """TP = world size when launched (torchrun, deepspeed, mpirun, srun); a single process needs no process group."""
+    from megatron_ds.glue.launcher_env import launcher_world_size
+    world = launcher_world_size()
     if world > 1:
         from megatron_ds.glue.runtime import init_distributed
         init_distributed()

@@ -1,3 +1,3 @@
-"""Checkpoint formats and conversions: the on-disk folder (files), canonical names and TP/PP splitting
-(layout), reading and writing model and optimizer state (state), Hugging Face mapping (huggingface), and
-the converter's operations (convert)."""
+"""Checkpoint conversions on top of megatron_ds.checkpointing: Hugging Face mapping (huggingface), the
+converter's operations (convert: reshape to another TP/PP, export to and import from Hugging Face) and
+tools/convert_checkpoint.py's command line (cli)."""

@@ -2,8 +2,8 @@
 import argparse
 import sys
 
+from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.conversion import convert
-from megatron_ds.conversion.files import CheckpointError
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
 from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM)."""

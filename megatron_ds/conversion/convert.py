@@ -6,17 +6,14 @@ import shutil
 
 import torch
 
-from megatron_ds.conversion import files, huggingface, state
-from megatron_ds.conversion.files import CheckpointError
+from megatron_ds.arguments import flag_defaults, padded_vocab_size
+from megatron_ds.checkpointing import files, layout, state
+from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.conversion import huggingface
 
 
 def _log(message):
     print(f"convert_checkpoint: {message}", flush=True)
-
-
-def padded_vocab_size(vocab_size, divisible_by, tp):
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def load_full(load_dir, iteration=None, with_optimizer=True):
@@ -52,7 +49,7 @@ def _check_target(args, tp, pp):
 def _retarget(full, tp, pp, divisible_by=None):
     """Set the layout in full.args; keep the vocabulary rows when they split over tp, else pad them."""
     args = full.args
-    rows = full.weights[state.layout.WORD_EMBEDDINGS].size(0)
+    rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
     if divisible_by is not None:
         wanted = padded_vocab_size(args["vocab_size"], divisible_by, tp)
     elif rows % tp == 0:
@@ -93,7 +90,7 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
     from transformers import AutoModelForCausalLM
     full, path = load_full(load_dir, iteration, with_optimizer=False)
     args = full.args
-    rows = args["vocab_size"] if trim_vocab_padding else full.weights[state.layout.WORD_EMBEDDINGS].size(0)
+    rows = args["vocab_size"] if trim_vocab_padding else full.weights[layout.WORD_EMBEDDINGS].size(0)
     config, hf_state = huggingface.to_hf_state(args, full.weights, rows)
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(hf_state, strict=False)
@@ -163,7 +160,7 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
     base = json.load(open(sidecar))["args"] if os.path.isfile(sidecar) else {}
     args = {**_default_args(), **base, **model_args}
     args.update(_hf_tokenizer_args(hf_dir, base))
-    hf_rows = weights[state.layout.WORD_EMBEDDINGS].size(0)
+    hf_rows = weights[layout.WORD_EMBEDDINGS].size(0)
     args["vocab_size"] = base.get("vocab_size") or args.get("vocab_size") or hf_rows
     if args["tokenizer_type"] == "NullTokenizer":
         args["vocab_size"] = base.get("vocab_size") or hf_rows
@@ -176,7 +173,8 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
         except ValueError as error:
             _log(f"note: the tokenizer files in {hf_dir} do not load ({error}); end-of-document id from config.json")
     full = state.FullState(args=args, weights=weights)
-    divisible_by = divisible_by or base.get("make_vocab_size_divisible_by") or 128
+    divisible_by = divisible_by or base.get("make_vocab_size_divisible_by") or \
+        flag_defaults()["make_vocab_size_divisible_by"]
     wanted = padded_vocab_size(max(args["vocab_size"], 1), divisible_by, tp)
     if wanted < hf_rows:  # HF rows beyond our padding: grow the padding to keep them
         wanted = -(-hf_rows // (divisible_by * tp)) * divisible_by * tp
@@ -187,8 +185,11 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
 
 
 def _default_args():
-    return {"params_dtype": "float32", "tokenizer_type": "NullTokenizer", "tokenizer_model": None,
-            "vocab_file": None, "merge_file": None, "rotary_base": 10000.0, "data_parallel_size": 1}
+    """What a checkpoint made from Hugging Face weights records where the HF folder says nothing."""
+    defaults = flag_defaults()
+    return {**{name: defaults[name] for name in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+                                                 "rotary_base", "norm_epsilon")},
+            "params_dtype": "float32", "data_parallel_size": 1}
 
 
 def _hf_tokenizer_args(hf_dir, base):
@@ -232,10 +233,10 @@ def model_flags(args):
     if shape["swiglu"]:
         flags.append("--swiglu")
     if shape["position_embedding_type"] == "rope":
-        flags.append(f"--use-rotary-position-embeddings --rotary-base {args.get('rotary_base', 10000.0):g}")
+        flags.append(f"--use-rotary-position-embeddings --rotary-base {args.get('rotary_base', flag_defaults()['rotary_base']):g}")
     if not shape["bias"]:
         flags.append("--disable-bias-linear")
     if not shape["tied_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
-    flags.append(f"--norm-epsilon {args.get('norm_epsilon', 1e-5):g}")
+    flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
     return " ".join(flags)

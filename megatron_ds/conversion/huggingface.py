@@ -14,8 +14,9 @@ tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
 """
 import torch
 
-from megatron_ds.conversion.files import CheckpointError, model_family, model_shape
-from megatron_ds.conversion.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from megatron_ds.arguments import flag_defaults
+from megatron_ds.checkpointing.files import CheckpointError, model_family, model_shape
+from megatron_ds.checkpointing.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
 SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
 
@@ -40,6 +41,11 @@ def to_hf_state(args, weights, vocab_rows):
         f"swiglu {shape['swiglu']}, position embeddings {shape['position_embedding_type']}, biases {shape['bias']}")
 
 
+def _saved(args, name):
+    """A saved argument, or the flag's default for a checkpoint saved before the flag existed."""
+    return args[name] if name in args else flag_defaults()[name]
+
+
 def _special_ids(args):
     eod = args.get("eod")
     return {"bos_token_id": eod, "eos_token_id": eod}
@@ -57,7 +63,7 @@ def _gpt2_config(args, shape, vocab_rows):
                       n_embd=shape["hidden_size"], n_layer=shape["num_layers"], n_head=shape["num_attention_heads"],
                       n_inner=shape["ffn_hidden_size"], activation_function="gelu",
                       resid_pdrop=args.get("hidden_dropout", 0.0), embd_pdrop=args.get("hidden_dropout", 0.0),
-                      attn_pdrop=args.get("attention_dropout", 0.0), layer_norm_epsilon=args.get("norm_epsilon", 1e-5),
+                      attn_pdrop=args.get("attention_dropout", 0.0), layer_norm_epsilon=_saved(args, "norm_epsilon"),
                       tie_word_embeddings=shape["tied_embeddings"], **_special_ids(args))
 
 
@@ -96,7 +102,7 @@ def _llama_config(args, shape, vocab_rows):
                        num_attention_heads=shape["num_attention_heads"],
                        num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["kv_channels"],
                        max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"),
-                       rms_norm_eps=args.get("norm_epsilon", 1e-5), rope_theta=float(args.get("rotary_base", 10000.0)),
+                       rms_norm_eps=_saved(args, "norm_epsilon"), rope_theta=float(_saved(args, "rotary_base")),
                        tie_word_embeddings=shape["tied_embeddings"], attention_bias=False, mlp_bias=False,
                        hidden_act="silu", attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args))
 

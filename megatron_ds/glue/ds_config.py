@@ -80,7 +80,7 @@ def _reconcile_batch(args, config, path, errors):
     if accumulation is not None and micro * dp * accumulation != global_batch:
         errors.append(f"\"gradient_accumulation_steps\": {accumulation} in {path} does not match global batch "
                       f"{global_batch} = micro batch {micro} x data-parallel size {dp} x accumulation steps")
-    args.micro_batch_size, args.global_batch_size = micro, global_batch
+    return {"micro_batch_size": micro, "global_batch_size": global_batch}
 
 
 def _reconcile_precision(args, config, path, errors):
@@ -88,7 +88,7 @@ def _reconcile_precision(args, config, path, errors):
     enabled = {name: config[name].get("enabled", False) for name in ("bf16", "fp16") if name in config}
     if enabled.get("bf16") and enabled.get("fp16"):
         errors.append(f"{path} enables both \"bf16\" and \"fp16\"; choose one")
-        return
+        return {"bf16": False, "fp16": False}
     for name, other in (("bf16", "fp16"), ("fp16", "bf16")):
         if not getattr(args, name):
             continue
@@ -97,37 +97,33 @@ def _reconcile_precision(args, config, path, errors):
         elif enabled.get(name) is False:
             errors.append(f"--{name} conflicts with \"{name}\": {{\"enabled\": false}} in {path}")
     if not (args.bf16 or args.fp16):
-        args.bf16, args.fp16 = enabled.get("bf16", False), enabled.get("fp16", False)
-    args.bf16, args.fp16 = bool(args.bf16), bool(args.fp16)
+        return {"bf16": bool(enabled.get("bf16")), "fp16": bool(enabled.get("fp16"))}
+    return {"bf16": bool(args.bf16), "fp16": bool(args.fp16)}
 
 
 def reconcile_with_deepspeed_config(args):
-    """Fill batch sizes, precision, ZeRO stage and clipping from the flags and the JSON (if any).
-    Returns a list of error messages; stores the user's JSON on args.user_deepspeed_config."""
-    errors = []
+    """Batch sizes, precision, ZeRO stage and clipping from the flags and the JSON (if any); args is only read
+    (args.data_parallel_size must be known). Returns (values, errors): values also hold the user's JSON as
+    user_deepspeed_config."""
     config, path = {}, "the DeepSpeed JSON"
     if args.deepspeed_config is not None:
         path = args.deepspeed_config
         config, error = load_deepspeed_json(path)
         if error:
-            return [error]
+            return {}, [error]
         errors = _type_errors(config, path)
         if errors:
-            return errors
-    for block in ("optimizer", "scheduler"):
-        if block in config:
-            errors.append(f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate "
-                          f"schedule from --lr, --min-lr, --lr-decay-style, --weight-decay, --adam-*: "
-                          f"remove the block and use those flags")
-    _reconcile_batch(args, config, path, errors)
-    _reconcile_precision(args, config, path, errors)
+            return {}, errors
+    errors = [f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate schedule from --lr, "
+              f"--min-lr, --lr-decay-style, --weight-decay, --adam-*: remove the block and use those flags"
+              for block in ("optimizer", "scheduler") if block in config]
+    values = {**_reconcile_batch(args, config, path, errors), **_reconcile_precision(args, config, path, errors)}
     zero = _agree(errors, "--zero-stage", args.zero_stage, "zero_optimization.stage",
                   config.get("zero_optimization", {}).get("stage"), path)
-    args.zero_stage = _DEFAULT_ZERO_STAGE if zero is None else zero
     clip = _agree(errors, "--clip-grad", args.clip_grad, "gradient_clipping", config.get("gradient_clipping"), path)
-    args.clip_grad = _DEFAULT_CLIP_GRAD if clip is None else clip
-    args.user_deepspeed_config = config
-    return errors
+    values.update(zero_stage=_DEFAULT_ZERO_STAGE if zero is None else zero,
+                  clip_grad=_DEFAULT_CLIP_GRAD if clip is None else clip, user_deepspeed_config=config)
+    return values, errors
 
 
 def _fp16_block(args, user_block):

@@ -9,15 +9,12 @@ import socket
 
 import torch
 
-from megatron_ds.glue.launcher_env import export_launcher_environment
+from megatron_ds.glue.launcher_env import export_launcher_environment, read_launcher
 
 
-def local_world_size():
-    """Ranks on this node, as announced by torchrun, the deepspeed launcher, Open MPI or SLURM."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
+def local_world_size(environ=None):
+    """Ranks on this node, as the launcher announced them (see launcher_env); 1 without a launcher."""
+    return read_launcher(environ).local_world_size
 
 
 def prepare_host():
@@ -39,12 +36,12 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None):
     """Initialize torch.distributed through DeepSpeed (nccl on GPUs, gloo on CPUs), whichever launcher
     started us (torchrun, deepspeed, mpirun, srun: see launcher_env)."""
     import deepspeed
-    export_launcher_environment(distributed_port)
+    launcher = export_launcher_environment(distributed_port)
     if not torch.cuda.is_available():
         # the shared-memory all-reduce op serves only inference and costs a ~26 s JIT build per cold start
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launcher.local_rank)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -1,16 +1,16 @@
 """tools/plan.py: pretrain.py's model, parallel and batch flags plus the cluster -> a plan (or a search).
 
 Parsing reuses `megatron_ds.arguments.build_parser()` (so every pretrain.py flag is accepted and means the
-same) and its validation, with three planner-side changes: --train-iters is optional, no data is needed
-(mock data, NullTokenizer with --vocab-size, default 51200), and --fp16 is allowed without a local GPU.
+same) and its resolution, with the planner's differences: --train-iters is optional, no data is needed
+(a NullTokenizer sized by --vocab-size, the tokenizer's files, or 51200), and nothing is checked against this
+machine (fused kernels, fp16 without a local GPU, data files).
 """
 import argparse
 import json
 import sys
 import time
 
-from megatron_ds import arguments
-from megatron_ds.arguments import ArgumentsError, build_parser, transformer_config_from_args
+from megatron_ds.arguments import ArgumentsError, build_parser, resolve, transformer_config_from_args
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
@@ -23,31 +23,10 @@ from megatron_ds.planning.search import search_layouts
 DEFAULT_VOCAB_SIZE = 51200
 
 
-def _has_flag(parser, flag):
-    return flag in parser._option_string_actions
-
-
-def _add_recompute_and_sp_flags(parser, group):
-    """Megatron's names; defined here only while arguments.py lacks them (they are being added there)."""
-    if not _has_flag(parser, "--sequence-parallel"):
-        group.add_argument("--sequence-parallel", action="store_true",
-                           help="Megatron sequence parallelism (activations split by TP outside attention/MLP)")
-    if not _has_flag(parser, "--recompute-granularity"):
-        group.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
-                           help="selective: attention scores recomputed; full: every layer recomputed")
-    if not _has_flag(parser, "--recompute-activations"):
-        group.add_argument("--recompute-activations", action="store_true",
-                           help="same as --recompute-granularity selective")
-
-
 def build_plan_parser():
-    parser = build_parser()
-    parser.prog = "tools/plan.py"
+    parser = build_parser(prog="tools/plan.py", train_iters_required=False)
     parser.description = ("Plan a 3D-parallel run: parameters, memory, FLOPs, communication and estimated time "
                           "for pretrain.py's flags on a cluster, or --search every layout")
-    for action in parser._actions:
-        if action.dest == "train_iters":   # planning needs no schedule
-            action.required, action.default = False, 1
     group = parser.add_argument_group("planner")
     group.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
     group.add_argument("--gpus-per-node", type=int, default=8)
@@ -59,7 +38,6 @@ def build_plan_parser():
     group.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     group.add_argument("--compute-efficiency", type=float, default=PerformanceAssumptions.compute_efficiency)
     group.add_argument("--bandwidth-efficiency", type=float, default=PerformanceAssumptions.bandwidth_efficiency)
-    _add_recompute_and_sp_flags(parser, group)
     return parser
 
 
@@ -75,43 +53,28 @@ def _vocab_size(args):
         raise ArgumentsError(f"cannot read the tokenizer to size the vocabulary ({error}); give --vocab-size")
 
 
+# SP and recompute do not change the model's shapes
+_WITHOUT_MEMORY_CHOICES = {"sequence_parallel": False, "recompute_activations": False, "recompute_granularity": None,
+                           "recompute_method": None, "recompute_num_layers": None,
+                           "distribute_saved_activations": False}
+
+
 def validated_args(args):
-    """pretrain.py's checks on a copy that needs no data; returns the copy with every default filled."""
+    """pretrain.py's resolution of the flags, for a cluster that is not this machine."""
     if args.world_size < 1 or args.gpus_per_node < 1:
         raise ArgumentsError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} "
                              f"must be positive")
-    checked = argparse.Namespace(**vars(args))
-    checked.vocab_size = _vocab_size(args)
-    checked.tokenizer_type, checked.mock_data = "NullTokenizer", True
-    checked.data_path = checked.train_data_path = checked.valid_data_path = checked.test_data_path = None
-    if args.search:   # the layout is searched: check only the model, at TP = PP = 1
-        checked.tensor_model_parallel_size = checked.pipeline_model_parallel_size = 1
-        _without_memory_choices(checked)
-    # the fused kernels run on the planned machines, not here: only the SP/recompute combination is checked
-    arguments.raise_if_invalid(arguments.check_model_and_layout(checked)
-                               or arguments.config_errors(checked, check_fusions=False))
-    return checked
-
-
-def _without_memory_choices(args):
-    """Clear SP and recompute options (on a copy): they do not change the model's shapes."""
-    args.sequence_parallel, args.recompute_granularity, args.recompute_activations = False, None, False
-    for name in ("recompute_method", "recompute_num_layers"):
-        setattr(args, name, None)
-    args.distribute_saved_activations = False
-
-
-def recompute_choice(args):
-    granularity = getattr(args, "recompute_granularity", None)
-    if granularity is None and getattr(args, "recompute_activations", False):
-        return "selective"
-    return granularity
+    flags = argparse.Namespace(**vars(args))
+    flags.vocab_size, flags.tokenizer_type = _vocab_size(args), "NullTokenizer"
+    if args.search:   # the layout is searched: resolve the model alone, at TP = PP = 1
+        flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = 1
+        vars(flags).update(_WITHOUT_MEMORY_CHOICES)
+    return resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
 
 
 def model_spec(args) -> ModelSpec:
     """The layer shapes from the same TransformerConfig training builds (SP and recompute do not change them)."""
-    shapes_only = argparse.Namespace(**vars(args))
-    _without_memory_choices(shapes_only)
+    shapes_only = argparse.Namespace(**{**vars(args), **_WITHOUT_MEMORY_CHOICES})
     return ModelSpec(config=transformer_config_from_args(shapes_only), vocab_size=args.vocab_size,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
@@ -122,10 +85,10 @@ def layout_from_args(args) -> Layout:
     return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, sequence_parallel=bool(args.sequence_parallel),
-                  recompute=recompute_choice(args), zero_stage=args.zero_stage,
-                  recompute_method=getattr(args, "recompute_method", None) or "uniform",
-                  recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1,
-                  distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)))
+                  recompute=args.recompute_granularity, zero_stage=args.zero_stage,
+                  recompute_method=args.recompute_method or "uniform",
+                  recompute_num_layers=args.recompute_num_layers or 1,
+                  distribute_saved_activations=args.distribute_saved_activations)
 
 
 def model_summary(model: ModelSpec) -> dict:
@@ -151,7 +114,7 @@ def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:
 def assumptions_text(assumptions: PerformanceAssumptions):
     return assumptions.describe() + [
         f"memory: {RUNTIME_OVERHEAD_BYTES / GIB:g} GiB per device for CUDA context, NCCL and allocator slack; "
-        f"activation bytes from Korthikanti et al. 2022 (DESIGN.md); peak over the 1F1B in-flight micro-batches"]
+        f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the 1F1B in-flight micro-batches"]
 
 
 def instantiate_check(model: ModelSpec, tp: int, pp: int) -> dict:

@@ -2,7 +2,7 @@
 
 Model states, bytes per parameter (Adam):
 - bf16: weights 2 + gradients 2 + optimizer 12 (fp32 master, m, v), the optimizer sharded over DP with
-  ZeRO-1 (DESIGN.md: 2 + 2 + 12/dp). Plus 4 for the fp32 gradient-accumulation buffer, unsharded:
+  ZeRO-1 (docs/formulas.md: 2 + 2 + 12/dp). Plus 4 for the fp32 gradient-accumulation buffer, unsharded:
   megatron_ds writes `"data_types": {"grad_accum_dtype": "fp32"}` for bf16 + ZeRO-1, which selects
   DeepSpeed's BF16_Optimizer, and that keeps a full fp32 gradient buffer beside the bf16 gradients.
 - fp16: 2 + 2 + 12/dp (DeepSpeed's ZeRO-1 optimizer: fp32 master, m, v sharded).
@@ -10,7 +10,7 @@ Model states, bytes per parameter (Adam):
   the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
 ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only).
 
-Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, DESIGN.md), s
+Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
 sequence, b micro batch, h hidden, a heads, t TP:
   no recompute, TP:       s b h (10 + 24/t + 5 a s / (h t))       (t = 1: s b h (34 + 5 a s / h))
   no recompute, TP + SP:  s b h / t (34 + 5 a s / h)

@@ -9,7 +9,7 @@ import sentencepiece
 from tokenizers import ByteLevelBPETokenizer
 
 from megatron_ds.data.tokenizers import build_tokenizer
-from tests.tools.test_train_tokenizer import run_train_tokenizer, sample_sentences, write_jsonl
+from tests.corpus import run_train_tokenizer, sample_sentences, write_jsonl
 
 SAMPLES = ["Hello world.", "  two  spaces, a tab\tand a\nnewline ", "Ünïcode ☃ and 漢字", ""]
 

@@ -1,5 +1,8 @@
-"""Tiny random Hugging Face models built from configs on CPU (never downloaded), for conversion tests."""
+"""Tiny random Hugging Face models built from configs on CPU (never downloaded), for conversion tests, and our
+model's plain forward to compare them with."""
 import torch
+
+from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 VOCAB = 100
 
@@ -44,3 +47,9 @@ def _perturb(model):
 def hf_logits(model, ids):
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+@torch.no_grad()
+def full_forward_logits(model, input_ids):
+    """Logits [b, s, padded vocab] of a GPTModel's own (uncached) forward, gathered over TP."""
+    return gather_from_tensor_model_parallel_region(model(input_ids)).transpose(0, 1).float()

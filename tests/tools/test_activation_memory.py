@@ -2,7 +2,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import REPO
+
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 
 def test_measured_activation_bytes_match_the_paper():

@@ -6,11 +6,14 @@ import os
 import pytest
 import torch
 
-from megatron_ds.conversion import files, state
+from megatron_ds.checkpointing import files, state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import build_model, full_forward_logits
+from megatron_ds.generation import build_model
+from tests.checkpoints import full_state, layout_flags
 from tests.launch import launch, losses
-from tests.tools.hf_models import VOCAB, hf_logits, tiny_gpt2, tiny_llama
+from tests.tools.hf_models import VOCAB, full_forward_logits, hf_logits, tiny_gpt2, tiny_llama
+
+pytestmark = pytest.mark.e2e  # launches several real processes
 
 COMMON = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
           "--vocab-size", str(VOCAB), "--lr", "2e-3", "--lr-decay-style", "cosine", "--log-interval", "1",
@@ -24,11 +27,6 @@ GPT2 = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 TARGETS = [(1, 1, 1), (1, 2, 2), (2, 1, 1)]
 
 
-def _layout(tp, pp):
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--make-vocab-size-divisible-by", str(128 // tp)]
-
-
 def _train(nproc, flags):
     result = launch(nproc, flags, timeout=300)
     assert result.returncode == 0, result.stdout[-5000:]
@@ -38,10 +36,6 @@ def _train(nproc, flags):
 def _convert(*argv):
     from megatron_ds.conversion.cli import main
     assert main([str(a) for a in argv]) == 0
-
-
-def _full(folder):
-    return state.read_full_state(str(folder), files.read_metadata(str(folder)))
 
 
 def _assert_same_state(expected, observed, with_optimizer=True):
@@ -60,14 +54,14 @@ def _assert_same_state(expected, observed, with_optimizer=True):
 
 def _our_logits(folder, ids):
     model_parallel_cuda_manual_seed(0)
-    return full_forward_logits(build_model(_full(folder)), ids)
+    return full_forward_logits(build_model(full_state(folder)), ids)
 
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     """LLaMA family (GQA, SwiGLU, RoPE, untied) trained 8 iterations at (2,2,1), saved at 4 and 8."""
     root = tmp_path_factory.mktemp("llama")
-    output = _train(4, COMMON + LLAMA + _layout(2, 2) + ["--train-iters", "8", "--save", root / "ckpt",
+    output = _train(4, COMMON + LLAMA + layout_flags(2, 2) + ["--train-iters", "8", "--save", root / "ckpt",
                                                          "--save-interval", "4"])
     return root, losses(output)
 
@@ -79,7 +73,7 @@ def gpt2_from_hf(tmp_path_factory):
     hf_model = tiny_gpt2(root / "hf")
     _convert("--from-hf", root / "hf", "--save", root / "imported", "--target-tensor-parallel-size", 2,
              "--target-pipeline-model-parallel-size", 2, "--make-vocab-size-divisible-by", 64)
-    output = _train(4, COMMON + GPT2 + _layout(2, 2) + ["--train-iters", "2", "--load", root / "imported",
+    output = _train(4, COMMON + GPT2 + layout_flags(2, 2) + ["--train-iters", "2", "--load", root / "imported",
                                                         "--finetune", "--save", root / "finetuned"])
     return root, hf_model, output
 
@@ -90,7 +84,7 @@ def test_reshaped_checkpoint_trains_on_like_the_unreshaped_run(llama_run, tmp_pa
     tp, pp, dp = target
     _convert("--load", root / "ckpt", "--load-iteration", 4, "--save", tmp_path / "reshaped",
              "--target-tensor-parallel-size", tp, "--target-pipeline-model-parallel-size", pp)
-    output = _train(tp * pp * dp, COMMON + LLAMA + _layout(tp, pp) + ["--train-iters", "8", "--load",
+    output = _train(tp * pp * dp, COMMON + LLAMA + layout_flags(tp, pp) + ["--train-iters", "8", "--load",
                                                                       tmp_path / "reshaped"])
     assert "resuming at iteration 4, consumed samples 16, optimizer states loaded" in output, output[-3000:]
     observed = losses(output)
@@ -104,7 +98,7 @@ def test_reshape_there_and_back_reproduces_every_tensor(llama_run, gpt2_from_hf,
     position all come back bit for bit, for both families (the GPT-2 one with tied embeddings)."""
     sources = [llama_run[0] / "ckpt" / "global_step4", gpt2_from_hf[0] / "finetuned" / "global_step2"]
     for number, source in enumerate(sources):
-        original = _full(source)
+        original = full_state(source)
         assert original.optimizer is not None
         for tp, pp, _ in TARGETS:
             there, back = tmp_path / f"{number}_tp{tp}_pp{pp}", tmp_path / f"{number}_tp{tp}_pp{pp}_back"
@@ -112,10 +106,10 @@ def test_reshape_there_and_back_reproduces_every_tensor(llama_run, gpt2_from_hf,
                      "--target-tensor-parallel-size", tp, "--target-pipeline-model-parallel-size", pp)
             _convert("--load", there, "--save", back, "--target-tensor-parallel-size", 2,
                      "--target-pipeline-model-parallel-size", 2)
-            _assert_same_state(original, _full(back / f"global_step{original.iteration}"))
+            _assert_same_state(original, full_state(back / f"global_step{original.iteration}"))
     _convert("--load", sources[0].parent, "--save", tmp_path / "no_optim", "--target-tensor-parallel-size", 1,
              "--target-pipeline-model-parallel-size", 1, "--no-optim")
-    assert _full(tmp_path / "no_optim" / "global_step8").optimizer is None
+    assert full_state(tmp_path / "no_optim" / "global_step8").optimizer is None
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -136,7 +130,7 @@ def test_hugging_face_export_matches_logits_and_round_trips(llama_run, gpt2_from
 
     _convert("--from-hf", tmp_path / "hf", "--save", tmp_path / "back", "--target-tensor-parallel-size", 2,
              "--target-pipeline-model-parallel-size", 2)
-    original, back = _full(source / tag), _full(tmp_path / "back" / files.RELEASE_TAG)
+    original, back = full_state(source / tag), full_state(tmp_path / "back" / files.RELEASE_TAG)
     _assert_same_state(original, back, with_optimizer=False)
     assert files.model_shape(original.args) == files.model_shape(back.args)
 

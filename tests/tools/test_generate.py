@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
-from megatron_ds.conversion import convert, files
+from megatron_ds.checkpointing import files
+from megatron_ds.conversion import convert
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import KVCache, SamplingParams, build_model, forward_step, full_forward_logits, generate
+from megatron_ds.generation import KVCache, SamplingParams, build_model, forward_step, generate
 from tests.launch import BIN, REPO
-from tests.tools.hf_models import VOCAB, tiny_gpt2, tiny_llama
+from tests.tools.hf_models import VOCAB, full_forward_logits, tiny_gpt2, tiny_llama
 
 PROMPTS = ["--prompt-ids", "5,17,42", "--prompt-ids", "3", "--prompt", "7 8 9 10 11"]
 MAX_NEW = 12
@@ -42,6 +43,7 @@ def _port():
     return free_port()
 
 
+@pytest.mark.e2e
 def test_greedy_generation_at_tp2_equals_tp1_and_hugging_face(llama_checkpoint):
     root, hf_model = llama_checkpoint
     common = ["--load", root / "ckpt", *PROMPTS, "--max-new-tokens", MAX_NEW, "--ignore-eod", "--output-format",
@@ -77,6 +79,7 @@ def test_cached_forward_equals_full_forward(tmp_path, family):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full_forward_logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_sampling_is_seeded_and_top_k_1_is_greedy(llama_checkpoint):
     root, _ = llama_checkpoint
     full, _ = convert.load_full(str(root / "ckpt"), with_optimizer=False)

@@ -1,9 +1,9 @@
-"""Fused operations, one file each, every one with a plain-PyTorch reference (the definition of correct),
-Triton kernels (forward and backward), a torch.compile path, apex for the norms when importable, and a
-registry that picks one per op from `--fusion-backend` {auto, triton, compile, apex, reference}:
+"""Fused operations, one file each, every one with a plain-PyTorch reference (the definition of correct, and
+what the model runs when an op's fusion is off or unavailable), Triton kernels (forward and backward), a
+torch.compile path, apex for the norms when importable, and a registry that picks one per op from
+`--fusion-backend` {auto, triton, compile, apex, reference}:
 
     bias_gelu = get_fused_op("bias_gelu", args.fusion_backend)      # once, at model build
-    log(format_backend_report(args.fusion_backend))                  # one start-up line
 
 Ops (all backends of an op share its signature):
     scale_mask_softmax(scores, mask=None, scale=1.0, causal=False)
@@ -13,12 +13,16 @@ Ops (all backends of an op share its signature):
     bias_dropout_add(x, bias, residual, p, training)
     swiglu(x)
     cross_entropy(logits, target, chunk_rows=None)
+
+The references compute in fp32 yet save for backward only what the fused kernels save (inputs or outputs
+in their own dtype, 1-byte dropout masks). Every dropout, fused or not, draws its mask with
+dropout.dropout_keep_mask.
 """
-from megatron_ds.core.fusions.backends import (BACKENDS, FLAG, FusedOp, auto_order, backend_report,
-                                               format_backend_report, get_fused_op, is_available,
+from megatron_ds.core.fusions.backends import (BACKENDS, FLAG, FusedOp, auto_order, get_fused_op, is_available,
                                                registered_ops, select_backend, unavailable_reason)
+from megatron_ds.core.fusions.dropout import dropout_keep_mask
 from megatron_ds.core.fusions.fused_bias_dropout_add import (bias_dropout_add_compile, bias_dropout_add_reference,
-                                                             bias_dropout_add_triton, dropout_keep_mask)
+                                                             bias_dropout_add_triton)
 from megatron_ds.core.fusions.fused_bias_gelu import bias_gelu_compile, bias_gelu_reference, bias_gelu_triton
 from megatron_ds.core.fusions.fused_cross_entropy import (cross_entropy_compile, cross_entropy_reference,
                                                           cross_entropy_triton)

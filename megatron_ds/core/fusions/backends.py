@@ -1,15 +1,13 @@
 """Which implementation serves each fused op: `reference` (plain PyTorch, the definition of correct),
 `triton` (hand-written kernels, forward and backward), `compile` (torch.compile of the reference math),
 `apex` (NVIDIA apex's norm kernels). `select_backend` resolves a `--fusion-backend` value per op once, at
-start-up; `format_backend_report` is the log line that says what was chosen.
+start-up (transformer/fused_ops.py does it for the model and logs the choices).
 
-`auto` prefers, on CUDA: triton, then apex (norms only), then compile, then reference. On CPU it takes the
-order each op declares (FusedOp.auto_cpu), from bench/ops.py (1 thread, fp32 and bf16, s 256, b 2, h 1024,
-vocab 32000; forward + backward time of compile / reference): compile for rms_norm (0.25x), swiglu
-(0.4-0.7x), rotary_pos_emb (0.5-0.8x), bias_gelu (0.55-0.9x) and cross_entropy (0.15-0.85x); reference for
-scale_mask_softmax, layer_norm and bias_dropout_add, where compile was slower in one dtype or no faster
-(a cold compile costs 1-40 s per op on a CPU). Triton never runs on CPU outside tests (its interpreter
-checks numerics; it is not a kernel).
+`auto` prefers, on CUDA: triton, then apex (norms only), then compile, then reference. On CPU it is the
+reference: a cold torch.compile costs 1-40 s per op and rank. Ask for `compile` where it pays: in
+bench/ops.py it ran rms_norm, swiglu, rotary_pos_emb, bias_gelu and cross_entropy faster than the
+reference on one CPU thread, scale_mask_softmax, layer_norm and bias_dropout_add no faster. Triton never
+runs on CPU outside tests (its interpreter checks numerics; it is not a kernel).
 """
 import functools
 import importlib
@@ -33,11 +31,10 @@ _OP_MODULES = ("fused_softmax", "fused_layer_norm", "fused_rope", "fused_bias_ge
 
 @dataclass(frozen=True)
 class FusedOp:
-    """One fused operation: its implementations (same signature each) and auto's order on CPU.
-    `checks` adds op-specific availability tests: backend -> fn(device_type) -> reason or None."""
+    """One fused operation: its implementations (same signature each). `checks` adds op-specific
+    availability tests: backend -> fn(device_type) -> reason or None."""
     name: str
     implementations: Mapping[str, Callable]
-    auto_cpu: Tuple[str, ...] = ("reference",)
     checks: Mapping[str, Callable[[str], Optional[str]]] = field(default_factory=dict)
 
 
@@ -125,9 +122,9 @@ def _op(op_name: str) -> FusedOp:
 
 def auto_order(op_name: str, device=None) -> Tuple[str, ...]:
     """The backends `auto` tries for op_name on device, best first."""
-    op = _op(op_name)
-    order = CUDA_PREFERENCE if _device_type(device) == "cuda" else op.auto_cpu
-    return tuple(dict.fromkeys([backend for backend in order if backend in op.implementations] + ["reference"]))
+    if _device_type(device) != "cuda":
+        return ("reference",)
+    return tuple(backend for backend in CUDA_PREFERENCE if backend in _op(op_name).implementations)
 
 
 def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
@@ -159,15 +156,3 @@ def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
 def get_fused_op(op_name: str, requested: str = "auto", device=None) -> Callable:
     """The callable implementing op_name under select_backend(op_name, requested, device)."""
     return _op(op_name).implementations[select_backend(op_name, requested, device)]
-
-
-def backend_report(requested: str = "auto", device=None) -> Dict[str, str]:
-    """{op name: chosen backend} for every fused op."""
-    return {name: select_backend(name, requested, device) for name in registered_ops()}
-
-
-def format_backend_report(requested: str = "auto", device=None) -> str:
-    """One start-up log line: the backend chosen for each fused op."""
-    chosen = backend_report(requested, device)
-    ops = " ".join(f"{name}={backend}" for name, backend in chosen.items())
-    return f"fused ops ({FLAG} {requested}, {_device_type(device)}): {ops}"

@@ -1,22 +1,16 @@
-"""residual + dropout(x + bias): bias optional, math in fp32, output in the promoted dtype of x and residual.
+"""residual + dropout(x + bias): bias optional, output in the promoted dtype of x and residual; the reference
+runs PyTorch's kernels in that dtype, the compiled and triton paths compute in fp32.
 
-The keep-mask is drawn with torch's RNG on x's device (`bernoulli_` into a bool tensor) before any backend
-runs, so every backend gives the same mask for the same generator state: activation recompute and the
-TP RNG tracker (`get_cuda_rng_tracker().fork()`) reproduce it. It is stored as bool (1 byte per element),
-never in the input dtype. The triton kernels save only that mask; backward needs nothing else.
+Every backend takes its keep-mask from dropout.dropout_keep_mask, drawn in PyTorch before it runs: the
+same mask for the same generator state whatever the backend, replayed by activation recompute and the TP
+RNG tracker. The mask (bool, 1 byte per element) is all any backend saves for backward.
 Not training, or p == 0: residual + x + bias, no mask.
 """
 import torch
 
 from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, row_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
-
-
-def dropout_keep_mask(x, p: float):
-    """Bool keep-mask shaped like x (True = keep, probability 1 - p) from the current device's generator."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+from megatron_ds.core.fusions.dropout import dropout, dropout_keep_mask
 
 
 def _bda_math(x, bias, residual, keep, scale: float):
@@ -35,9 +29,10 @@ def _dropout_args(x, p, training):
 
 
 def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
-    """residual + dropout(x + bias) with a bool mask from torch's RNG."""
-    keep, scale = _dropout_args(x, p, training)
-    return _bda_math(x, bias, residual, keep, scale)
+    """residual + dropout(x + bias) with the model's one dropout mask."""
+    if bias is not None:
+        x = x + bias.to(x.dtype)
+    return residual + dropout(x, p, training)
 
 
 def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
@@ -136,5 +131,4 @@ def bias_dropout_add_triton(x, bias, residual, p: float, training: bool):
 
 OPS = (FusedOp("bias_dropout_add",
                {"reference": bias_dropout_add_reference, "triton": bias_dropout_add_triton,
-                "compile": bias_dropout_add_compile},
-               auto_cpu=("reference",)),)
+                "compile": bias_dropout_add_compile}),)

@@ -1,6 +1,7 @@
-"""bias + GeLU: gelu(x + bias), exact erf form by default (as the model's F.gelu), or approximate='tanh';
-math in fp32, output in x's dtype, bias optional. The triton kernels save x and bias only (no x + bias,
-no fp32 copies) and reduce the bias gradient as fp32 partial sums.
+"""bias + GeLU: gelu(x + bias), exact erf form by default, or approximate='tanh'; output in x's dtype, bias
+optional. The reference is PyTorch's add and GeLU kernels in x's dtype (x + bias saved); the compiled and
+triton paths compute in fp32 and save x and bias only; the kernels reduce the bias gradient as fp32 partial
+sums.
 """
 import torch
 import torch.nn.functional as F
@@ -16,17 +17,21 @@ def _check(approximate):
         raise ValueError(f"bias_gelu approximate must be one of {_APPROXIMATIONS}, got {approximate!r}")
 
 
-def bias_gelu_reference(x, bias=None, approximate: str = "none"):
-    """gelu(x + bias) in fp32, returned in x's dtype."""
-    _check(approximate)
+def _bias_gelu_fp32(x, bias=None, approximate: str = "none"):
     z = x.float() if bias is None else x.float() + bias.float()
     return F.gelu(z, approximate=approximate).to(x.dtype)
 
 
-def bias_gelu_compile(x, bias=None, approximate: str = "none"):
-    """torch.compile of the reference."""
+def bias_gelu_reference(x, bias=None, approximate: str = "none"):
+    """gelu(x + bias) by PyTorch's kernels in x's dtype."""
     _check(approximate)
-    return compiled(bias_gelu_reference)(x, bias, approximate)
+    return F.gelu(x if bias is None else x + bias.to(x.dtype), approximate=approximate)
+
+
+def bias_gelu_compile(x, bias=None, approximate: str = "none"):
+    """torch.compile of the reference math."""
+    _check(approximate)
+    return compiled(_bias_gelu_fp32)(x, bias, approximate)
 
 
 # constants: sqrt(2/pi) = 0.79788..., 1/sqrt(2) = 0.70710..., 1/sqrt(2*pi) = 0.39894..., 3 * 0.044715 = 0.134145
@@ -123,5 +128,4 @@ def bias_gelu_triton(x, bias=None, approximate: str = "none"):
 
 
 OPS = (FusedOp("bias_gelu",
-               {"reference": bias_gelu_reference, "triton": bias_gelu_triton, "compile": bias_gelu_compile},
-               auto_cpu=("compile", "reference")),)
+               {"reference": bias_gelu_reference, "triton": bias_gelu_triton, "compile": bias_gelu_compile}),)

@@ -1,13 +1,13 @@
-"""LayerNorm and RMSNorm over the last dim: weight, optional bias, eps; statistics and the affine transform
-in fp32, output in the input dtype (the weight may be fp32 while the input is bf16).
-
-Note: the model's RMSNorm (transformer/norms.py) rounds the normalized input to the input dtype before
-multiplying by the weight; here the product is taken in fp32 and rounded once, which differs by at most
-one rounding of the input dtype. The triton kernels save the input plus fp32 mean and 1/std per row.
+"""LayerNorm and RMSNorm over the last dim: weight, optional bias, eps; statistics in fp32, output in the
+input dtype (the weight may be fp32 while the input is bf16). The LayerNorm reference is PyTorch's kernel
+(input plus per-row statistics saved); the RMSNorm reference saves the input alone and recomputes its fp32
+math in backward (as fast here as autograd through the fp32 math, which would save fp32 copies); the triton
+kernels save the input plus fp32 mean and 1/std per row.
 """
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.core.fusions._recompute import recomputed_in_backward
 from megatron_ds.core.fusions._triton import (check_device, kernel, next_power_of_2, num_warps_for,
                                               parallel_programs, tl)
 from megatron_ds.core.fusions.backends import FusedOp, compiled
@@ -20,14 +20,12 @@ except Exception as error:  # ImportError, or apex built without its CUDA extens
     APEX_IMPORT_ERROR = f"apex.normalization is not importable ({type(error).__name__}: {error})"
 
 
-def layer_norm_reference(x, weight, bias=None, eps: float = 1e-5):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, in fp32."""
+def _layer_norm_fp32(x, weight, bias=None, eps: float = 1e-5):
     bias32 = bias.float() if bias is not None else None
     return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias32, eps).to(x.dtype)
 
 
-def rms_norm_reference(x, weight, bias=None, eps: float = 1e-5):
-    """x / sqrt(mean(x^2) + eps) * weight + bias over the last dim, in fp32."""
+def _rms_norm_fp32(x, weight, bias=None, eps: float = 1e-5):
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     if bias is not None:
@@ -35,14 +33,25 @@ def rms_norm_reference(x, weight, bias=None, eps: float = 1e-5):
     return y.to(x.dtype)
 
 
+def layer_norm_reference(x, weight, bias=None, eps: float = 1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, by PyTorch's kernel in x's dtype."""
+    bias = bias.to(x.dtype) if bias is not None else None
+    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), bias, eps)
+
+
+def rms_norm_reference(x, weight, bias=None, eps: float = 1e-5):
+    """x / sqrt(mean(x^2) + eps) * weight + bias over the last dim, in fp32."""
+    return recomputed_in_backward(_rms_norm_fp32, x, weight, bias, eps)
+
+
 def layer_norm_compile(x, weight, bias=None, eps: float = 1e-5):
-    """torch.compile of the reference."""
-    return compiled(layer_norm_reference)(x, weight, bias, eps)
+    """torch.compile of the reference math."""
+    return compiled(_layer_norm_fp32)(x, weight, bias, eps)
 
 
 def rms_norm_compile(x, weight, bias=None, eps: float = 1e-5):
-    """torch.compile of the reference."""
-    return compiled(rms_norm_reference)(x, weight, bias, eps)
+    """torch.compile of the reference math."""
+    return compiled(_rms_norm_fp32)(x, weight, bias, eps)
 
 
 def layer_norm_apex(x, weight, bias=None, eps: float = 1e-5):
@@ -173,9 +182,7 @@ def _apex_reason(device_type):
 
 OPS = (
     FusedOp("layer_norm", {"reference": layer_norm_reference, "triton": layer_norm_triton,
-                           "compile": layer_norm_compile, "apex": layer_norm_apex},
-            auto_cpu=("reference",), checks={"apex": _apex_reason}),
+                           "compile": layer_norm_compile, "apex": layer_norm_apex}, checks={"apex": _apex_reason}),
     FusedOp("rms_norm", {"reference": rms_norm_reference, "triton": rms_norm_triton,
-                         "compile": rms_norm_compile, "apex": rms_norm_apex},
-            auto_cpu=("compile", "reference"), checks={"apex": _apex_reason}),
+                         "compile": rms_norm_compile, "apex": rms_norm_apex}, checks={"apex": _apex_reason}),
 )

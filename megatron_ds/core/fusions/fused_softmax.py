@@ -3,7 +3,8 @@
 Masks are bool, True = masked, broadcastable to the scores ([b or 1, 1, sq, sk]); `causal=True` masks keys
 after the query (aligned to the bottom right when sq < sk, so a query attends to the first sk - sq + q + 1
 keys). Math in fp32, probabilities in the input dtype. A row with every key masked gives zeros, not NaN
-(as Megatron's fused softmax does). The triton kernel saves only the probabilities, in the input dtype.
+(as Megatron's fused softmax does). The reference and the triton kernel save only the probabilities, in
+the input dtype; backward is scale * y * (dy - sum(dy * y)).
 """
 import torch
 
@@ -16,7 +17,7 @@ def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=1 + sk - sq)
 
 
-def scale_mask_softmax_reference(scores, mask=None, scale: float = 1.0, causal: bool = False):
+def _scale_mask_softmax_fp32(scores, mask=None, scale: float = 1.0, causal: bool = False):
     """softmax(scale * scores, masked positions excluded) in fp32, returned in scores' dtype."""
     x = scores.float() * scale
     if causal:
@@ -33,9 +34,31 @@ def scale_mask_softmax_reference(scores, mask=None, scale: float = 1.0, causal: 
     return probs
 
 
+class _SoftmaxSavingProbabilities(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, mask, scale, causal):
+        probs = _scale_mask_softmax_fp32(scores, mask, scale, causal)
+        ctx.save_for_backward(probs)
+        ctx.scale = float(scale)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        (probs,) = ctx.saved_tensors
+        # y * (dy - sum(dy * y)) by PyTorch's one-pass kernel (fp32 accumulation), then the scale
+        grad_scores = torch._softmax_backward_data(grad_probs.contiguous(), probs, -1, probs.dtype)
+        return grad_scores.mul_(ctx.scale), None, None, None
+
+
+def scale_mask_softmax_reference(scores, mask=None, scale: float = 1.0, causal: bool = False):
+    """softmax(scale * scores, masked positions excluded) in fp32, returned in scores' dtype; saves the
+    probabilities alone for backward."""
+    return _SoftmaxSavingProbabilities.apply(scores, mask, scale, causal)
+
+
 def scale_mask_softmax_compile(scores, mask=None, scale: float = 1.0, causal: bool = False):
-    """torch.compile of the reference."""
-    return compiled(scale_mask_softmax_reference)(scores, mask, scale, causal)
+    """torch.compile of the reference math."""
+    return compiled(_scale_mask_softmax_fp32)(scores, mask, scale, causal)
 
 
 @kernel
@@ -119,5 +142,4 @@ def scale_mask_softmax_triton(scores, mask=None, scale: float = 1.0, causal: boo
 
 OPS = (FusedOp("scale_mask_softmax",
                {"reference": scale_mask_softmax_reference, "triton": scale_mask_softmax_triton,
-                "compile": scale_mask_softmax_compile},
-               auto_cpu=("reference",)),)
+                "compile": scale_mask_softmax_compile}),)

@@ -1,6 +1,8 @@
 """SwiGLU: silu(gate) * up from fc1's output [..., 2f], first half the gate and second half the up projection
-(mlp.py's `chunk(2, dim=-1)`); math in fp32, output [..., f] in the input dtype. The triton kernels save the
-input alone and write both halves' gradients into one [..., 2f] tensor.
+(the layout of mlp.py's fc1, stride 2 over TP); output [..., f] in the input dtype. The reference is
+PyTorch's SiLU and product in the input dtype (autograd saves gate, silu(gate) and up); the compiled and
+triton paths compute in fp32 and save the input alone; the kernels write both halves' gradients into one
+[..., 2f] tensor.
 """
 import torch
 import torch.nn.functional as F
@@ -9,15 +11,20 @@ from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_til
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
 
-def swiglu_reference(x):
-    """silu(gate) * up with gate, up = x.chunk(2, -1), in fp32."""
+def _swiglu_fp32(x):
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def swiglu_reference(x):
+    """silu(gate) * up with gate, up = x.chunk(2, -1), by PyTorch's kernels in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def swiglu_compile(x):
-    """torch.compile of the reference."""
-    return compiled(swiglu_reference)(x)
+    """torch.compile of the reference math."""
+    return compiled(_swiglu_fp32)(x)
 
 
 @kernel
@@ -85,5 +92,4 @@ def swiglu_triton(x):
     return _SwiGLU.apply(x)
 
 
-OPS = (FusedOp("swiglu", {"reference": swiglu_reference, "triton": swiglu_triton, "compile": swiglu_compile},
-               auto_cpu=("compile", "reference")),)
+OPS = (FusedOp("swiglu", {"reference": swiglu_reference, "triton": swiglu_triton, "compile": swiglu_compile}),)

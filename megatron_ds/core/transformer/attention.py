@@ -5,35 +5,29 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.core.fusions import scale_mask_softmax_reference
+from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
-from megatron_ds.core.transformer.dropout import dropout
-from megatron_ds.core.transformer.fused_ops import fused_op
-from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from megatron_ds.core.transformer.fused_ops import op_implementation
+from megatron_ds.core.transformer.rotary import RotaryEmbedding
 
 
-def _causal_mask(seq_len, device):
-    """True where attention is forbidden (Megatron's convention)."""
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
-
-
-def local_attention(query, key, value, attention_mask, dropout_p, training, fused_softmax=None):
+def local_attention(query, key, value, attention_mask, dropout_p, training, softmax=scale_mask_softmax_reference):
     """Explicit QK^T -> scale + mask + softmax -> dropout -> x V on [b, heads, s, d] tensors: the path whose
     memory the paper counts (softmax output 2 as^2 b, dropout mask as^2 b, its output 2 as^2 b).
-    The scale is applied to the scores so that q and k are saved as views of the QKV output."""
+    The scale is applied to the scores so that q and k are saved as views of the QKV output.
+    attention_mask None means causal; softmax is a core.fusions scale_mask_softmax."""
     scale = 1.0 / math.sqrt(query.size(-1))
     scores = torch.matmul(query, key.transpose(-1, -2))
-    if fused_softmax is not None:
-        probs = fused_softmax(scores, attention_mask, scale, attention_mask is None)
-    else:
-        mask = attention_mask if attention_mask is not None else _causal_mask(query.size(-2), query.device)
-        probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)  # fp32 inside
+    probs = softmax(scores, attention_mask, scale, attention_mask is None)
     return torch.matmul(dropout(probs, dropout_p, training), value)
 
 
-def sdpa_attention(query, key, value, attention_mask, dropout_p, training, fused_softmax=None):
-    """torch's scaled_dot_product_attention (flash / memory-efficient kernels where available)."""
+def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softmax=None):
+    """torch's scaled_dot_product_attention (flash / memory-efficient kernels where available; it draws its
+    own dropout mask). softmax is unused."""
     dropout_p = dropout_p if training else 0.0
     if attention_mask is None:
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True)
@@ -63,8 +57,8 @@ class SelfAttention(torch.nn.Module):
         self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.core_attention = _BACKENDS[config.attention_backend]
-        self.fused_softmax = fused_op(config, "scale_mask_softmax", config.masked_softmax_fusion)
-        self.fused_rope = fused_op(config, "rotary_pos_emb", config.apply_rope_fusion) if self.rotary else None
+        self.softmax = op_implementation(config, "scale_mask_softmax")
+        self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
     def _split_qkv(self, mixed):
         """[s, b, groups*(heads_per_group+2)*d] -> q [s, b, heads, d], k and v expanded to [s, b, heads, d]."""
@@ -82,10 +76,7 @@ class SelfAttention(torch.nn.Module):
         query, key, value = self._split_qkv(mixed)
         if self.rotary is not None:
             cos, sin = self.rotary(query.size(0), query.device)
-            if self.fused_rope is not None:
-                query, key = self.fused_rope(query, key, cos, sin)
-            else:
-                query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+            query, key = self.rotary_pos_emb(query, key, cos, sin)
         # [s, b, heads, d] -> [b, heads, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.config.recompute_granularity == "selective":
@@ -100,4 +91,4 @@ class SelfAttention(torch.nn.Module):
         """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank."""
         with get_cuda_rng_tracker().fork():
             return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
-                                       self.training, self.fused_softmax)
+                                       self.training, self.softmax)

@@ -1,47 +1,45 @@
-"""LayerNorm and RMSNorm, chosen by TransformerConfig.normalization; statistics in fp32. Under sequence
-parallelism their parameters see only this rank's tokens, so their gradients are summed over TP."""
+"""LayerNorm and RMSNorm, chosen by TransformerConfig.normalization: the parameters here, the math in
+core/fusions (the backend's implementation, or the reference: statistics in fp32; the 16-bit input and
+per-row statistics saved for backward). Under sequence parallelism their parameters see only this rank's tokens, so their gradients are
+summed over TP."""
 import torch
-import torch.nn.functional as F
 
+from megatron_ds.core.fusions import layer_norm_reference, rms_norm_reference
 from megatron_ds.core.tensor_parallel.layers import mark_sequence_parallel_parameter
-from megatron_ds.core.transformer.fused_ops import fused_op
+from megatron_ds.core.transformer.fused_ops import op_implementation
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size, eps=1e-5, dtype=torch.float32, fused=None):
+    """implementation(x, weight, bias, eps): a core.fusions rms_norm, the reference by default."""
+
+    def __init__(self, hidden_size, eps=1e-5, dtype=torch.float32, implementation=rms_norm_reference):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.fused = fused
+        self.implementation = implementation
 
     def forward(self, x):
-        if self.fused is not None:
-            return self.fused(x, self.weight, None, self.eps)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return self.implementation(x, self.weight, None, self.eps)
 
 
 class LayerNorm(torch.nn.Module):
-    """Saves only its input for backward (2 bytes per element in 16-bit), as the paper counts."""
+    """implementation(x, weight, bias, eps): a core.fusions layer_norm, the reference by default."""
 
-    def __init__(self, hidden_size, eps=1e-5, dtype=torch.float32, fused=None):
+    def __init__(self, hidden_size, eps=1e-5, dtype=torch.float32, implementation=layer_norm_reference):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-        self.fused = fused
+        self.implementation = implementation
 
     def forward(self, x):
-        if self.fused is not None:
-            return self.fused(x, self.weight, self.bias, self.eps)
-        return F.layer_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+        return self.implementation(x, self.weight, self.bias, self.eps)
 
 
 def build_norm(config):
     cls, op = (RMSNorm, "rms_norm") if config.normalization == "RMSNorm" else (LayerNorm, "layer_norm")
     norm = cls(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
-               fused=fused_op(config, op, config.persist_layer_norm))
+               implementation=op_implementation(config, op))
     if config.sequence_parallel:
         for param in norm.parameters():
             mark_sequence_parallel_parameter(param)

@@ -1,5 +1,5 @@
-"""Rotary position embedding (RoPE), rotate-half convention (as in LLaMA and Hugging Face). The rotation
-itself, apply_rotary_pos_emb, is the reference in core/fusions/fused_rope.py."""
+"""Rotary position embedding (RoPE), rotate-half convention (as in LLaMA and Hugging Face): the angles here,
+the rotation in core/fusions/fused_rope.py (re-exported: apply_rotary_pos_emb rotates one tensor)."""
 import torch
 
 from megatron_ds.core.fusions.fused_rope import apply_rotary_pos_emb

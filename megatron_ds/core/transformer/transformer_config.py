@@ -10,6 +10,12 @@ ATTENTION_BACKENDS = ("sdpa", "local")
 FUSION_BACKENDS = ("auto", "triton", "compile", "apex", "reference")
 
 
+def default_ffn_hidden_size(hidden_size, gated_linear_unit):
+    """Megatron's FFN width when none is given: 4h, or 8h/3 rounded down to a multiple of 64 with a GLU
+    (the GLU's two input projections then hold about as many parameters as 4h without one)."""
+    return int(8 * hidden_size / 3 / 64) * 64 if gated_linear_unit else 4 * hidden_size
+
+
 @dataclass
 class TransformerConfig:
     num_layers: int
@@ -59,8 +65,7 @@ class TransformerConfig:
                                  f"({self.num_attention_heads}) unless kv_channels is given")
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (int(8 * self.hidden_size / 3 / 64) * 64 if self.gated_linear_unit
-                                    else 4 * self.hidden_size)
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.gated_linear_unit)
         if self.ffn_hidden_size <= 0:
             raise ValueError(f"TransformerConfig.ffn_hidden_size must be positive, got {self.ffn_hidden_size} "
                              f"(the SwiGLU default 8h/3 rounded down to 64 is 0 below hidden size 96)")
@@ -91,11 +96,6 @@ class TransformerConfig:
     def _check_choice(self, name, choices):
         if getattr(self, name) not in choices:
             raise ValueError(f"TransformerConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
-
-    @property
-    def add_bias_linear(self) -> bool:
-        """Megatron-Core's name for `bias`."""
-        return self.bias
 
     @property
     def output_layer_init_std(self) -> float:

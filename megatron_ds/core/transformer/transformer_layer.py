@@ -10,16 +10,9 @@ import torch
 
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
-from megatron_ds.core.transformer.dropout import dropout
-from megatron_ds.core.transformer.fused_ops import fused_op
+from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.mlp import MLP
 from megatron_ds.core.transformer.norms import build_norm
-
-
-def bias_dropout_add(x, bias, residual, p, training):
-    if bias is not None:
-        x = x + bias
-    return residual + dropout(x, p, training)
 
 
 class TransformerLayer(torch.nn.Module):
@@ -33,8 +26,7 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
-        self.bias_dropout_add = (fused_op(config, "bias_dropout_add", config.bias_dropout_fusion)
-                                 or bias_dropout_add)
+        self.bias_dropout_add = op_implementation(config, "bias_dropout_add")
         # layers this one recomputes in backward (itself alone by default under full recompute); a layer
         # absorbed into another's chunk passes its input through, the leader having already applied it
         self.recompute_chunk = [self] if config.recompute_granularity == "full" else None

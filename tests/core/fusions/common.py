@@ -1,7 +1,9 @@
 """Forward + backward of a fused op against its reference."""
 import torch
 
-TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+# bf16: the references run PyTorch's kernels in the input dtype and round after each op (bias-add, dropout,
+# residual-add; a norm's weight gradient summed from bf16 products), the fused paths round once from fp32
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
 
 
 def leaf(shape, dtype, device, scale=1.0, seed=0):

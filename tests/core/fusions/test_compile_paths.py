@@ -1,7 +1,7 @@
 """The torch.compile path of every op against its reference, forward and backward.
 
 A cold compile costs 5-50 s on a small, shared CPU, so: one awkward shape per op, fp32 for every op, bf16
-(with fp32 weights) for the norms only. The compiled function is the reference function itself, whose bf16
+(with fp32 weights) for the norms only. The compiled function is the reference's own math, whose bf16
 behaviour the triton tests already check; bf16 for the other ops: FUSIONS_COMPILE_BF16=1."""
 import os
 

@@ -1,8 +1,7 @@
-"""The references against the model's current code, and properties every backend must keep: dropout masks
-reproducible from the RNG state and stored in 1 byte, cross entropy equal to the existing one (chunked, at
-TP 1 and TP 2) without saving fp32 logits."""
-import math
-
+"""The references (what the model runs unfused) against plain PyTorch, and properties every backend must
+keep: only inputs or outputs saved for backward, in their own dtype; one dropout mask definition,
+reproducible from the RNG state and stored in 1 byte; cross entropy equal to the tensor-parallel one
+(chunked, at TP 1 and TP 2) without saving fp32 logits."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,12 +10,11 @@ import torch.nn.functional as F
 from megatron_ds.core import fusions, parallel_state
 from megatron_ds.core.fusions import fused_cross_entropy
 from megatron_ds.core.fusions._triton import interpreter_problem
+from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.core.tensor_parallel.random import RNGStatesTracker
 from megatron_ds.core.transformer.attention import local_attention
-from megatron_ds.core.transformer.norms import LayerNorm, RMSNorm
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
-from megatron_ds.core.transformer.transformer_layer import bias_dropout_add as model_bias_dropout_add
 from tests.core.fusions.common import TOLERANCES, assert_matches, forward_backward, leaf
 from tests.distributed import run_distributed
 
@@ -34,20 +32,38 @@ def saved_tensors(fn, *args):
     return saved
 
 
+def _padding_mask(b, s):
+    """Padding keys at the end of the second sample; every query keeps key 0."""
+    mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    mask[1, ..., 4:] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padding", [False, True])
-def test_softmax_reference_matches_local_attention(padding):
+def test_softmax_reference_matches_torch(padding, dtype):
+    scores = leaf((2, 3, 6, 6), dtype, "cpu", scale=3.0)
+    mask = _padding_mask(2, 6) if padding else None
+
+    def torch_softmax(scores, mask, scale, causal):
+        masked = torch.ones(6, 6, dtype=torch.bool).triu(diagonal=1) if causal else mask
+        return torch.softmax((scores.double() * scale).masked_fill(masked, float("-inf")), -1).to(dtype)
+
+    assert_matches(fusions.scale_mask_softmax_reference, torch_softmax, [scores, mask, 0.37, mask is None])
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_local_attention_matches_sdpa(padding):
     b, heads, s, d = 2, 3, 6, 8
     q, k, v = (leaf((b, heads, s, d), torch.float32, "cpu", seed=i) for i in range(3))
-    mask = None
-    if padding:  # padding keys at the end of the second sample; every query keeps key 0
-        mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
-        mask[1, ..., 4:] = True
+    mask = _padding_mask(b, s) if padding else None
 
-    def fused(q, k, v):
-        scores = torch.matmul(q, k.transpose(-1, -2))
-        return torch.matmul(fusions.scale_mask_softmax_reference(scores, mask, 1 / math.sqrt(d), mask is None), v)
+    def sdpa(q, k, v):
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
 
-    assert_matches(fused, lambda q, k, v: local_attention(q, k, v, mask, 0.0, False), [q, k, v])
+    assert_matches(lambda q, k, v: local_attention(q, k, v, mask, 0.0, False), sdpa, [q, k, v])
 
 
 def test_softmax_fully_masked_rows_give_zeros_not_nan():
@@ -58,23 +74,48 @@ def test_softmax_fully_masked_rows_give_zeros_not_nan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_references_match_the_model(dtype):
+def test_norm_references_match_torch(dtype):
     x = leaf((3, 2, 72), dtype, "cpu", scale=3.0)
-    layer_norm = LayerNorm(72)
-    with torch.no_grad():
-        layer_norm.weight.uniform_(0.5, 1.5)
-        layer_norm.bias.uniform_(-1, 1)
-    assert_matches(lambda x: fusions.layer_norm_reference(x, layer_norm.weight, layer_norm.bias, 1e-5),
-                   layer_norm, [x])
-    rms_norm = RMSNorm(72, dtype=dtype)
-    with torch.no_grad():
-        rms_norm.weight.uniform_(0.5, 1.5)
-    # the model rounds to the input dtype before the weight product: within one more bf16 rounding
-    assert_matches(lambda x: fusions.rms_norm_reference(x, rms_norm.weight, None, 1e-5), rms_norm, [x],
-                   tolerances=dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else None)
+    weight = (1 + 0.1 * leaf((72,), dtype, "cpu", seed=3)).detach().requires_grad_()
+    bias = leaf((72,), dtype, "cpu", seed=4)
+
+    def torch_layer_norm(x, weight, bias, eps):
+        return F.layer_norm(x.double(), x.shape[-1:], weight.double(), bias.double(), eps).to(x.dtype)
+
+    def torch_rms_norm(x, weight, bias, eps):
+        x64 = x.double()
+        return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight + bias).to(x.dtype)
+
+    assert_matches(fusions.layer_norm_reference, torch_layer_norm, [x, weight, bias, 1e-5], dtype=dtype)
+    assert_matches(fusions.rms_norm_reference, torch_rms_norm, [x, weight, bias, 1e-5], dtype=dtype)
+    assert_matches(lambda x, w: fusions.rms_norm_reference(x, w, None, 1e-5),
+                   lambda x, w: torch_rms_norm(x, w, torch.zeros(()), 1e-5), [x, weight], dtype=dtype)
 
 
-def test_rope_gelu_swiglu_references_match_the_model():
+# bytes autograd keeps per element of the op's input, by the paper's accounting: a norm keeps its 16-bit
+# input (plus per-row statistics), GeLU its 16-bit input, SwiGLU its gate, silu(gate) and up (f each, 2f input)
+SAVED_BYTES_PER_INPUT_ELEMENT = {"layer_norm": 2, "rms_norm": 2, "bias_gelu": 2, "swiglu": 3}
+
+
+@pytest.mark.parametrize("op", list(SAVED_BYTES_PER_INPUT_ELEMENT))
+def test_references_save_no_fp32_copies(op):
+    x = leaf((4, 2, 144), torch.bfloat16, "cpu")
+    weight, bias = leaf((144,), torch.bfloat16, "cpu", seed=1), leaf((144,), torch.bfloat16, "cpu", seed=2)
+    inputs = {"layer_norm": (x, weight, bias, 1e-5), "rms_norm": (x, weight, None, 1e-5),
+              "bias_gelu": (x, bias), "swiglu": (x,)}[op]
+    saved = saved_tensors(getattr(fusions, f"{op}_reference"), *inputs)
+    per_row = 8 * x.numel() // x.size(-1) + 4 * 2 * x.size(-1)   # fp32 statistics per row; the norm's weights
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert 0 < saved_bytes <= SAVED_BYTES_PER_INPUT_ELEMENT[op] * x.numel() + per_row
+
+
+def test_softmax_reference_saves_its_probabilities_alone():
+    scores = leaf((2, 3, 6, 6), torch.bfloat16, "cpu")
+    saved = saved_tensors(fusions.scale_mask_softmax_reference, scores, _padding_mask(2, 6), 0.5, True)
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.bfloat16, scores.shape)]
+
+
+def test_rope_gelu_swiglu_references_match_torch():
     s, b, heads, d = 4, 2, 3, 72
     cos, sin = RotaryEmbedding(d)(s, "cpu")
     q, k = leaf((s, b, heads, d), torch.bfloat16, "cpu"), leaf((s, b, 1, d), torch.bfloat16, "cpu", seed=1)
@@ -89,11 +130,11 @@ def test_rope_gelu_swiglu_references_match_the_model():
     with pytest.raises(ValueError, match="approximate"):
         fusions.bias_gelu_reference(x, bias, "erf")
 
-    def model_swiglu(x):
+    def torch_swiglu(x):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    assert_matches(fusions.swiglu_reference, model_swiglu, [leaf((3, 2, 144), torch.float32, "cpu")])
+    assert_matches(fusions.swiglu_reference, torch_swiglu, [leaf((3, 2, 144), torch.float32, "cpu")])
 
 
 def _bda_backends():
@@ -125,8 +166,20 @@ def test_dropout_mask_is_reproducible_and_one_byte(bias_dropout_add):
     rng = torch.get_rng_state()
     evaluated = bias_dropout_add(x, bias, residual, 0.25, False)
     assert torch.equal(torch.get_rng_state(), rng)  # no dropout, no random numbers drawn
-    torch.testing.assert_close(evaluated, model_bias_dropout_add(x, bias, residual, 0.25, False),
-                               **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(evaluated, residual + x + bias, **TOLERANCES[torch.bfloat16])
+
+
+def test_dropout_and_bias_dropout_add_share_one_mask():
+    x = torch.rand(64, 2, 72) + 1.0  # no zeros: a zero output is a dropped position
+    torch.manual_seed(5)
+    dropped = dropout(x, 0.25, True) == 0
+    torch.manual_seed(5)
+    assert torch.equal(dropped, fusions.bias_dropout_add_reference(x, None, torch.zeros_like(x), 0.25, True) == 0)
+    torch.manual_seed(5)
+    assert torch.equal(dropped, ~fusions.dropout_keep_mask(x, 0.25))
+    saved = saved_tensors(dropout, x.requires_grad_(), 0.25, True)
+    assert [t.dtype for t in saved] == [torch.bool]
+    assert dropout(x, 0.25, False) is x and dropout(x, 0.0, True) is x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
-from tests.core.transformer.test_transformer_layer import FAMILIES, _gather_param
+from tests.core.transformer.layers import FAMILIES, gather_param
 from tests.distributed import run_distributed
 
 SEQ, BATCH, HIDDEN = 8, 2, 16
@@ -49,7 +49,7 @@ def _results(family, tp, sequence_parallel, path):
     gather = _gather_sequence if sequence_parallel else (lambda t: t)
     results = {"output": gather(output.detach()), "input_grad": gather(hidden.grad)}
     for name, param in layer.named_parameters():
-        results[name] = _gather_param(param.grad, param)
+        results[name] = gather_param(param.grad, param)
         if getattr(param, "sequence_parallel", False):
             results[f"replicated:{name}"] = [torch.empty_like(param.grad) for _ in range(tp)]
             dist.all_gather(results[f"replicated:{name}"], param.grad,

@@ -5,14 +5,10 @@ import torch.distributed as dist
 from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
+from tests.core.transformer.layers import FAMILIES, gather_param
 from tests.distributed import run_distributed
 
 SEED = 1234
-FAMILIES = {
-    "gpt2": dict(),
-    "llama": dict(normalization="RMSNorm", gated_linear_unit=True, bias=False, position_embedding_type="rope",
-                  num_query_groups=2, ffn_hidden_size=24),
-}
 REPLICATED = {
     "gpt2": {"input_layernorm.weight", "input_layernorm.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
              "self_attention.linear_proj.bias", "mlp.linear_fc2.bias"},
@@ -42,17 +38,6 @@ def _inputs():
     return torch.randn(4, 2, 16, generator=generator).requires_grad_(), torch.randn(4, 2, 16, generator=generator)
 
 
-def _gather_param(tensor, param):
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor.detach().clone()
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    shards = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(shards, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    dim, stride = param.partition_dim, param.partition_stride
-    blocks = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([torch.cat([pieces[b] for pieces in blocks], dim=dim) for b in range(stride)], dim=dim)
-
-
 def _forward_backward(layer):
     hidden, output_grad = _inputs()
     output = layer(hidden)
@@ -64,8 +49,8 @@ def _full_model_results(family, attention_backend):
     layer = _layer(family, attention_backend)
     results = _forward_backward(layer)
     for name, param in layer.named_parameters():
-        results[f"param:{name}"] = _gather_param(param, param)
-        results[f"grad:{name}"] = _gather_param(param.grad, param)
+        results[f"param:{name}"] = gather_param(param, param)
+        results[f"grad:{name}"] = gather_param(param.grad, param)
     return results
 
 

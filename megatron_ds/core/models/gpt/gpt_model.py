@@ -9,14 +9,14 @@ import functools
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ds.core.fusions import cross_entropy_reference
+from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                                      linear_with_tensor_parallel_input)
 from megatron_ds.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_ds.core.tensor_parallel.random import (get_cuda_rng_tracker, init_method_normal,
                                                      initialize_deterministically, set_init_method)
-from megatron_ds.core.transformer.dropout import dropout
-from megatron_ds.core.transformer.fused_ops import fused_op
+from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 
@@ -120,8 +120,9 @@ def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
                                              embedding.config.sequence_parallel)
 
 
-def language_model_loss(logits, labels, cross_entropy=vocab_parallel_cross_entropy):
-    """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair."""
+def language_model_loss(logits, labels, cross_entropy=cross_entropy_reference):
+    """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair; cross_entropy is a
+    core.fusions cross_entropy (vocab-parallel)."""
     loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
@@ -133,9 +134,8 @@ def language_model_loss(logits, labels, cross_entropy=vocab_parallel_cross_entro
 
 
 def build_loss_fn(config):
-    """language_model_loss with the cross entropy config.fusion_backend selects (chunked, fused)."""
-    fused = fused_op(config, "cross_entropy", config.cross_entropy_fusion)
-    return language_model_loss if fused is None else functools.partial(language_model_loss, cross_entropy=fused)
+    """language_model_loss with the cross entropy config.fusion_backend selects."""
+    return functools.partial(language_model_loss, cross_entropy=op_implementation(config, "cross_entropy"))
 
 
 def gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
@@ -176,18 +176,3 @@ class GPTModel(torch.nn.Module):
         logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
                   else self.output_layer(hidden_states))
         return logits if labels is None else self.loss_fn(logits, labels)
-
-
-def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):
-    """Model FLOPs of one training iteration (forward + backward = 3x forward; no recompute).
-
-    Per token and layer the forward does 2 x (QKV, projection, MLP weights) + 4 s h for QK^T and
-    attention x V; the head adds 2 h V. For a GPT-2 shape this is Megatron's
-    72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
-    h, d = config.hidden_size, config.kv_channels
-    qkv = h * (config.num_attention_heads + 2 * config.num_query_groups) * d
-    projection = config.num_attention_heads * d * h
-    mlp = h * config.ffn_hidden_size * (3 if config.gated_linear_unit else 2)
-    per_layer = 2 * (qkv + projection + mlp) + 4 * seq_length * config.num_attention_heads * d
-    per_token_forward = config.num_layers * per_layer + 2 * h * vocab_size
-    return 3 * per_token_forward * global_batch_size * seq_length

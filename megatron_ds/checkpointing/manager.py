@@ -6,7 +6,7 @@ RNG states (Python, NumPy, torch, CUDA, the TP RNG tracker); the files are fsync
 ds_config.json and, last, megatron_ds_checkpoint.json (iteration, consumed samples, scheduler, arguments,
 layout, the file list with sizes), renames the folder to DIR/global_stepN and then replaces the pointers
 `latest_checkpointed_iteration.txt` and `latest`. A save killed at any point leaves the previous
-checkpoint published (see megatron_ds.conversion.files).
+checkpoint published (see files.py).
 
 A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape,
 same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel size,
@@ -17,22 +17,19 @@ uninterrupted one bit for bit.
 """
 import dataclasses
 import os
-import random
 import signal
 import time
 
 import deepspeed
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ds.conversion import files, layout
-from megatron_ds.conversion.files import CheckpointError
-from megatron_ds.conversion.state import read_rank_state
+from megatron_ds.checkpointing import files, layout
+from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.hooks import reached_save_phase
+from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
+from megatron_ds.checkpointing.state import read_rank_state
 from megatron_ds.core import parallel_state
-from megatron_ds.core.tensor_parallel import get_cuda_rng_tracker
-
-RNG_FILE = "rng_state_rank_{:05d}.pt"
 
 
 @dataclasses.dataclass
@@ -51,25 +48,6 @@ def _print_rank_0(message):
 def _coordinates():
     return {"rank": dist.get_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
             "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank()}
-
-
-# --- RNG --------------------------------------------------------------------------------------------
-
-def collect_rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 # --- exit on a signal -------------------------------------------------------------------------------
@@ -94,6 +72,9 @@ class ExitSignalHandler:
 # --- the manager the training loop calls --------------------------------------------------------------
 
 class CheckpointManager:
+    """What the training loop calls: load() before training, restore_rng() right before the first iteration,
+    after_iteration() after each one, finish() at the end."""
+
     def __init__(self, args, engine, ds_config):
         self.args, self.engine, self.ds_config = args, engine, ds_config
         self.pipelined = isinstance(engine, deepspeed.PipelineEngine)
@@ -102,7 +83,7 @@ class CheckpointManager:
         self.rng_state_to_restore = None
         self.signal_handler = ExitSignalHandler() if args.exit_signal_handler else None
 
-    # ---- hooks ----
+    # ---- called by the training loop ----
 
     def after_iteration(self, progress):
         """Save at --save-interval; on a signal or at --exit-interval save and return True (stop training)."""
@@ -149,8 +130,9 @@ class CheckpointManager:
         client_state = {"megatron_ds": {**dataclasses.asdict(progress), "args": args_dict}}
         engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client_state, save_latest=False)
         if dist.get_rank() == 0:
-            files.pause_for_test("deepspeed-files", str(progress.iteration))
-        torch.save({**collect_rng_state(), **_coordinates()}, os.path.join(tmp_path, RNG_FILE.format(dist.get_rank())))
+            reached_save_phase("deepspeed-files", str(progress.iteration))
+        rng_path = os.path.join(tmp_path, files.rng_file_name(dist.get_rank()))
+        torch.save({**collect_rng_state(), **_coordinates()}, rng_path)
         ranks = self._rank_entries()
         dist.barrier()
         self._fsync_share(tmp_path)
@@ -327,7 +309,7 @@ class CheckpointManager:
                       and entry["dp"] == me["dp"] % saved_dp]
         if not candidates:
             return "not found for this rank: seeded from --seed"
-        self.rng_state_to_restore = files.load_file(os.path.join(path, RNG_FILE.format(candidates[0]["rank"])))
+        self.rng_state_to_restore = files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
         return "restored" if candidates[0]["dp"] == me["dp"] else "restored (mapped across data-parallel ranks)"
 
 

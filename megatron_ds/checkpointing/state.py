@@ -14,8 +14,8 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_ds.conversion import files, layout
-from megatron_ds.conversion.files import CheckpointError, load_file
+from megatron_ds.checkpointing import files, layout
+from megatron_ds.checkpointing.files import CheckpointError, load_file
 
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -7,19 +7,25 @@ model-shape comparison that guards `--load`.
         megatron_ds_checkpoint.json         metadata, written last: format, iteration, data position, scheduler,
                                             arguments, layout, and every other file of the folder with its size
         ds_config.json                      the effective DeepSpeed config of the run that saved it
+        rng_state_rank_{NNNNN}.pt           every rank's RNG states (training saves only)
         ...                                 DeepSpeed's files (format "deepspeed") or
                                             model_optim_tp{TT}_pp{PPP}.pt (format "megatron_ds-sharded", converter)
     DIR/global_step{N}.tmp/                 a save in progress, or one killed mid-way: never loaded
 
 A checkpoint is published by renaming its finished, fsync'ed temporary folder, then replacing the
 pointers (write, fsync, rename): a save killed at any moment leaves the previous checkpoint and the
-pointers on it.
+pointers on it (tests kill saves at the phases of megatron_ds.checkpointing.hooks).
 """
+import datetime
 import json
 import os
 import re
+import shutil
 
 import torch
+
+from megatron_ds.checkpointing.hooks import reached_save_phase
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 
 METADATA_FILE = "megatron_ds_checkpoint.json"
 DS_CONFIG_FILE = "ds_config.json"
@@ -54,6 +60,10 @@ def iteration_of(tag):
 
 def sharded_file_name(tp_rank, pp_rank):
     return f"model_optim_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def rng_file_name(rank):
+    return f"rng_state_rank_{rank:05d}.pt"
 
 
 # --- durable writes ---------------------------------------------------------------------------------
@@ -103,7 +113,7 @@ def publish(save_dir, tmp_tag, tag, iteration_text):
     """Rename the finished folder save_dir/tmp_tag to save_dir/tag, then point both pointers at it.
     Called by one process after every file of the checkpoint (metadata last) is fsync'ed."""
     tmp_path, final_path = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
-    pause_for_test("metadata", iteration_text)
+    reached_save_phase("metadata", iteration_text)
     fsync_path(tmp_path)
     if os.path.exists(final_path):  # an older run saved this iteration: replace it
         old = f"{final_path}.old.{os.getpid()}"
@@ -113,14 +123,13 @@ def publish(save_dir, tmp_tag, tag, iteration_text):
     else:
         os.rename(tmp_path, final_path)
     fsync_path(save_dir)
-    pause_for_test("pointers", iteration_text)
+    reached_save_phase("pointers", iteration_text)
     atomic_write_text(os.path.join(save_dir, MEGATRON_TRACKER), f"{iteration_text}\n")
-    pause_for_test("between-pointers", iteration_text)
+    reached_save_phase("between-pointers", iteration_text)
     atomic_write_text(os.path.join(save_dir, DEEPSPEED_POINTER), f"{tag}\n")
 
 
 def _remove_tree(path):
-    import shutil
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -136,18 +145,6 @@ def remove_stale_temporaries(save_dir):
         else:
             os.remove(path)
     return stale
-
-
-def pause_for_test(phase, iteration_text):
-    """Test hook: MEGATRON_DS_TEST_SAVE_PAUSE=PHASE@ITERATION stops the save at PHASE (announced on stdout)
-    so a test can kill the job there. Phases, in order: deepspeed-files (DeepSpeed's files written into the
-    temporary folder, nothing of ours yet), metadata (all files and metadata written, not renamed),
-    pointers (renamed, pointers not updated), between-pointers (Megatron's pointer updated, DeepSpeed's not)."""
-    wanted = os.environ.get("MEGATRON_DS_TEST_SAVE_PAUSE")
-    if wanted and wanted == f"{phase}@{iteration_text}":
-        print(f"megatron_ds: test pause in checkpoint save at {phase}@{iteration_text}", flush=True)
-        import time
-        time.sleep(3600)
 
 
 # --- reading ----------------------------------------------------------------------------------------
@@ -292,7 +289,7 @@ def model_shape(args):
     heads = get("num_attention_heads")
     swiglu = bool(get("swiglu"))
     kv_channels = get("kv_channels") or get("hidden_size") // heads
-    ffn = get("ffn_hidden_size") or (int(8 * get("hidden_size") / 3 / 64) * 64 if swiglu else 4 * get("hidden_size"))
+    ffn = get("ffn_hidden_size") or default_ffn_hidden_size(get("hidden_size"), swiglu)
     position = get("position_embedding_type") or "learned_absolute"
     if get("use_rotary_position_embeddings"):
         position = "rope"
@@ -347,8 +344,6 @@ def model_shape_differences(saved_args, args):
 def new_metadata(checkpoint_format, tag, args_dict, checkpoint_layout, iteration=0, consumed_train_samples=0,
                  consumed_valid_samples=0, scheduler=None, **extra):
     """The metadata dict both formats share (the file list is added when the folder is complete)."""
-    import datetime
-
     import deepspeed
     metadata = {"format": checkpoint_format, "version": FORMAT_VERSION, "tag": tag, "iteration": iteration,
                 "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,

@@ -1,0 +1,183 @@
+"""Parsed flags -> the resolved, validated, read-only configuration of a run.
+
+`resolve(flags, world_size)` works in this order; each derived value is computed once, by the one
+function named here, and the checks in `checks.py` only read:
+
+  1. size_errors              sizes and counts that must be positive (stop here if any is not)
+  2. model_defaults           RoPE / recompute aliases, positions, key/value heads, FFN width, LR schedule
+  3. flag checks              layout, model, activation memory, optimization, checkpoint (+ data files*)
+  4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
+  5. layout_values            data-parallel size = world / (TP x PP)        (when TP x PP divides the world)
+  6. reconcile_with_deepspeed_config (glue/ds_config.py)
+                              batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
+  7. numerics_values          parameter dtype, vocabulary padded for TP
+  8. reconciled checks        batch arithmetic, ZeRO stage, the TransformerConfig (+ fused kernels, fp16,
+                              profiler*)
+  9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize
+
+(*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
+collected and raised together as one ArgumentsError after steps 1, 6 and 8 (a later step needs the
+earlier values to be right). The result is a ResolvedArguments: read it like argparse's Namespace;
+assigning to it raises. A variant for another purpose is a copy: argparse.Namespace(**vars(args)).
+"""
+import argparse
+
+import torch
+
+from megatron_ds.arguments import checks
+from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.core.transformer.fused_ops import fusion_errors
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
+from megatron_ds.data.tokenizers import build_tokenizer
+from megatron_ds.glue.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
+
+
+class ArgumentsError(Exception):
+    """Bad command line or DeepSpeed JSON; the message is meant for the user as is."""
+
+
+class ResolvedArguments(argparse.Namespace):
+    """A run's configuration once resolved: every value final, none may be set."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the resolved arguments are read-only (tried to set {name!r}): derive values in "
+                             f"megatron_ds.arguments.resolve, or work on argparse.Namespace(**vars(args))")
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+
+def raise_if_invalid(errors):
+    if errors:
+        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+
+
+def resolve(flags, world_size, on_this_host=True, layout_known=True) -> ResolvedArguments:
+    """flags: argparse's result. layout_known=False (the planner's --search) skips the checks that depend on
+    the TP/PP choice. Raises ArgumentsError listing the problems."""
+    args = argparse.Namespace(**vars(flags))
+    args.world_size = world_size
+    raise_if_invalid(checks.size_errors(args))
+    vars(args).update(model_defaults(args))
+    errors = flag_errors(args, on_this_host)
+    errors += _apply(args, tokenizer_values(args))
+    if args.world_size % _model_parallel_size(args) == 0:
+        vars(args).update(layout_values(args))
+        errors += _apply(args, reconcile_with_deepspeed_config(args))
+    raise_if_invalid(errors)
+    vars(args).update(numerics_values(args))
+    errors = checks.zero_stage_errors(args) + transformer_config_errors(args, check_fusions=on_this_host)
+    if layout_known:
+        errors += checks.batch_errors(args)
+    if on_this_host:
+        errors += checks.this_host_errors(args)
+    raise_if_invalid(errors)
+    vars(args).update(deepspeed_config_values(args))
+    return _freeze(args)
+
+
+def _apply(args, values_and_errors):
+    values, errors = values_and_errors
+    vars(args).update(values)
+    return errors
+
+
+def _freeze(args):
+    frozen = ResolvedArguments.__new__(ResolvedArguments)
+    frozen.__dict__.update(vars(args))
+    return frozen
+
+
+def flag_errors(args, on_this_host):
+    errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
+              + checks.optimization_errors(args) + checks.checkpoint_errors(args))
+    return errors + (checks.data_source_errors(args) if on_this_host else [])
+
+
+# --- the derived values, in order ---------------------------------------------------------------------
+
+def model_defaults(args):
+    """What Megatron derives from other flags when a flag is not given."""
+    values = {"max_position_embeddings": _given(args.max_position_embeddings, args.seq_length),
+              "num_key_value_heads": _given(args.num_key_value_heads, args.num_attention_heads),
+              "ffn_hidden_size": _given(args.ffn_hidden_size, default_ffn_hidden_size(args.hidden_size, args.swiglu)),
+              "lr_decay_iters": _given(args.lr_decay_iters, args.train_iters)}
+    if args.use_rotary_position_embeddings:
+        values["position_embedding_type"] = "rope"
+    if args.recompute_activations and args.recompute_granularity is None:
+        values["recompute_granularity"] = "selective"
+    if args.lr_warmup_fraction is not None:
+        values["lr_warmup_iters"] = int(args.lr_warmup_fraction * values["lr_decay_iters"])
+    return values
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def tokenizer_values(args):
+    """The tokenizer is built once here to check its files; it fixes the vocabulary size and the eod id."""
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+    except ValueError as error:
+        return {}, [str(error)]
+    if args.tokenizer_type != "NullTokenizer" and args.vocab_size not in (None, tokenizer.vocab_size):
+        return {}, [f"--vocab-size {args.vocab_size} differs from the {args.tokenizer_type}'s vocabulary of "
+                    f"{tokenizer.vocab_size}; drop --vocab-size"]
+    return {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}, []
+
+
+def _model_parallel_size(args):
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+
+
+def layout_values(args):
+    return {"data_parallel_size": args.world_size // _model_parallel_size(args)}
+
+
+def numerics_values(args):
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return {"params_dtype": dtype,
+            "padded_vocab_size": padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)}
+
+
+def deepspeed_config_values(args):
+    return {"effective_deepspeed_config": build_deepspeed_config(args)}
+
+
+def padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size):
+    """Pad the vocabulary to a multiple of divisible_by x TP so every TP rank holds an equal slice."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+# --- the model ----------------------------------------------------------------------------------------
+
+def transformer_config_errors(args, check_fusions):
+    """Problems building the TransformerConfig (SP and recompute combinations) and, with check_fusions,
+    explicitly requested fused kernels this machine cannot run."""
+    try:
+        config = transformer_config_from_args(args)
+    except ValueError as error:
+        return [str(error)]
+    return fusion_errors(config) if check_fusions else []
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, gated_linear_unit=args.swiglu,
+        bias=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, attention_backend=args.attention_backend,
+        init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
+        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations, fusion_backend=args.fusion_backend,
+        masked_softmax_fusion=not args.no_masked_softmax_fusion, persist_layer_norm=not args.no_persist_layer_norm,
+        apply_rope_fusion=not args.no_rope_fusion, bias_gelu_fusion=not args.no_bias_gelu_fusion,
+        bias_swiglu_fusion=not args.no_bias_swiglu_fusion, bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        cross_entropy_fusion=not args.no_cross_entropy_fusion)

@@ -1,0 +1,33 @@
+"""Canonical names and TP splitting (megatron_ds.checkpointing.layout): split then merge gives back every
+tensor, SwiGLU's [gate; up] rows split per half, and live module names map to canonical ones."""
+import pytest
+import torch
+
+from megatron_ds.checkpointing import layout
+
+FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+@pytest.mark.parametrize("name,swiglu", [(FC1, True), (FC1, False), ("decoder.layers.1.mlp.linear_fc2.weight", False),
+                                         (layout.WORD_EMBEDDINGS, False), ("decoder.final_layernorm.weight", False)])
+def test_split_then_merge_gives_back_the_tensor(name, swiglu):
+    full = torch.randn(8, 12)
+    rule = layout.partition_rule(name, swiglu)
+    shards = [layout.split_tensor(full, rule, 2, rank) for rank in range(2)]
+    assert torch.equal(layout.merge_tensors(shards, rule), full)
+
+
+def test_swiglu_fc1_gives_each_rank_half_of_gate_and_half_of_up():
+    gate, up = torch.arange(4.0), torch.arange(4.0) + 10
+    shard = layout.split_tensor(torch.cat([gate, up]), layout.partition_rule(FC1, True), 2, 1)
+    assert shard.tolist() == [2.0, 3.0, 12.0, 13.0]
+
+
+def test_live_names_map_to_canonical_names():
+    assert layout.canonical_name("layers.1.mlp.linear_fc1.weight", 2, False) == "decoder.layers.1.mlp.linear_fc1.weight"
+    assert layout.canonical_name("output_layer.linear.weight", 2, False) == layout.OUTPUT_LAYER
+    assert layout.canonical_name("tied_modules.embedding.word_embeddings.weight", 2, True) == layout.WORD_EMBEDDINGS
+    assert layout.canonical_name("3.norm.weight", 2, True) == "decoder.final_layernorm.weight"
+    assert layout.canonical_name("4.linear.weight", 2, True) == layout.OUTPUT_LAYER
+    with pytest.raises(layout.LayoutError):
+        layout.canonical_name("5.linear.weight", 2, True)

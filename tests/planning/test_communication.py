@@ -1,0 +1,136 @@
+"""megatron_ds.planning.communication: ring-collective volumes, bytes per axis (TP per layer, PP per
+micro-batch, DP per iteration, the tied embedding) and which links each axis runs on, by hand."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ds.planning import communication as comm
+from megatron_ds.planning.devices import device_spec
+from megatron_ds.planning.model import Cluster, Layout
+from tests.planning.specs import hand_case, small_model
+
+# the by-hand case: one activation of a micro-batch, s b h x 2 bytes (bf16)
+PAYLOAD = 32 * 2 * 64 * 2                       # 8192
+
+
+def with_dtype(model, dtype):
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, params_dtype=dtype))
+
+
+def test_ring_all_reduce_sends_twice_an_all_gather():
+    assert comm.all_reduce_bytes(4, 1000) == 2 * 3 / 4 * 1000 == 1500
+    assert comm.all_gather_bytes(4, 1000) == 3 / 4 * 1000 == 750
+    assert comm.all_reduce_bytes(1, 1000) == comm.all_gather_bytes(1, 1000) == 0
+
+
+def test_tensor_parallel_per_layer_without_sp_is_two_all_reduces_each_way():
+    model, layout = hand_case()
+    traffic = comm.tensor_parallel_traffic_per_layer(model, layout)
+    assert traffic.payload == PAYLOAD
+    assert (traffic.forward, traffic.backward, traffic.recompute) == (2 * PAYLOAD, 2 * PAYLOAD, 0)   # 2 x 2(t-1)/t
+    assert comm.tensor_parallel_bytes_per_micro_batch(model, layout, 2) == 2 * 4 * PAYLOAD          # 2 layers
+
+
+def test_tensor_parallel_per_layer_with_sp():
+    """TP 4: forward 2 all-gathers + 2 reduce-scatters, backward 6 of them, each 3/4 of the payload."""
+    model, _ = hand_case()
+    traffic = comm.tensor_parallel_traffic_per_layer(model, Layout(4, 1, 1, 2, 2, sequence_parallel=True))
+    assert (traffic.forward, traffic.backward) == (4 * 3 / 4 * PAYLOAD, 6 * 3 / 4 * PAYLOAD)
+    assert "reduce-scatter" in traffic.collectives
+
+
+def test_full_recompute_repeats_the_forward_collectives_of_recomputed_layers():
+    model, layout = hand_case()
+    uniform = dataclasses.replace(layout, recompute="full")
+    block = dataclasses.replace(layout, recompute="full", recompute_method="block", recompute_num_layers=1)
+    assert comm.tensor_parallel_traffic_per_layer(model, uniform).recompute == 2 * PAYLOAD
+    assert comm.tensor_parallel_bytes_per_micro_batch(model, uniform, 2) == 2 * 4 * PAYLOAD + 2 * 2 * PAYLOAD
+    assert comm.tensor_parallel_bytes_per_micro_batch(model, block, 2) == 2 * 4 * PAYLOAD + 1 * 2 * PAYLOAD
+    selective = dataclasses.replace(layout, recompute="selective")
+    assert comm.tensor_parallel_bytes_per_micro_batch(model, selective, 2) == 2 * 4 * PAYLOAD
+
+
+def test_no_tensor_parallel_traffic_at_tp_1():
+    model, _ = hand_case()
+    assert comm.tensor_parallel_bytes_per_micro_batch(model, Layout(1, 2, 1, 2, 8), 2) == 0
+
+
+def test_pipeline_payload_is_one_activation_split_by_sp():
+    model, layout = hand_case()
+    assert comm.pipeline_payload_per_micro_batch(model, layout) == PAYLOAD
+    assert comm.pipeline_payload_per_micro_batch(model, dataclasses.replace(layout, sequence_parallel=True)) == \
+           PAYLOAD / 2
+    assert comm.pipeline_payload_per_micro_batch(with_dtype(model, torch.float32), layout) == 2 * PAYLOAD
+
+
+@pytest.mark.parametrize("dtype,zero_stage,element_bytes", [
+    (torch.bfloat16, 1, 4),     # BF16_Optimizer reduces its fp32 accumulation buffer
+    (torch.bfloat16, 0, 2), (torch.float16, 1, 2), (torch.float32, 1, 4)])
+def test_gradient_reduction_element_bytes(dtype, zero_stage, element_bytes):
+    model, layout = hand_case()
+    layout = dataclasses.replace(layout, zero_stage=zero_stage)
+    assert comm.gradient_reduction_element_bytes(with_dtype(model, dtype), layout) == element_bytes
+
+
+def test_data_parallel_by_hand():
+    """The hand case's last stage, 60736 parameters per device (tests/planning/test_parameters.py), DP 2."""
+    model, layout = hand_case()
+    dp = comm.data_parallel_traffic(model, layout, 60736)
+    assert dp["gradient_all_reduce"] == 60736 * 4 * 2 * (2 - 1) / 2       # fp32 (BF16_Optimizer) all-reduce
+    assert dp["weight_all_gather"] == 60736 * 2 * (2 - 1) / 2
+
+
+def test_data_parallel_over_four_ranks_in_fp32():
+    """1000 parameters, 4 bytes each: all-reduce 2 x 3/4 x 4000, ZeRO-1 all-gather 3/4 x 4000."""
+    model, _ = hand_case()
+    layout = Layout(2, 2, 4, 1, 16)
+    assert comm.data_parallel_traffic(with_dtype(model, torch.float32), layout, 1000) == {
+        "gradient_all_reduce": 6000, "weight_all_gather": 3000}
+
+
+def test_no_weight_all_gather_without_zero():
+    model, layout = hand_case()
+    dp = comm.data_parallel_traffic(model, dataclasses.replace(layout, zero_stage=0), 60736)
+    assert dp == {"gradient_all_reduce": 60736 * 2 * 2 * (2 - 1) / 2, "weight_all_gather": 0}   # bf16 gradients
+
+
+def test_tied_embedding_all_reduce_between_first_and_last_stage():
+    model, layout = hand_case()
+    # the vocabulary shard 256 / 2 x 64 = 8192 parameters, fp32 gradients, all-reduced over 2 ranks: 2 x 1/2 x P
+    assert comm.tied_embedding_traffic(model, layout) == 8192 * 4
+    assert comm.tied_embedding_traffic(model, dataclasses.replace(layout, pp=1)) == 0      # one stage, one copy
+    assert comm.tied_embedding_traffic(small_model(tied=False), layout) == 0
+
+
+# ---------------------------------------------------------------- links (ranks: TP fastest, then DP, then PP)
+
+A100 = device_spec("a100-80gb")           # NVLink 300 GB/s, InfiniBand 25 GB/s per direction
+
+
+def links_of(tp, pp, dp, gpus_per_node=8):
+    return comm.links(Layout(tp, pp, dp, 1, dp), Cluster(A100, tp * pp * dp, gpus_per_node))
+
+
+def test_everything_in_one_node_runs_on_nvlink():
+    links = links_of(tp=2, pp=2, dp=2)
+    assert (links.tensor, links.pipeline, links.data) == (300e9, 300e9, 300e9)
+    assert not (links.tensor_spans_nodes or links.pipeline_spans_nodes or links.data_spans_nodes)
+
+
+def test_tp_of_a_whole_node_pushes_pipeline_sends_between_nodes():
+    links = links_of(tp=8, pp=2, dp=1)                   # stage 0 on node 0, stage 1 on node 1
+    assert (links.tensor_spans_nodes, links.pipeline_spans_nodes, links.data_spans_nodes) == (False, True, False)
+    assert (links.tensor, links.pipeline) == (300e9, 25e9)
+
+
+def test_dp_groups_cross_nodes_when_tp_times_dp_exceeds_a_node():
+    assert links_of(tp=2, pp=1, dp=4).data == 300e9                 # 8 consecutive ranks: one node
+    links = links_of(tp=2, pp=1, dp=8)                              # 16 consecutive ranks: two nodes
+    assert links.data_spans_nodes and links.data == 25e9
+
+
+def test_tp_larger_than_a_node_or_not_dividing_it_spans_nodes():
+    assert links_of(tp=16, pp=1, dp=1).tensor == 25e9
+    assert links_of(tp=3, pp=1, dp=8).tensor_spans_nodes           # ranks 6, 7, 8 straddle nodes of 8
+    assert not links_of(tp=4, pp=1, dp=1, gpus_per_node=4).tensor_spans_nodes
