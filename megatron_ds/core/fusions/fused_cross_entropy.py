@@ -1,7 +1,8 @@
 """Vocab-parallel cross entropy that never holds the logits in fp32 all at once.
 
-Same loss and gradients as tensor_parallel.cross_entropy.vocab_parallel_cross_entropy (logits [..., V/tp],
-this rank's vocabulary slice; targets [...] in the full vocabulary; per-token fp32 loss [...]), but:
+Megatron's vocab-parallel cross entropy (logits [..., V/tp], this rank's vocabulary slice; targets [...] in
+the full vocabulary; per-token fp32 loss [...]; tensor_parallel.vocab_parallel_cross_entropy is this
+module's reference), with the same loss and gradients as the textbook form, but:
 - forward walks the tokens in chunks of `chunk_rows`, keeping per-token fp32 statistics only (this
   rank's max and sum of exp), so the extra memory is O(chunk_rows x V/tp) fp32 rather than O(tokens x V/tp);
 - the TP collectives act on those per-token statistics, once for the whole batch: one MAX all-reduce and

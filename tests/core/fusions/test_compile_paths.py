@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_ds.core import fusions
-from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.core.transformer.rotary import RotaryEmbedding
 from tests.core.fusions.common import assert_matches, leaf
+from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [pytest.mark.slow,
@@ -76,4 +76,4 @@ def test_cross_entropy(dtype):
     logits = leaf((5, 3, 1000), dtype, DEVICE, scale=4.0)
     target = torch.randint(0, 1000, (5, 3), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     assert_matches(lambda x: fusions.cross_entropy_compile(x, target, chunk_rows=4),
-                   lambda x: vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype)
+                   lambda x: textbook_vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype)

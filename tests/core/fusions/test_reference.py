@@ -11,11 +11,11 @@ from megatron_ds.core import fusions, parallel_state
 from megatron_ds.core.fusions import fused_cross_entropy
 from megatron_ds.core.fusions._triton import interpreter_problem
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.core.tensor_parallel.random import RNGStatesTracker
 from megatron_ds.core.transformer.attention import local_attention
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from tests.core.fusions.common import TOLERANCES, assert_matches, forward_backward, leaf
+from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy
 from tests.distributed import run_distributed
 
 
@@ -184,11 +184,11 @@ def test_dropout_and_bias_dropout_add_share_one_mask():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [1, 4, None])
-def test_cross_entropy_reference_equals_the_existing_one(dtype, chunk_rows):
+def test_cross_entropy_reference_equals_the_textbook_form(dtype, chunk_rows):
     logits = leaf((5, 3, 1000), dtype, "cpu", scale=4.0)
     target = torch.randint(0, 1000, (5, 3), generator=torch.Generator().manual_seed(9))
     assert_matches(lambda x: fusions.cross_entropy_reference(x, target, chunk_rows),
-                   lambda x: vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype,
+                   lambda x: textbook_vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype,
                    tolerances=dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else None)
 
 
@@ -204,8 +204,8 @@ def test_cross_entropy_saves_no_fp32_logits(name):
     saved = saved_tensors(_ce_backends()[name], logits, target, 3)
     assert all(t.numel() < logits.numel() or t.dtype == torch.bfloat16 for t in saved)
     assert sum(t.numel() * t.element_size() for t in saved) < 1.1 * logits.numel() * logits.element_size()
-    existing = saved_tensors(vocab_parallel_cross_entropy, logits, target)
-    assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in existing)
+    textbook = saved_tensors(textbook_vocab_parallel_cross_entropy, logits, target)
+    assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in textbook)
 
 
 def _tp2_cross_entropy(backend_names):
@@ -217,14 +217,14 @@ def _tp2_cross_entropy(backend_names):
     shard = full.chunk(2, dim=-1)[rank].contiguous().requires_grad_()
     for name in backend_names:
         fn = getattr(fusions, f"cross_entropy_{name}")
-        assert_matches(lambda x: fn(x, target, 5), lambda x: vocab_parallel_cross_entropy(x, target), [shard],
+        assert_matches(lambda x: fn(x, target, 5), lambda x: textbook_vocab_parallel_cross_entropy(x, target), [shard],
                        tolerances=dict(atol=1e-6, rtol=1e-6))
     full_loss = F.cross_entropy(full.view(-1, 2 * 333), target.view(-1), reduction="none").view(6, 2)
     torch.testing.assert_close(fusions.cross_entropy_reference(shard, target), full_loss)
     dist.barrier()
 
 
-def test_cross_entropy_at_tp2_equals_the_existing_one():
+def test_cross_entropy_at_tp2_equals_the_textbook_form():
     run_distributed(_tp2_cross_entropy, 2, list(_ce_backends()), timeout=120)
 
 

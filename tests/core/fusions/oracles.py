@@ -1,0 +1,49 @@
+"""The textbook vocab-parallel cross entropy (Megatron's: fp32 logits, one all-reduce each for the max,
+the target logit and the sum of exponentials; the whole fp32 softmax saved): the oracle every backend of
+core/fusions' cross_entropy op is checked against."""
+import torch
+import torch.distributed as dist
+
+from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
+                                             get_tensor_model_parallel_world_size)
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM):
+    if get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=op, group=get_tensor_model_parallel_group())
+    return tensor
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target):
+        logits = logits.float()
+        logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        per_partition = logits.size(-1)
+        start = get_tensor_model_parallel_rank() * per_partition
+        outside = (target < start) | (target >= start + per_partition)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = _all_reduce(target_logit)
+
+        exp_logits = shifted.exp()
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1))
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # the saved softmax becomes the gradient in place: one [tokens, vocab/tp] fp32 buffer, not three
+        grad, local_target, outside = ctx.saved_tensors
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
+        return grad.mul_(grad_output.unsqueeze(-1)), None
+
+
+def textbook_vocab_parallel_cross_entropy(vocab_parallel_logits, target):
+    """Per-token loss [...] from logits [..., vocab/tp] (this rank's slice) and full-vocab targets [...]."""
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)
