@@ -1,4 +1,5 @@
-"""The AdamW implementation training steps with.
+"""The optimizer training steps with: AdamW (--optimizer adam, the default), or SGD with momentum
+(--optimizer sgd, torch's, as Megatron's). The AdamW implementation:
 
 - apex's FusedAdam (AdamW mode) on CUDA when apex is importable and --fusion-backend is auto or apex;
 - otherwise torch's fused AdamW, one kernel per parameter group on CPU and CUDA. Under DeepSpeed's
@@ -7,7 +8,7 @@
   CPU for 45M parameters, 210 ms per step against 30 ms fused;
 - --fusion-backend reference: torch's for-loop AdamW, the plain definition the fused ones are held to.
 
-No weight decay on biases and norm weights (the 1-D parameters), as in Megatron.
+No weight decay on biases and norm weights (the 1-D parameters), as in Megatron, for both optimizers.
 """
 import importlib.util
 
@@ -29,6 +30,17 @@ def parameter_groups(model, weight_decay):
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+
+
+def optimizer_description(args, device_type):
+    """For the start-up log: 'AdamW:<implementation>' or 'SGD'."""
+    return "SGD" if args.optimizer == "sgd" else f"AdamW:{adam_implementation(args.fusion_backend, device_type)}"
+
+
+def build_optimizer(model, args, device_type):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(parameter_groups(model, args.weight_decay), lr=args.lr, momentum=args.sgd_momentum)
+    return build_adamw(model, args, device_type)
 
 
 def build_adamw(model, args, device_type):

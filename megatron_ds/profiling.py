@@ -25,7 +25,7 @@ def profile_errors(args):
     if not 1 <= start < end:
         errors.append(f"--profile-step-start {start} and --profile-step-end {end}: need 1 <= start < end "
                       f"(iterations start .. end - 1 are recorded)")
-    elif end > args.train_iters + 1:
+    elif args.train_iters is not None and end > args.train_iters + 1:
         errors.append(f"--profile-step-end {end} is past --train-iters {args.train_iters}: the window would "
                       f"never close (use at most {args.train_iters + 1})")
     outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]

@@ -28,7 +28,7 @@ from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
-from megatron_ds.optimizer import adam_implementation, build_adamw
+from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
@@ -57,8 +57,8 @@ def build_model(args, config):
     return model
 
 
-def build_optimizer(args, model):
-    optimizer = build_adamw(model, args, device().type)
+def build_optimizer_and_scheduler(args, model):
+    optimizer = build_optimizer(model, args, device().type)
     scheduler = OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                         args.lr_decay_style)
     return optimizer, scheduler
@@ -66,7 +66,7 @@ def build_optimizer(args, model):
 
 def setup_engine(args, config):
     model = build_model(args, config).to(device())
-    optimizer, scheduler = build_optimizer(args, model)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model)
     pipelined = args.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=copy.deepcopy(args.effective_deepspeed_config),  # DeepSpeed may edit it
@@ -230,7 +230,7 @@ def log_startup(args, config, engine, peak, peak_source):
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
                  f"{describe_fused_ops(config)} "
-                 f"optimizer=AdamW:{adam_implementation(args.fusion_backend, device().type)}")
+                 f"optimizer={optimizer_description(args, device().type)}")
 
 
 def _log_parameters_per_stage(engine):
@@ -303,8 +303,8 @@ def _pretrain(args, watchdog):
 
 def _log_placement(args):
     warning = tensor_parallel_placement_warning(args.tensor_model_parallel_size, local_world_size())
-    if warning:
-        print_rank_0(f"megatron_ds: WARNING: {warning}")
+    for text in args.warnings + ((warning,) if warning else ()):
+        print_rank_0(f"megatron_ds: WARNING: {text}")
     lines = describe_ranks() if args.print_topology else []
     for line in lines:
         print_rank_0(f"megatron_ds: {line}")

@@ -7,23 +7,36 @@ derives every implied value once, in a stated order, and freezes the result; che
 validation, one function per concern. Everything happens before any process group exists, so a bad
 command line stops every rank with the same message instead of hanging a collective.
 """
-from megatron_ds.arguments.flags import build_parser, flag_defaults
+from megatron_ds.arguments.flags import build_parser, flag_defaults, parse_flags
 from megatron_ds.arguments.resolve import (ArgumentsError, ResolvedArguments, model_defaults, padded_vocab_size,
-                                           raise_if_invalid, resolve, transformer_config_from_args)
+                                           raise_if_invalid, resolve, tokenizer_type, transformer_config_from_args)
 from megatron_ds.glue.launcher_env import LauncherError, launcher_world_size
 
 
 def parse_args(argv=None, world_size=None) -> ResolvedArguments:
-    """Parse and resolve. world_size defaults to the launcher's (1 without one). Unknown flags make argparse
-    exit with status 2 and its usage message."""
-    flags = build_parser().parse_args(argv)
+    """Parse and resolve. world_size defaults to the launcher's (1 without one). Unknown flags, bad values and
+    the resolution's problems are raised together."""
+    flags, problems = parse_flags(build_parser(), argv)
     if world_size is None:
         try:
             world_size = launcher_world_size()
         except LauncherError as error:
-            raise ArgumentsError(str(error)) from None
+            problems.append(str(error))
+    if flags is None or problems:
+        raise_if_invalid(problems + _resolution_problems(flags, world_size))
     return resolve(flags, world_size)
 
 
-__all__ = ["ArgumentsError", "ResolvedArguments", "build_parser", "flag_defaults", "model_defaults",
-           "padded_vocab_size", "parse_args", "raise_if_invalid", "resolve", "transformer_config_from_args"]
+def _resolution_problems(flags, world_size):
+    if flags is None or world_size is None:
+        return []
+    try:
+        resolve(flags, world_size)
+    except ArgumentsError as error:
+        return error.problems
+    return []
+
+
+__all__ = ["ArgumentsError", "ResolvedArguments", "build_parser", "flag_defaults", "model_defaults", "parse_flags",
+           "padded_vocab_size", "parse_args", "raise_if_invalid", "resolve", "tokenizer_type",
+           "transformer_config_from_args"]

@@ -27,11 +27,12 @@ def _positive_errors(args, required=(), optional=()):
 def size_errors(args):
     """Sizes and counts that must be positive (checked first: the other checks divide by them)."""
     return _positive_errors(
-        args, required=("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters",
+        args, required=("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                         "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
                         "log_interval"),
         optional=("num_key_value_heads", "max_position_embeddings", "ffn_hidden_size", "kv_channels",
-                  "micro_batch_size", "global_batch_size", "vocab_size"))
+                  "micro_batch_size", "global_batch_size", "vocab_size", "train_iters", "train_samples",
+                  "train_tokens", "lr_decay_samples", "lr_decay_tokens"))
 
 
 def layout_errors(args):
@@ -81,6 +82,9 @@ def activation_memory_errors(args):
     """Sequence parallelism and recompute."""
     tp = args.tensor_model_parallel_size
     errors = []
+    if args.checkpoint_activations and args.recompute_granularity == "selective":
+        errors.append("--checkpoint-activations (full recompute of every layer) conflicts with selective recompute "
+                      "(--recompute-activations / --recompute-granularity selective)")
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence across "
                       "the TP ranks)")
@@ -90,6 +94,21 @@ def activation_memory_errors(args):
     if args.recompute_activations and args.recompute_granularity != "selective":
         errors.append(f"--recompute-activations (selective) conflicts with --recompute-granularity "
                       f"{args.recompute_granularity}")
+    return errors
+
+
+def schedule_errors(args):
+    """Megatron's rule: exactly one of --train-iters and --train-samples, and the LR schedule in that unit."""
+    given = [flag for flag, value in (("--train-iters", args.train_iters), ("--train-samples", args.train_samples))
+             if value is not None]
+    if len(given) != 1:
+        return [f"give exactly one of --train-iters and --train-samples, got {' and '.join(given) or 'neither'}"]
+    unit, other = ("samples", "iters") if args.train_samples is not None else ("iters", "samples")
+    errors = [f"--lr-{kind}-{other} {value} does not fit training by --train-{unit}: use --lr-{kind}-{unit}"
+              for kind in ("decay", "warmup") if getattr(args, f"lr_{kind}_{other}")
+              for value in [getattr(args, f"lr_{kind}_{other}")]]
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        errors.append("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples: give one of them")
     return errors
 
 
@@ -105,15 +124,27 @@ def optimization_errors(args):
 
 
 def checkpoint_errors(args):
-    errors = _positive_errors(args, optional=("save_interval", "exit_interval"))
+    errors = _positive_errors(args, optional=("save_interval", "exit_interval", "exit_duration_in_mins"))
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one of them")
     if args.load_iteration is not None:
         if args.load is None:
             errors.append("--load-iteration needs --load")
         if not (str(args.load_iteration).isdigit() or args.load_iteration == "release"):
             errors.append(f"--load-iteration must be an iteration number or 'release', got {args.load_iteration}")
-    if args.save_interval is not None and args.save is None:
-        errors.append("--save-interval needs --save (the folder to write checkpoints to)")
     return errors
+
+
+def warnings(args):
+    """Flags that do something other than a Megatron-DeepSpeed user may expect; printed at start-up."""
+    notes = []
+    if args.save_interval is not None and args.save is None:
+        notes.append(f"--save-interval {args.save_interval} without --save: nothing will be saved")
+    if args.loss_scale is not None and args.deepspeed:
+        notes.append(f"--loss-scale {args.loss_scale:g} is a static fp16 loss scale here (Megatron-DeepSpeed ignores "
+                     f"it under --deepspeed; for dynamic scaling from 2^N set fp16.initial_scale_power in the "
+                     f"DeepSpeed JSON and drop --loss-scale)")
+    return notes
 
 
 def batch_errors(args):
@@ -139,6 +170,53 @@ def zero_stage_errors(args):
                 f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
                 f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"]
     return []
+
+
+def compatibility_errors(args):
+    """Megatron-DeepSpeed values with no counterpart here, named with what to use instead."""
+    errors = []
+    if args.data_impl not in ("mmap", "infer"):
+        errors.append(f"--data-impl {args.data_impl}: megatron_ds reads Megatron's memory-mapped .bin/.idx format "
+                      f"only; use --data-impl mmap")
+    if args.DDP_impl == "FSDP":
+        errors.append("--DDP-impl FSDP: DeepSpeed's engine does the data parallelism here; shard with "
+                      "--zero-stage instead")
+    return errors
+
+
+# flag (as argparse stores it) -> (is it asked for, what the feature is, what to do instead)
+_UNBUILT_FEATURES = (
+    (lambda a: a.num_experts != [1], "--num-experts {num_experts}", "Mixture of Experts",
+     "train the dense model (--num-experts 1)"),
+    (lambda a: a.ds_sequence_parallel_size != 1, "--ds-sequence-parallel-size {ds_sequence_parallel_size}",
+     "DeepSpeed-Ulysses sequence parallelism", "use --ds-sequence-parallel-size 1, or Megatron's "
+     "--sequence-parallel with TP"),
+    (lambda a: a.ds_sequence_parallel_fpdt or a.ds_sequence_parallel_fpdt_offloading, "--ds-sequence-parallel-fpdt",
+     "FPDT long-context attention", "drop the FPDT flags"),
+    (lambda a: a.universal_checkpoint, "--universal-checkpoint", "DeepSpeed universal checkpoints",
+     "reshape a checkpoint to this run's TP/PP with tools/convert_checkpoint.py"),
+    (lambda a: a.kd or a.mos or a.load_teacher or a.num_layers_teacher or a.hidden_size_teacher
+     or a.num_attention_heads_teacher, "--kd / --mos / teacher flags", "knowledge distillation",
+     "train without a teacher"),
+    (lambda a: a.random_ltd or a.data_efficiency_curriculum_learning, "--random-ltd / "
+     "--data-efficiency-curriculum-learning", "DeepSpeed Data Efficiency", "drop the flag"),
+    (lambda a: a.enable_zbh1_pipeline or a.enable_zbh1_exact_semantics, "--enable-zbh1-pipeline",
+     "the zero-bubble pipeline schedule", "DeepSpeed's 1F1B schedule runs without it"),
+    (lambda a: a.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage "
+     "{num_layers_per_virtual_pipeline_stage}", "the interleaved (virtual) pipeline schedule",
+     "DeepSpeed's pipeline engine runs 1F1B without it"),
+    (lambda a: a.train_doc_idx_path or a.train_sample_idx_path or a.train_shuffle_idx_path,
+     "--train-*-idx-path", "index files given by path", "megatron_ds builds and caches its own (--data-cache-path)"),
+    (lambda a: a.cpu_optimizer, "--cpu-optimizer", "DeepSpeed's CPU Adam", "not yet: drop it"),
+    (lambda a: a.rotary_percent != 1.0, "--rotary-percent {rotary_percent}", "partial rotary embeddings",
+     "not yet: use --rotary-percent 1.0"),
+)
+
+
+def unbuilt_feature_errors(args):
+    """Megatron-DeepSpeed flags asking for a feature megatron_ds does not build, refused by name."""
+    return [f"{flag.format(**vars(args))}: {feature} is not built in megatron_ds; {instead}"
+            for asked, flag, feature, instead in _UNBUILT_FEATURES if asked(args)]
 
 
 def data_source_errors(args):

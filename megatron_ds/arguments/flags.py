@@ -3,8 +3,16 @@
 Only the parser lives here; what the flags imply is worked out in `megatron_ds.arguments.resolve`.
 """
 import argparse
+import sys
 
-from megatron_ds.data.tokenizers import TOKENIZER_TYPES
+from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, TOKENIZER_TYPES
+
+NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+
+
+def _normalization(text):
+    """Megatron-LM's LayerNorm / RMSNorm, or Megatron-DeepSpeed's layernorm / rmsnorm."""
+    return NORMALIZATIONS.get(text.lower(), text)
 
 
 def _add_model_args(parser):
@@ -21,19 +29,27 @@ def _add_model_args(parser):
     group.add_argument("--seq-length", type=int, required=True)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    group.add_argument("--normalization", type=_normalization, choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                       help="LayerNorm or RMSNorm (any case: Megatron-DeepSpeed writes layernorm / rmsnorm)")
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true")
     group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
                        default="learned_absolute")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="same as --position-embedding-type rope")
-    group.add_argument("--rotary-base", type=float, default=10000.0)
+    group.add_argument("--rotary-base", "--rotary-position-embeddings-theta", dest="rotary_base", type=float,
+                       default=10000.0, help="RoPE theta (Megatron-DeepSpeed: --rotary-position-embeddings-theta)")
+    group.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="fraction of each head's dimensions that RoPE rotates (the rest pass unrotated)")
     group.add_argument("--disable-bias-linear", action="store_true")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
     group.add_argument("--attention-dropout", type=float, default=0.1)
+    for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton"):
+        group.add_argument(flag, action="store_true", help="fused attention: --attention-backend sdpa (the default)")
+    group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
+                       help="accepted: Q K^T is never scaled by the layer number here (the softmax runs in fp32)")
     group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa",
                        help="sdpa: torch's scaled_dot_product_attention (flash/memory-efficient kernels, no "
                             "s x s tensor kept); local: explicit softmax(QK^T)V")
@@ -60,15 +76,29 @@ def _add_memory_args(parser):
     group.add_argument("--recompute-activations", action="store_true",
                        help="selective recompute of the core attention (= --recompute-granularity selective)")
     group.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
-    group.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+    group.add_argument("--recompute-method", "--activations-checkpoint-method", dest="recompute_method",
+                       choices=["uniform", "block"], default=None,
                        help="full recompute: uniform = chunks of --recompute-num-layers layers; block = only the "
                             "first --recompute-num-layers layers of each pipeline stage (default uniform)")
-    group.add_argument("--recompute-num-layers", type=int, default=None, help="default 1")
+    group.add_argument("--recompute-num-layers", "--activations-checkpoint-num-layers", dest="recompute_num_layers",
+                       type=int, default=None, help="default 1")
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="Megatron-DeepSpeed's name for full recompute of every layer (= --recompute-granularity "
+                            "full; --recompute-method uniform unless given)")
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="full recompute: split each saved layer input across the TP ranks")
+    group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                       help="full recompute through DeepSpeed's activation checkpointing (deepspeed.checkpointing, "
+                            "with the DeepSpeed JSON's activation_checkpointing block)")
+    for flag, text in (("--partition-activations", "split each checkpointed input across the TP ranks"),
+                       ("--contigious-checkpointing", "copy the checkpointed inputs into one contiguous buffer"),
+                       ("--checkpoint-in-cpu", "keep the checkpointed inputs in CPU memory"),
+                       ("--synchronize-each-layer", "synchronize the device at each checkpointed layer"),
+                       ("--profile-backward", "time the backward of each checkpointed layer")):
+        group.add_argument(flag, action="store_true", help=f"with --deepspeed-activation-checkpointing: {text}")
 
 
-def _add_training_args(parser, train_iters_required):
+def _add_training_args(parser):
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=int, default=None, help="default: from the DeepSpeed JSON, or 1")
     group.add_argument("--global-batch-size", type=int, default=None,
@@ -76,14 +106,29 @@ def _add_training_args(parser, train_iters_required):
     group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                        metavar=("START", "INCREMENT", "SAMPLES"),
                        help="grow the global batch from START by INCREMENT over the first SAMPLES samples")
-    group.add_argument("--train-iters", type=int, required=train_iters_required,
-                       default=None if train_iters_required else 1)
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="iterations to train (or --train-samples; one of the two is required)")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="samples to train (iterations follow from the global batch and its ramp-up)")
+    group.add_argument("--train-tokens", type=int, default=None,
+                       help="Megatron-DeepSpeed: tokens to train at most (stops when reached)")
     group.add_argument("--lr", type=float, default=1e-4)
     group.add_argument("--min-lr", type=float, default=0.0)
     group.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    group.add_argument("--lr-decay-tokens", type=int, default=None,
+                       help="Megatron-DeepSpeed: decay over this many tokens (overrides iterations and samples)")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
-    group.add_argument("--lr-warmup-fraction", type=float, default=None)
+    group.add_argument("--lr-warmup-samples", type=int, default=0)
+    group.add_argument("--lr-warmup-tokens", type=int, default=None, help="Megatron-DeepSpeed: warm up over tokens")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="fraction of the decay iterations (or samples) to warm up over")
+    group.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                       help="adam: AdamW (decoupled weight decay, as Megatron); sgd: SGD with --sgd-momentum")
+    group.add_argument("--sgd-momentum", type=float, default=0.9)
+    group.add_argument("--cpu-optimizer", action="store_true",
+                       help="DeepSpeed's CPU Adam: the optimizer step runs on the CPU (with ZeRO offload)")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=None, help="default: DeepSpeed JSON, or 1.0")
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -101,6 +146,13 @@ def _add_training_args(parser, train_iters_required):
 
 def _add_parallel_args(parser):
     group = parser.add_argument_group("parallelism and distributed")
+    group.add_argument("--DDP-impl", dest="DDP_impl", choices=["local", "torch", "FSDP"], default="local",
+                       help="accepted for Megatron-DeepSpeed scripts: DeepSpeed's engine does the data parallelism")
+    group.add_argument("--no-async-tensor-model-parallel-allreduce", dest="async_tensor_model_parallel_allreduce",
+                       action="store_false", help="accepted; TP all-reduces are not overlapped here either way")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather_tensors_in_pipeline",
+                       action="store_false", help="pipeline messages travel whole between stages instead of split "
+                       "over the TP ranks")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--zero-stage", type=int, default=None, help="default: DeepSpeed JSON, or 1")
@@ -126,6 +178,24 @@ def _add_logging_args(parser):
     group.add_argument("--eval-interval", type=int, default=1000)
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--tensorboard-dir", default=None)
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="TensorBoard events held before a write to disk is forced")
+    for flag, text in (("--log-timers-to-tensorboard", "the forward, backward and optimizer times"),
+                       ("--log-batch-size-to-tensorboard", "the global batch size"),
+                       ("--log-validation-ppl-to-tensorboard", "the validation perplexity"),
+                       ("--log-optimizer-states-to-tensorboard", "norms of the Adam moments"),
+                       ("--log-memory-to-tensorboard", "allocated and reserved device memory"),
+                       ("--log-world-size-to-tensorboard", "the world size")):
+        group.add_argument(flag, action="store_true", help=f"write {text} to TensorBoard")
+    group.add_argument("--log-params-norm", action="store_true", help="log the norm of the parameters")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zeros in the gradients")
+    group.add_argument("--timing-log-level", type=int, choices=range(0, 3), default=0,
+                       help="0: iteration time only; 1: also forward/backward/optimizer; 2: also finer timers")
+    group.add_argument("--wandb-project", default="", help="log to this Weights & Biases project (empty: off)")
+    group.add_argument("--wandb-exp-name", default="", help="the Weights & Biases run name")
+    group.add_argument("--wandb-save-dir", default="", help="where Weights & Biases writes locally")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None,
+                       help="save (with --save) and exit once training has run this many minutes (all ranks agree)")
     group.add_argument("--peak-tflops", type=float, default=None,
                        help="per-device peak TFLOP/s for MFU (default: known GPU table, or measured matmul rate)")
     group.add_argument("--profile", action="store_true",
@@ -152,10 +222,14 @@ def _add_data_args(parser):
     group.add_argument("--data-cache-path", default=None, help="where sample indices are cached "
                        "(default: a cache/ folder beside the data)")
     group.add_argument("--mock-data", action="store_true", help="deterministic synthetic token stream")
+    group.add_argument("--data-impl", default="infer", help="mmap or infer (Megatron-DeepSpeed): the only .bin/.idx "
+                       "format there is, memory-mapped")
+    group.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank")
     group.add_argument("--reset-position-ids", action="store_true", help="positions restart after each eod")
     group.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod tokens")
     group.add_argument("--eod-mask-loss", action="store_true", help="no loss on eod tokens")
-    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES), default="NullTokenizer")
+    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES) + list(TOKENIZER_ALIASES), default=None,
+                       help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else NullTokenizer")
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model, or tokenizer.json / folder")
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
@@ -182,6 +256,16 @@ def _add_checkpoint_args(parser):
     group.add_argument("--no-load-optim", action="store_true",
                        help="weights, iteration and data position only: fresh Adam moments (the LR schedule goes on)")
     group.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
+    group.add_argument("--no-load-lr-state", action="store_true",
+                       help="do not restore the learning-rate schedule's state (the flags' schedule restarts)")
+    group.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler",
+                       dest="override_opt_param_scheduler", action="store_true",
+                       help="take the schedule's values (LR, warmup, decay, minimum) from the flags, not the checkpoint")
+    group.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler",
+                       dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                       help="take the schedule's values from the checkpoint, whatever the flags say")
+    group.add_argument("--reset-iteration", action="store_true",
+                       help="load weights and optimizer states, but start counting at iteration 0")
     group.add_argument("--finetune", action="store_true",
                        help="load the weights only and start at iteration 0 (no optimizer, scheduler, RNG or "
                             "data position)")
@@ -191,17 +275,104 @@ def _add_checkpoint_args(parser):
                        help="on SIGTERM finish the iteration, save (with --save) and exit")
 
 
-def build_parser(prog="pretrain.py", train_iters_required=True):
-    """The argparse parser of every pretrain.py flag (tools/plan.py extends it and makes --train-iters optional)."""
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                     description="Megatron-style GPT pretraining on DeepSpeed")
-    _add_model_args(parser)
-    _add_fusion_args(parser)
-    _add_memory_args(parser)
-    _add_training_args(parser, train_iters_required)
-    for add in (_add_parallel_args, _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args):
+def _add_unbuilt_feature_args(parser):
+    """Megatron-DeepSpeed flags of features megatron_ds does not build (yet): parsed so that a launch script's
+    command line reads, and refused by name (arguments/checks.py) when they ask for the feature."""
+    group = parser.add_argument_group("Megatron-DeepSpeed features not built here (refused when used)")
+    group.add_argument("--num-experts", type=int, nargs="+", default=[1], help="Mixture of Experts (1: dense)")
+    group.add_argument("--mlp-type", choices=["standard", "residual"], default="standard")
+    group.add_argument("--topk", type=int, default=1)
+    group.add_argument("--expert-interval", type=int, default=2)
+    group.add_argument("--moe-expert-parallel-size", type=int, default=1)
+    group.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
+    group.add_argument("--moe-eval-capacity-factor", type=float, default=1.0)
+    group.add_argument("--moe-min-capacity", type=int, default=4)
+    group.add_argument("--moe-loss-coeff", type=float, default=0.1)
+    group.add_argument("--create-moe-param-group", action="store_true")
+    group.add_argument("--disable-moe-token-dropping", dest="moe_token_dropping", action="store_false")
+    group.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
+                       action="store_false")
+    group.add_argument("--enable-expert-tensor-parallelism", action="store_true")
+    group.add_argument("--ds-sequence-parallel-size", type=int, default=1, help="DeepSpeed-Ulysses (1: off)")
+    group.add_argument("--ds-sequence-parallel-fpdt", action="store_true")
+    group.add_argument("--ds-sequence-parallel-fpdt-chunk-size", type=int, default=65536)
+    group.add_argument("--ds-sequence-parallel-fpdt-offloading", action="store_true")
+    group.add_argument("--universal-checkpoint", action="store_true")
+    group.add_argument("--kd", action="store_true", help="knowledge distillation")
+    group.add_argument("--mos", action="store_true", help="Mixture-of-Students")
+    for flag in ("--kd-alpha-ce", "--kd-beta-ce", "--kd-temp"):
+        group.add_argument(flag, type=float, default=None)
+    group.add_argument("--load-teacher", default=None)
+    for flag in ("--num-layers-teacher", "--hidden-size-teacher", "--num-attention-heads-teacher"):
+        group.add_argument(flag, type=int, default=None)
+    group.add_argument("--num-experts-teacher", type=int, nargs="+", default=[1])
+    group.add_argument("--random-ltd", action="store_true")
+    group.add_argument("--data-efficiency-curriculum-learning", action="store_true")
+    group.add_argument("--enable-zbh1-pipeline", action="store_true")
+    group.add_argument("--enable-zbh1-exact-semantics", action="store_true")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    for flag in ("--train-doc-idx-path", "--train-sample-idx-path", "--train-shuffle-idx-path"):
+        group.add_argument(flag, default=None)
+
+
+class _MissingFlags(Exception):
+    pass
+
+
+class _CollectingParser(argparse.ArgumentParser):
+    """argparse, but a bad value raises ArgumentError and a missing required flag _MissingFlags instead of
+    exiting, so parse_flags can report every problem of a command line at once."""
+
+    def __init__(self, **kwargs):
+        super().__init__(exit_on_error=False, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise _MissingFlags(message)
+
+
+def build_parser(prog="pretrain.py"):
+    """The argparse parser of every pretrain.py flag (tools/plan.py extends it)."""
+    parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
+    for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
+                _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_unbuilt_feature_args):
         add(parser)
     return parser
+
+
+def parse_flags(parser, argv=None):
+    """(flags or None, problems): argparse's result and every unknown flag and bad value of argv (argparse
+    alone stops at the first). The occurrence with a bad value is left out and parsing goes on; flags is None
+    when required flags are missing."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problems = []
+    while True:
+        try:
+            flags, unknown = parser.parse_known_args(argv)
+        except argparse.ArgumentError as error:
+            problems.append(str(error))
+            shorter = _without_flag(argv, set(error.argument_name.split("/")) if error.argument_name else set())
+            if len(shorter) == len(argv):
+                return None, problems
+            argv = shorter
+            continue
+        except _MissingFlags as error:
+            return None, problems + [str(error)]
+        if unknown:
+            problems.append(f"unrecognized arguments: {' '.join(unknown)} (python pretrain.py --help lists the flags)")
+        return flags, problems
+
+
+def _without_flag(argv, option_strings):
+    """argv without the last occurrence of a flag (--flag value... or --flag=value): argparse keeps the last
+    value of a repeated flag, so a script's override is the one most likely wrong."""
+    starts = [i for i, token in enumerate(argv) if token.split("=", 1)[0] in option_strings]
+    if not starts:
+        return argv
+    start = end = starts[-1]
+    if "=" not in argv[start]:
+        while end + 1 < len(argv) and not argv[end + 1].startswith("--"):
+            end += 1
+    return argv[:start] + argv[end + 1:]
 
 
 def flag_defaults():

@@ -3,17 +3,20 @@
 `resolve(flags, world_size)` works in this order; each derived value is computed once, by the one
 function named here, and the checks in `checks.py` only read:
 
-  1. size_errors              sizes and counts that must be positive (stop here if any is not)
-  2. model_defaults           RoPE / recompute aliases, positions, key/value heads, FFN width, LR schedule
-  3. flag checks              layout, model, activation memory, optimization, checkpoint (+ data files*)
+  1. size_errors              sizes and counts that must be positive (stop here if any is not);
+                              schedule_errors: one of --train-iters / --train-samples, LR flags in its unit
+  2. model_defaults           aliases (RoPE, recompute, flash attention, tokenizer names), positions, key/value
+                              heads, FFN width, tokenizer type, LR schedule lengths
+  3. flag checks              layout, model, activation memory, optimization, checkpoint,
+                              Megatron-DeepSpeed values and features not built here (+ data files*)
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
   5. layout_values            data-parallel size = world / (TP x PP)        (when TP x PP divides the world)
   6. reconcile_with_deepspeed_config (glue/ds_config.py)
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
-  8. reconciled checks        batch arithmetic, ZeRO stage, the TransformerConfig (+ fused kernels, fp16,
-                              profiler*)
-  9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize
+  8. reconciled checks        batch arithmetic (then schedule_values: iterations for --train-samples), ZeRO
+                              stage, the TransformerConfig (+ fused kernels, fp16, profiler*)
+  9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize; the warnings
 
 (*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
 collected and raised together as one ArgumentsError after steps 1, 6 and 8 (a later step needs the
@@ -25,15 +28,20 @@ import argparse
 import torch
 
 from megatron_ds.arguments import checks
+from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
-from megatron_ds.data.tokenizers import build_tokenizer
+from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, build_tokenizer
 from megatron_ds.glue.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
 
 
 class ArgumentsError(Exception):
-    """Bad command line or DeepSpeed JSON; the message is meant for the user as is."""
+    """Bad command line or DeepSpeed JSON; the message is meant for the user as is, one line per problem."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__("invalid arguments:\n  - " + "\n  - ".join(self.problems))
 
 
 class ResolvedArguments(argparse.Namespace):
@@ -49,7 +57,7 @@ class ResolvedArguments(argparse.Namespace):
 
 def raise_if_invalid(errors):
     if errors:
-        raise ArgumentsError("invalid arguments:\n  - " + "\n  - ".join(errors))
+        raise ArgumentsError(errors)
 
 
 def resolve(flags, world_size, on_this_host=True, layout_known=True) -> ResolvedArguments:
@@ -58,21 +66,23 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     args = argparse.Namespace(**vars(flags))
     args.world_size = world_size
     raise_if_invalid(checks.size_errors(args))
+    errors = checks.schedule_errors(args)  # on the flags as given, before defaults fill them
     vars(args).update(model_defaults(args))
-    errors = flag_errors(args, on_this_host)
+    errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
     if args.world_size % _model_parallel_size(args) == 0:
         vars(args).update(layout_values(args))
         errors += _apply(args, reconcile_with_deepspeed_config(args))
     raise_if_invalid(errors)
     vars(args).update(numerics_values(args))
-    errors = checks.zero_stage_errors(args) + transformer_config_errors(args, check_fusions=on_this_host)
-    if layout_known:
-        errors += checks.batch_errors(args)
+    errors = checks.batch_errors(args) if layout_known else []
+    if layout_known and not errors:
+        vars(args).update(schedule_values(args))
+    errors += checks.zero_stage_errors(args) + transformer_config_errors(args, check_fusions=on_this_host)
     if on_this_host:
         errors += checks.this_host_errors(args)
     raise_if_invalid(errors)
-    vars(args).update(deepspeed_config_values(args))
+    vars(args).update(deepspeed_config_values(args), warnings=tuple(checks.warnings(args)))
     return _freeze(args)
 
 
@@ -90,7 +100,8 @@ def _freeze(args):
 
 def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
-              + checks.optimization_errors(args) + checks.checkpoint_errors(args))
+              + checks.optimization_errors(args) + checks.checkpoint_errors(args)
+              + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args))
     return errors + (checks.data_source_errors(args) if on_this_host else [])
 
 
@@ -101,18 +112,33 @@ def model_defaults(args):
     values = {"max_position_embeddings": _given(args.max_position_embeddings, args.seq_length),
               "num_key_value_heads": _given(args.num_key_value_heads, args.num_attention_heads),
               "ffn_hidden_size": _given(args.ffn_hidden_size, default_ffn_hidden_size(args.hidden_size, args.swiglu)),
-              "lr_decay_iters": _given(args.lr_decay_iters, args.train_iters)}
+              "lr_decay_iters": _given(args.lr_decay_iters, args.train_iters),
+              "lr_decay_samples": _given(args.lr_decay_samples, args.train_samples),
+              "tokenizer_type": tokenizer_type(args)}
     if args.use_rotary_position_embeddings:
         values["position_embedding_type"] = "rope"
     if args.recompute_activations and args.recompute_granularity is None:
         values["recompute_granularity"] = "selective"
+    if args.checkpoint_activations and args.recompute_granularity is None:
+        values["recompute_granularity"] = "full"
+    if args.use_flash_attn or args.use_flash_attn_v2 or args.use_flash_attn_triton:
+        values["attention_backend"] = "sdpa"
     if args.lr_warmup_fraction is not None:
-        values["lr_warmup_iters"] = int(args.lr_warmup_fraction * values["lr_decay_iters"])
+        unit = "samples" if args.train_samples is not None else "iters"
+        values[f"lr_warmup_{unit}"] = int(args.lr_warmup_fraction * (values[f"lr_decay_{unit}"] or 0))
     return values
 
 
 def _given(value, default):
     return default if value is None else value
+
+
+def tokenizer_type(args):
+    """--tokenizer-type with Megatron-DeepSpeed's aliases resolved; by default GPT-2 BPE when its files are given
+    (as Megatron-DeepSpeed's scripts expect), else the NullTokenizer."""
+    if args.tokenizer_type is None:
+        return "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
+    return TOKENIZER_ALIASES.get(args.tokenizer_type, args.tokenizer_type)
 
 
 def tokenizer_values(args):
@@ -141,6 +167,19 @@ def numerics_values(args):
     return {"params_dtype": dtype,
             "padded_vocab_size": padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)}
+
+
+def schedule_values(args):
+    """With --train-samples: the iterations that consume them (Megatron's count: the ramp-up's batches, then
+    whole global batches)."""
+    if args.train_samples is None:
+        return {}
+    schedule = build_batch_schedule(args)
+    iterations = consumed = 0
+    while args.rampup_batch_size and consumed <= args.rampup_batch_size[2]:
+        consumed += schedule.global_batch_size(consumed)
+        iterations += 1
+    return {"train_iters": iterations + max(0, args.train_samples - consumed) // args.global_batch_size}
 
 
 def deepspeed_config_values(args):

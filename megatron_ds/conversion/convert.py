@@ -187,9 +187,9 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
 def _default_args():
     """What a checkpoint made from Hugging Face weights records where the HF folder says nothing."""
     defaults = flag_defaults()
-    return {**{name: defaults[name] for name in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
-                                                 "rotary_base", "norm_epsilon")},
-            "params_dtype": "float32", "data_parallel_size": 1}
+    return {**{name: defaults[name] for name in ("tokenizer_model", "vocab_file", "merge_file", "rotary_base",
+                                                 "norm_epsilon")},
+            "tokenizer_type": "NullTokenizer", "params_dtype": "float32", "data_parallel_size": 1}
 
 
 def _hf_tokenizer_args(hf_dir, base):

@@ -10,7 +10,8 @@ import json
 import sys
 import time
 
-from megatron_ds.arguments import ArgumentsError, build_parser, resolve, transformer_config_from_args
+from megatron_ds.arguments import (ArgumentsError, build_parser, parse_flags, raise_if_invalid, resolve, tokenizer_type,
+                                   transformer_config_from_args)
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
@@ -24,7 +25,7 @@ DEFAULT_VOCAB_SIZE = 51200
 
 
 def build_plan_parser():
-    parser = build_parser(prog="tools/plan.py", train_iters_required=False)
+    parser = build_parser(prog="tools/plan.py")
     parser.description = ("Plan a 3D-parallel run: parameters, memory, FLOPs, communication and estimated time "
                           "for pretrain.py's flags on a cluster, or --search every layout")
     group = parser.add_argument_group("planner")
@@ -44,13 +45,13 @@ def build_plan_parser():
 def _vocab_size(args):
     if args.vocab_size is not None:
         return args.vocab_size
-    if args.tokenizer_type == "NullTokenizer":
+    if tokenizer_type(args) == "NullTokenizer":
         return DEFAULT_VOCAB_SIZE
     try:
-        return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+        return build_tokenizer(tokenizer_type(args), tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
                                merge_file=args.merge_file, vocab_size=None).vocab_size
     except (ValueError, OSError) as error:
-        raise ArgumentsError(f"cannot read the tokenizer to size the vocabulary ({error}); give --vocab-size")
+        raise ArgumentsError([f"cannot read the tokenizer to size the vocabulary ({error}); give --vocab-size"])
 
 
 # SP and recompute do not change the model's shapes
@@ -62,10 +63,12 @@ _WITHOUT_MEMORY_CHOICES = {"sequence_parallel": False, "recompute_activations": 
 def validated_args(args):
     """pretrain.py's resolution of the flags, for a cluster that is not this machine."""
     if args.world_size < 1 or args.gpus_per_node < 1:
-        raise ArgumentsError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} "
-                             f"must be positive")
+        raise ArgumentsError([f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} "
+                              f"must be positive"])
     flags = argparse.Namespace(**vars(args))
     flags.vocab_size, flags.tokenizer_type = _vocab_size(args), "NullTokenizer"
+    if flags.train_iters is None and flags.train_samples is None:  # planning needs no schedule
+        flags.train_iters = 1
     if args.search:   # the layout is searched: resolve the model alone, at TP = PP = 1
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = 1
         vars(flags).update(_WITHOUT_MEMORY_CHOICES)
@@ -150,8 +153,9 @@ def run(args) -> tuple:
 
 
 def main(argv=None) -> int:
-    args = build_plan_parser().parse_args(argv)
     try:
+        args, problems = parse_flags(build_plan_parser(), argv)
+        raise_if_invalid(problems)
         result, status = run(args)
     except ArgumentsError as error:
         print(error, file=sys.stderr)

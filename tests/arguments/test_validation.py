@@ -145,11 +145,21 @@ def test_invalid_arguments_are_reported_together(tmp_path, name):
         assert any(text in line for line in problems), f"{text!r} not in:\n{message}"
 
 
-def test_unknown_flag_is_refused_by_name(capsys):
-    with pytest.raises(SystemExit) as raised:
-        parse_args(BASE + ["--no-such-flag", "3"], world_size=1)
-    assert raised.value.code == 2
-    assert "pretrain.py: error: unrecognized arguments: --no-such-flag 3" in capsys.readouterr().err
+def test_unknown_flags_and_bad_values_are_reported_with_the_other_problems():
+    """argparse alone stops at its first complaint; here unknown flags, bad values and the checks' problems come
+    in one message."""
+    argv = BASE + ["--no-such-flag", "3", "--num-layers", "x", "--normalization", "BatchNorm",
+                   "--tensor-model-parallel-size", "3"]
+    with pytest.raises(ArgumentsError) as raised:
+        parse_args(argv, world_size=3)
+    problems = raised.value.problems
+    assert problems[:2] == ["argument --num-layers: invalid int value: 'x'",
+                            "argument --normalization: invalid choice: 'BatchNorm' (choose from 'LayerNorm', 'RMSNorm')"]
+    assert problems[2].startswith("unrecognized arguments: --no-such-flag 3")
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in problems
+    with pytest.raises(ArgumentsError, match="the following arguments are required: --hidden-size"):
+        parse_args(["--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "8", "--mock-data"],
+                   world_size=1)
 
 
 def test_problems_of_flags_json_and_files_are_reported_together(tmp_path):
@@ -173,8 +183,9 @@ def test_checkpoint_flags_are_validated_before_any_process_group():
         parse_args(base + ["--save-interval", "0", "--exit-interval", "-1", "--load-iteration", "x"], world_size=1)
     message = str(error.value)
     for expected in ("--save-interval must be positive, got 0", "--exit-interval must be positive, got -1",
-                     "--load-iteration needs --load", "--load-iteration must be an iteration number or 'release'",
-                     "--save-interval needs --save"):
+                     "--load-iteration needs --load", "--load-iteration must be an iteration number or 'release'"):
         assert expected in message, message
+    assert parse_args(base + ["--save-interval", "4"], world_size=1).warnings == (
+        "--save-interval 4 without --save: nothing will be saved",)
     args = parse_args(base + ["--load", "ckpt", "--ckpt-step", "release", "--finetune"], world_size=1)
     assert (args.load_iteration, args.finetune, args.no_load_optim) == ("release", True, False)

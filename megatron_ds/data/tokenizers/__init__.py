@@ -10,10 +10,14 @@ from .null_tokenizer import NullTokenizer
 from .sentencepiece_tokenizer import SentencePieceTokenizer
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+# Megatron-DeepSpeed's names for the same tokenizers: its GPTSentencePieceTokenizer is a plain SentencePiece
+# model whose eos is the end-of-document token, as ours
+TOKENIZER_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer", "HFTokenizer": "HuggingFaceTokenizer"}
 
 
 def build_tokenizer(tokenizer_type, *, tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None):
     """The tokenizer named by tokenizer_type; a ValueError naming the flag when an argument is missing."""
+    tokenizer_type = TOKENIZER_ALIASES.get(tokenizer_type, tokenizer_type)
     if tokenizer_type == "SentencePieceTokenizer":
         _require(tokenizer_type, ("--tokenizer-model", tokenizer_model))
         return SentencePieceTokenizer(tokenizer_model)
@@ -36,4 +40,4 @@ def _require(tokenizer_type, *flags_and_values):
 
 
 __all__ = ["build_tokenizer", "MegatronTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer",
-           "HuggingFaceTokenizer", "NullTokenizer", "TOKENIZER_TYPES"]
+           "HuggingFaceTokenizer", "NullTokenizer", "TOKENIZER_ALIASES", "TOKENIZER_TYPES"]
