@@ -18,18 +18,20 @@ from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress
 from megatron_ds.core import parallel_state
-from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs, model_flops_per_iteration
+from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
+from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
+from megatron_ds.metrics import MetricsLogger
 from megatron_ds.optimizer import build_optimizer, optimizer_description
-from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler, lr_schedule_from_args
 from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
 
@@ -37,12 +39,6 @@ from megatron_ds.throughput import peak_tflops_per_device
 def print_rank_0(message):
     if dist.get_rank() == 0:
         print(message, flush=True)
-
-
-def is_logging_rank():
-    """The first rank of the last pipeline stage: it holds the loss."""
-    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
 
 
 def build_model(args, config):
@@ -59,8 +55,8 @@ def build_model(args, config):
 
 def build_optimizer_and_scheduler(args, model):
     optimizer = build_optimizer(model, args, device().type)
-    scheduler = OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                        args.lr_decay_style)
+    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_from_args(args), args.seq_length,
+                                        build_batch_schedule(args))
     return optimizer, scheduler
 
 
@@ -111,78 +107,10 @@ def evaluate(args, engine, iterator, accumulation_steps):
     return sum(losses) / len(losses)
 
 
-class MetricsLogger:
-    """Megatron's iteration line on the logging rank, plus TensorBoard scalars."""
-
-    def __init__(self, args, config, peak_tflops):
-        self.args = args
-        self.flops_per_sample = model_flops_per_iteration(config, args.padded_vocab_size, 1, args.seq_length)
-        self.peak_tflops = peak_tflops
-        self.writer = None
-        if args.tensorboard_dir and is_logging_rank():
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
-        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
-
-    def iteration(self, iteration, loss, lr, engine, batch_size, consumed_samples):
-        self.losses.append(loss)
-        self.samples += batch_size
-        if iteration % self.args.log_interval:
-            return
-        args = self.args
-        seconds = (time.perf_counter() - self.interval_start) / len(self.losses)
-        samples_per_second = self.samples / len(self.losses) / seconds
-        tflops = self.flops_per_sample * samples_per_second / args.world_size / 1e12
-        scalars = {"lm loss": sum(self.losses) / len(self.losses), "learning-rate": lr,
-                   "batch-size": batch_size, "consumed-samples": consumed_samples,
-                   "loss-scale": _loss_scale(engine),
-                   "grad-norm": engine.get_global_grad_norm(),
-                   "tokens-per-second": samples_per_second * args.seq_length,
-                   "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
-        if is_logging_rank():
-            print(self._line(iteration, seconds, scalars, engine), flush=True)
-            self._write(scalars, iteration)
-        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
-
-    def _line(self, iteration, seconds, s, engine):
-        args = self.args
-        grad_norm = "nan" if s["grad-norm"] is None else f"{float(s['grad-norm']):.3f}"
-        skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
-        return (f" iteration {iteration}/{args.train_iters} | consumed samples: {s['consumed-samples']} |"
-                f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
-                f" global batch size: {s['batch-size']} | lm loss: {s['lm loss']:.6E} |"
-                f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{skipped}"
-                f" tokens per second: {s['tokens-per-second']:.1f} | TFLOP/s per device: {s['tflops-per-device']:.3f} |"
-                f" MFU: {100 * s['mfu']:.1f}% |")
-
-    def validation(self, iteration, loss):
-        if is_logging_rank():
-            print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |", flush=True)
-            self._write({"validation lm loss": loss}, iteration)
-
-    def _write(self, scalars, iteration):
-        if self.writer is None:
-            return
-        for name, value in scalars.items():
-            if value is not None:
-                self.writer.add_scalar(name, float(value), iteration)
-        self.writer.flush()
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _loss_scale(engine):
-    if not engine.fp16_enabled():
-        return 1.0
-    optimizer = engine.optimizer
-    return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
-
-
 def train(args, engine, datasets, logger, progress=None, checkpoints=None, watchdog=None):
-    """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress; checkpoints
-    (a CheckpointManager) saves at intervals, on a signal and at the end, and may stop the loop early."""
+    """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress, stopping early
+    once --train-tokens are consumed; checkpoints (a CheckpointManager) saves at intervals, on a signal and
+    at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
     batch_schedule = build_batch_schedule(args)
     train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device())
@@ -193,11 +121,14 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
     for iteration in range(progress.iteration + 1, args.train_iters + 1):
+        if _train_tokens_reached(args, progress):
+            break
         if watchdog is not None:
             watchdog.activity = f"iteration {iteration}"
         batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
         if batch_size != engine.train_batch_size():
             engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
+        engine.lr_scheduler.global_batch_size = batch_size  # what its step counts in samples and tokens
         accumulation_steps = engine.gradient_accumulation_steps()
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
@@ -205,6 +136,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
+        progress.consumed_train_tokens += batch_size * args.seq_length
         logger.iteration(iteration, loss, lr, engine, batch_size, progress.consumed_train_samples)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps))
@@ -214,6 +146,16 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+def _train_tokens_reached(args, progress):
+    """Megatron-DeepSpeed's --train-tokens: no further iteration once that many tokens are consumed (checked
+    before each iteration, as its loop condition). Every rank counts the same batches, so all stop together."""
+    if args.train_tokens is None or progress.consumed_train_tokens < args.train_tokens:
+        return False
+    print_rank_0(f"megatron_ds: --train-tokens {args.train_tokens} reached: {progress.consumed_train_tokens} tokens "
+                 f"consumed at iteration {progress.iteration}")
+    return True
 
 
 def log_startup(args, config, engine, peak, peak_source):
@@ -256,7 +198,9 @@ def _configure_logging():
     package_logger.propagate = False
 
 
-def pretrain(argv=None):
+def pretrain(argv=None, start_time=None):
+    """start_time: time.time() when the job started (default: now); --exit-duration-in-mins counts from it."""
+    start_time = time.time() if start_time is None else start_time
     try:
         args = parse_args(argv)
     except ArgumentsError as error:
@@ -265,7 +209,7 @@ def pretrain(argv=None):
     init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.distributed_port)
     watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
     try:
-        status = _pretrain(args, watchdog)
+        status = _pretrain(args, watchdog, start_time)
     except BaseException as error:
         watchdog.report_failure(error)  # the other ranks stop within seconds instead of hanging
         raise
@@ -276,10 +220,11 @@ def pretrain(argv=None):
     return status
 
 
-def _pretrain(args, watchdog):
+def _pretrain(args, watchdog, start_time=None):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     _log_placement(args)
+    configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args)
     watchdog.activity = "building the model and the DeepSpeed engine"
@@ -288,8 +233,8 @@ def _pretrain(args, watchdog):
     log_startup(args, config, engine, peak, peak_source)
     watchdog.activity = "building the datasets"
     datasets = build_datasets(args)
-    logger = MetricsLogger(args, config, peak)
-    checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config)
+    logger = MetricsLogger(args, config, peak, engine)
+    checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config, start_time)
     watchdog.activity = "loading the checkpoint"
     try:
         progress = checkpoints.load()

@@ -10,8 +10,9 @@ BIN = Path(sys.executable).parent
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 
 
-def launch(nproc, flags, launcher="torchrun", timeout=300, env=None):
-    """Run pretrain.py on nproc local ranks; return the CompletedProcess (stdout and stderr merged)."""
+def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("pretrain.py",)):
+    """Run pretrain.py (or program, e.g. ("-m", "tests.backdated_start", "61")) on nproc local ranks; return the
+    CompletedProcess (stdout and stderr merged)."""
     from tests.distributed import free_port
     port = str(free_port())
     if launcher == "torchrun":
@@ -19,7 +20,7 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None):
     else:
         command = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(command + ["pretrain.py", *flags], cwd=REPO, env=environment, timeout=timeout,
+    return subprocess.run(command + [*program, *flags], cwd=REPO, env=environment, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

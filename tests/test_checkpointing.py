@@ -163,8 +163,9 @@ def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(kill
     save_dir = tmp_path / "run"
     shutil.copytree(killed_in_deepspeed_files, save_dir)
     flags = list(KILL_FLAGS)
-    flags[flags.index("--train-iters") + 1] = "100000"
-    job = _Job(2, ["pretrain.py", *flags, "--save", str(save_dir), "--load", str(save_dir), "--exit-signal-handler"])
+    flags[flags.index("--train-iters") + 1] = "100000"  # run until the SIGTERM; the saved LR schedule goes on
+    job = _Job(2, ["pretrain.py", *flags, "--save", str(save_dir), "--load", str(save_dir), "--exit-signal-handler",
+                   "--use-checkpoint-opt_param-scheduler"])
     job.wait_for(" iteration 5/100000 |")
     job.process.send_signal(signal.SIGTERM)
     job.process.wait(timeout=120)

@@ -48,3 +48,24 @@ def test_fused_follows_reference():
     for ours, definition in zip(fused, reference):
         torch.testing.assert_close(ours, definition, rtol=1e-5, atol=1e-6)
     assert not torch.equal(fused[0], _model()[0].weight)  # the steps moved the weights
+
+
+def test_sgd_steps_by_the_momentum_definition():
+    """--optimizer sgd: v = momentum v + (g + wd w); w -= lr v, with no weight decay on biases and norms."""
+    from megatron_ds.optimizer import build_optimizer
+    model = _model()
+    args = types.SimpleNamespace(**vars(ARGS), optimizer="sgd", sgd_momentum=0.9, fusion_backend="auto")
+    optimizer = build_optimizer(model, args, "cpu")
+    weight = model[0].weight
+    start = weight.detach().clone()
+    velocity = torch.zeros_like(start)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(4, 7, generator=generator)).pow(2).mean().backward()
+        velocity = 0.9 * velocity + weight.grad + 0.1 * weight.detach()
+        expected = weight.detach() - 1e-2 * velocity
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(weight, start)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]

@@ -7,9 +7,12 @@ Each scheme runs a real TransformerLayer on real TP ranks (gloo processes starte
 activations; every tensor saved for backward is seen by torch.autograd.graph.saved_tensors_hooks, each
 storage counted once, parameters excluded. Formulas (Korthikanti et al. 2022, arXiv 2205.05198), s b h
 bytes: no parallelism 34 + 5as/h; TP 10 + 24/t + 5as/(ht); TP+SP (34 + 5as/h)/t; TP+SP+selective 34/t;
-full recompute 2 (the layer input). The sdpa backend keeps no s x s tensor: its formula drops the 5as/h
-term. Attention dropout is 0 for sdpa rows: on CPU only the math kernel implements dropout, and it
-stores the s x s probabilities (GPU flash kernels regenerate the mask instead).
+full recompute 2 (the layer input); DeepSpeed's checkpoint (--deepspeed-activation-checkpointing) the
+same 2, and 2/t with --partition-activations (each TP rank keeps 1/t of the input). The sdpa backend keeps
+no s x s tensor: its formula drops the 5as/h term. Attention dropout is 0 for sdpa rows: on CPU only the
+math kernel implements dropout, and it stores the s x s probabilities (GPU flash kernels regenerate the
+mask instead). DeepSpeed's checkpoint keeps its inputs on the autograd node, not through
+save_for_backward: those are counted from the graph (measured per rank, on rank 0).
 """
 import argparse
 import os
@@ -23,10 +26,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
+import deepspeed  # noqa: E402 (after DS_ACCELERATOR)
+
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron_ds.core.tensor_parallel.random import use_deepspeed_checkpointing  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
-from megatron_ds.glue.runtime import free_port  # noqa: E402
+from megatron_ds.glue.mpu import ModelParallelUnit  # noqa: E402
+from megatron_ds.glue.runtime import free_port, init_distributed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -36,11 +43,15 @@ class Scheme:
     sequence_parallel: bool = False
     recompute: str = None
     backend: str = "local"
+    deepspeed: bool = False  # full recompute by DeepSpeed's activation checkpointing
+    partition: bool = False  # ... with partition_activations
 
 
 SCHEMES = [Scheme("no parallelism"), Scheme("TP", tp=True), Scheme("TP + SP", tp=True, sequence_parallel=True),
            Scheme("TP + SP + selective", tp=True, sequence_parallel=True, recompute="selective"),
            Scheme("full recompute", tp=True, recompute="full"),
+           Scheme("DeepSpeed recompute", tp=True, recompute="full", deepspeed=True),
+           Scheme("DeepSpeed + partition", tp=True, recompute="full", deepspeed=True, partition=True),
            Scheme("no parallelism", backend="sdpa"), Scheme("TP", tp=True, backend="sdpa"),
            Scheme("TP + SP", tp=True, sequence_parallel=True, backend="sdpa")]
 
@@ -50,7 +61,7 @@ def paper_bytes(scheme, s, b, h, a, t, with_attention_scores=True):
     t = t if scheme.tp else 1
     scores = 5 * a * s / h if with_attention_scores else 0.0
     if scheme.recompute == "full":
-        per_sbh = 2.0
+        per_sbh = 2.0 / t if scheme.partition else 2.0
     elif scheme.recompute == "selective":
         per_sbh = 34.0 / t
     elif scheme.sequence_parallel:
@@ -78,8 +89,28 @@ def measure_saved_bytes(layer, hidden_states):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = layer(hidden_states)
+    for tensor in _deepspeed_checkpoint_inputs(output.grad_fn):
+        key = _storage_key(tensor)
+        if key not in parameter_storages:
+            saved[key] = key[1]
     output.float().sum().backward()  # the layer really trains with what it saved
     return sum(saved.values())
+
+
+def _deepspeed_checkpoint_inputs(grad_fn):
+    """What DeepSpeed's checkpoint nodes in the graph keep for backward: a partitioned input keeps only its
+    `saved_data` (its own storage is emptied until backward), plus the full size as a small tensor."""
+    seen, stack, kept = set(), [grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for tensor in getattr(node, "deepspeed_saved_tensors", None) or ():
+            if torch.is_tensor(tensor):
+                kept.append(tensor.saved_data if getattr(tensor, "saved_data", None) is not None else tensor)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return kept
 
 
 def _layer_bytes(args, scheme):
@@ -100,6 +131,11 @@ def _rank_main(rank, world_size, port, args, scheme, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    if scheme.deepspeed:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        init_distributed("gloo")  # deepspeed.comm on the process group above
+        deepspeed.checkpointing.configure(ModelParallelUnit(), partition_activations=scheme.partition)
+        use_deepspeed_checkpointing()
     model_parallel_cuda_manual_seed(1234)
     measured = _layer_bytes(args, scheme)
     if rank == 0:

@@ -12,6 +12,7 @@ from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_s
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
+from megatron_ds.glue.ds_config import ACTIVATION_CHECKPOINTING_KEYS
 from megatron_ds.profiling import profile_errors
 
 
@@ -109,6 +110,9 @@ def schedule_errors(args):
               for value in [getattr(args, f"lr_{kind}_{other}")]]
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         errors.append("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples: give one of them")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_tokens is not None:
+        errors.append("--lr-warmup-fraction (of the decay iterations or samples) and --lr-warmup-tokens (which "
+                      "replaces them): give one of them")
     return errors
 
 
@@ -170,6 +174,41 @@ def zero_stage_errors(args):
                 f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
                 f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"]
     return []
+
+
+def deepspeed_activation_checkpointing_errors(args):
+    """--deepspeed-activation-checkpointing and its options, on the values reconciled with the DeepSpeed JSON's
+    activation_checkpointing block (an option may come from either; the message names where)."""
+    block = args.user_deepspeed_config.get("activation_checkpointing", {})
+    where = {dest: f"\"activation_checkpointing.{key}\": true in {args.deepspeed_config}" if block.get(key) else flag
+             for dest, flag, key in ACTIVATION_CHECKPOINTING_KEYS}
+    tp = args.tensor_model_parallel_size
+    errors = []
+    if not args.deepspeed_activation_checkpointing:
+        return [f"{where[dest]} needs --deepspeed-activation-checkpointing: it configures DeepSpeed's activation "
+                f"checkpointing, which Megatron-DeepSpeed sets up only with that flag (and silently ignores the "
+                f"option without it)" for dest, _, _ in ACTIVATION_CHECKPOINTING_KEYS if getattr(args, dest)]
+    if args.recompute_granularity != "full":
+        errors.append(f"--deepspeed-activation-checkpointing needs full recompute (--checkpoint-activations or "
+                      f"--recompute-granularity full), got {args.recompute_granularity or 'no recompute'}: "
+                      f"Megatron-DeepSpeed runs DeepSpeed's checkpoint only in its full-recompute path")
+    if args.distribute_saved_activations:
+        errors.append("--distribute-saved-activations is megatron_ds's own checkpoint's option; with "
+                      "--deepspeed-activation-checkpointing use --partition-activations (the same split of each "
+                      "saved layer input across the TP ranks)")
+    if args.contigious_checkpointing and not args.partition_activations:
+        errors.append(f"{where['contigious_checkpointing']} needs --partition-activations: DeepSpeed keeps only "
+                      f"partitioned checkpoints in its contiguous buffers")
+    if args.partition_activations and args.sequence_parallel:
+        errors.append(f"{where['partition_activations']} conflicts with --sequence-parallel: each TP rank's layer "
+                      f"input then holds other tokens, and DeepSpeed's partitioning all-gathers one input from the "
+                      f"TP ranks' pieces (the saved input is already split by SP)")
+    elements = args.seq_length * args.micro_batch_size * args.hidden_size
+    if args.partition_activations and elements % tp:
+        errors.append(f"{where['partition_activations']}: the layer input of --seq-length {args.seq_length} x "
+                      f"--micro-batch-size {args.micro_batch_size} x --hidden-size {args.hidden_size} = {elements} "
+                      f"elements does not split into --tensor-model-parallel-size {tp} equal parts")
+    return errors
 
 
 def compatibility_errors(args):
@@ -247,9 +286,13 @@ def data_source_errors(args):
 
 
 def this_host_errors(args):
-    """What this machine cannot do: fp16 without a GPU, the profiler's CUDA mode."""
+    """What this machine cannot do: fp16 without a GPU, the profiler's CUDA mode, W&B without wandb installed."""
+    import importlib.util
     errors = []
     if args.fp16 and not torch.cuda.is_available():
         errors.append("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 or fp32 "
                       "on CPU")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        errors.append(f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed: "
+                      f"pip install wandb (or drop --wandb-project)")
     return errors + profile_errors(args)

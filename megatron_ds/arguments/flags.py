@@ -80,7 +80,8 @@ def _add_memory_args(parser):
                        choices=["uniform", "block"], default=None,
                        help="full recompute: uniform = chunks of --recompute-num-layers layers; block = only the "
                             "first --recompute-num-layers layers of each pipeline stage (default uniform)")
-    group.add_argument("--recompute-num-layers", "--activations-checkpoint-num-layers", dest="recompute_num_layers",
+    group.add_argument("--recompute-num-layers", "--activations-checkpoint-num-layers", "--checkpoint-num-layers",
+                       dest="recompute_num_layers",
                        type=int, default=None, help="default 1")
     group.add_argument("--checkpoint-activations", action="store_true",
                        help="Megatron-DeepSpeed's name for full recompute of every layer (= --recompute-granularity "
@@ -88,13 +89,17 @@ def _add_memory_args(parser):
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="full recompute: split each saved layer input across the TP ranks")
     group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                       help="full recompute through DeepSpeed's activation checkpointing (deepspeed.checkpointing, "
-                            "with the DeepSpeed JSON's activation_checkpointing block)")
-    for flag, text in (("--partition-activations", "split each checkpointed input across the TP ranks"),
-                       ("--contigious-checkpointing", "copy the checkpointed inputs into one contiguous buffer"),
-                       ("--checkpoint-in-cpu", "keep the checkpointed inputs in CPU memory"),
-                       ("--synchronize-each-layer", "synchronize the device at each checkpointed layer"),
-                       ("--profile-backward", "time the backward of each checkpointed layer")):
+                       help="full recompute (needs --checkpoint-activations or --recompute-granularity full; the "
+                            "same chunks) through DeepSpeed's activation checkpointing and RNG tracker, with the "
+                            "DeepSpeed JSON's activation_checkpointing block")
+    for flag, text in (("--partition-activations", "split each checkpointed input across the TP ranks (not with "
+                                                   "--sequence-parallel)"),
+                       ("--contigious-checkpointing", "copy the partitioned inputs into preallocated contiguous "
+                                                      "buffers (needs --partition-activations)"),
+                       ("--checkpoint-in-cpu", "keep the checkpointed inputs in CPU memory (nothing to move on a "
+                                               "CPU device)"),
+                       ("--synchronize-each-layer", "synchronize the device around each checkpointed chunk"),
+                       ("--profile-backward", "log the time of each checkpointed forward and backward")):
         group.add_argument(flag, action="store_true", help=f"with --deepspeed-activation-checkpointing: {text}")
 
 
@@ -109,9 +114,11 @@ def _add_training_args(parser):
     group.add_argument("--train-iters", type=int, default=None,
                        help="iterations to train (or --train-samples; one of the two is required)")
     group.add_argument("--train-samples", type=int, default=None,
-                       help="samples to train (iterations follow from the global batch and its ramp-up)")
+                       help="samples to train (iterations follow from the global batch and its ramp-up); the LR "
+                            "schedule then counts samples (--lr-warmup-samples, --lr-decay-samples)")
     group.add_argument("--train-tokens", type=int, default=None,
-                       help="Megatron-DeepSpeed: tokens to train at most (stops when reached)")
+                       help="Megatron-DeepSpeed: stop once this many tokens (samples x --seq-length) are consumed "
+                            "(checked before each iteration; the final checkpoint is saved)")
     group.add_argument("--lr", type=float, default=1e-4)
     group.add_argument("--min-lr", type=float, default=0.0)
     group.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
@@ -121,7 +128,8 @@ def _add_training_args(parser):
                        help="Megatron-DeepSpeed: decay over this many tokens (overrides iterations and samples)")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-samples", type=int, default=0)
-    group.add_argument("--lr-warmup-tokens", type=int, default=None, help="Megatron-DeepSpeed: warm up over tokens")
+    group.add_argument("--lr-warmup-tokens", type=int, default=None,
+                       help="Megatron-DeepSpeed: warm up over this many tokens (overrides iterations and samples)")
     group.add_argument("--lr-warmup-fraction", type=float, default=None,
                        help="fraction of the decay iterations (or samples) to warm up over")
     group.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
@@ -257,15 +265,18 @@ def _add_checkpoint_args(parser):
                        help="weights, iteration and data position only: fresh Adam moments (the LR schedule goes on)")
     group.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
     group.add_argument("--no-load-lr-state", action="store_true",
-                       help="do not restore the learning-rate schedule's state (the flags' schedule restarts)")
+                       help="do not restore the LR schedule: the flags' schedule from the resumed iteration (from 0 "
+                            "with --reset-iteration)")
     group.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler",
                        dest="override_opt_param_scheduler", action="store_true",
-                       help="take the schedule's values (LR, warmup, decay, minimum) from the flags, not the checkpoint")
+                       help="take the schedule's values (LR, minimum, style, warmup, decay) from the flags, not the "
+                            "checkpoint (which must otherwise agree); the position is the checkpoint's")
     group.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler",
                        dest="use_checkpoint_opt_param_scheduler", action="store_true",
                        help="take the schedule's values from the checkpoint, whatever the flags say")
     group.add_argument("--reset-iteration", action="store_true",
-                       help="load weights and optimizer states, but start counting at iteration 0")
+                       help="load weights, optimizer states and the LR schedule, but start at iteration 0 with no "
+                            "consumed samples (data from the start)")
     group.add_argument("--finetune", action="store_true",
                        help="load the weights only and start at iteration 0 (no optimizer, scheduler, RNG or "
                             "data position)")

@@ -15,7 +15,8 @@ function named here, and the checks in `checks.py` only read:
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
   8. reconciled checks        batch arithmetic (then schedule_values: iterations for --train-samples), ZeRO
-                              stage, the TransformerConfig (+ fused kernels, fp16, profiler*)
+                              stage, DeepSpeed's activation checkpointing, the TransformerConfig (+ fused
+                              kernels, fp16, profiler*)
   9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize; the warnings
 
 (*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
@@ -78,7 +79,8 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     errors = checks.batch_errors(args) if layout_known else []
     if layout_known and not errors:
         vars(args).update(schedule_values(args))
-    errors += checks.zero_stage_errors(args) + transformer_config_errors(args, check_fusions=on_this_host)
+    errors += (checks.zero_stage_errors(args) + checks.deepspeed_activation_checkpointing_errors(args)
+               + transformer_config_errors(args, check_fusions=on_this_host))
     if on_this_host:
         errors += checks.this_host_errors(args)
     raise_if_invalid(errors)
@@ -119,7 +121,9 @@ def model_defaults(args):
         values["position_embedding_type"] = "rope"
     if args.recompute_activations and args.recompute_granularity is None:
         values["recompute_granularity"] = "selective"
-    if args.checkpoint_activations and args.recompute_granularity is None:
+    if (args.checkpoint_activations or args.recompute_method) and args.recompute_granularity is None:
+        # Megatron-DeepSpeed's --checkpoint-activations, and older Megatron-LM's --activations-checkpoint-method
+        # alone (its sc21 and GPT-3 scripts), mean full recompute
         values["recompute_granularity"] = "full"
     if args.use_flash_attn or args.use_flash_attn_v2 or args.use_flash_attn_triton:
         values["attention_backend"] = "sdpa"

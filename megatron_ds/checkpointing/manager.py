@@ -3,17 +3,19 @@ signal or at an interval.
 
 A save (every rank): DeepSpeed's `save_checkpoint` writes into DIR/global_stepN.tmp; each rank adds its
 RNG states (Python, NumPy, torch, CUDA, the TP RNG tracker); the files are fsync'ed; rank 0 writes
-ds_config.json and, last, megatron_ds_checkpoint.json (iteration, consumed samples, scheduler, arguments,
-layout, the file list with sizes), renames the folder to DIR/global_stepN and then replaces the pointers
-`latest_checkpointed_iteration.txt` and `latest`. A save killed at any point leaves the previous
-checkpoint published (see files.py).
+ds_config.json and, last, megatron_ds_checkpoint.json (iteration, consumed samples and tokens, the LR
+schedule's values and position, arguments, layout, the file list with sizes), renames the folder to
+DIR/global_stepN and then replaces the pointers `latest_checkpointed_iteration.txt` and `latest`. A save
+killed at any point leaves the previous checkpoint published (see files.py).
 
 A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape,
 same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel size,
 ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters,
 fp32 master weights and Adam moments are read in canonical names and placed into the engine directly.
-The RNG states are restored right before the first iteration, so the resumed run repeats the
-uninterrupted one bit for bit.
+The LR schedule is decided before anything loads (a disagreement with the flags stops there; see
+_lr_schedule_to_resume) and set after the optimizer states, which carry the saved LR. The RNG states
+are restored right before the first iteration, so the resumed run repeats the uninterrupted one bit for
+bit.
 """
 import dataclasses
 import os
@@ -30,14 +32,17 @@ from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.checkpointing.state import read_rank_state
 from megatron_ds.core import parallel_state
+from megatron_ds.optimizer_param_scheduler import Position, lr_schedule_from_args, schedule_to_resume
 
 
 @dataclasses.dataclass
 class TrainingProgress:
-    """Where training stands: the last finished iteration and the data positions (consumed samples)."""
+    """Where training stands: the last finished iteration, the data positions (consumed samples) and the
+    tokens trained on (samples x --seq-length of each iteration; --train-tokens counts them)."""
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    consumed_train_tokens: int = 0
 
 
 def _print_rank_0(message):
@@ -69,24 +74,48 @@ class ExitSignalHandler:
         return bool(flag.item())
 
 
+class ExitDuration:
+    """--exit-duration-in-mins: minutes since the earliest rank started (Megatron's start of training);
+    ranks agree once per iteration, so all stop after the same one."""
+
+    def __init__(self, minutes, start_time):
+        from megatron_ds.glue.runtime import device
+        start = torch.tensor([start_time], dtype=torch.float64, device=device())
+        dist.all_reduce(start, op=dist.ReduceOp.MIN)
+        self.minutes, self.start = minutes, start.item()
+
+    def elapsed_minutes(self):
+        return (time.time() - self.start) / 60
+
+    def reached(self):
+        from megatron_ds.glue.runtime import device
+        flag = torch.tensor([1 if self.elapsed_minutes() > self.minutes else 0], dtype=torch.int32, device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 # --- the manager the training loop calls --------------------------------------------------------------
 
 class CheckpointManager:
     """What the training loop calls: load() before training, restore_rng() right before the first iteration,
-    after_iteration() after each one, finish() at the end."""
+    after_iteration() after each one, finish() at the end. start_time: time.time() when the job started, for
+    --exit-duration-in-mins (default: now)."""
 
-    def __init__(self, args, engine, ds_config):
+    def __init__(self, args, engine, ds_config, start_time=None):
         self.args, self.engine, self.ds_config = args, engine, ds_config
         self.pipelined = isinstance(engine, deepspeed.PipelineEngine)
         self.last_saved_iteration = None
         self.loaded_iteration = None
         self.rng_state_to_restore = None
         self.signal_handler = ExitSignalHandler() if args.exit_signal_handler else None
+        self.exit_duration = (ExitDuration(args.exit_duration_in_mins, time.time() if start_time is None
+                                           else start_time) if args.exit_duration_in_mins else None)
 
     # ---- called by the training loop ----
 
     def after_iteration(self, progress):
-        """Save at --save-interval; on a signal or at --exit-interval save and return True (stop training)."""
+        """Save at --save-interval; on a signal, past --exit-duration-in-mins or at --exit-interval save and return
+        True (stop training)."""
         args = self.args
         if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
             self.save(progress)
@@ -94,6 +123,13 @@ class CheckpointManager:
             self.save(progress)
             _print_rank_0(f"exiting at iteration {progress.iteration}: a rank received SIGTERM "
                           f"({'checkpoint saved' if args.save else 'no --save, nothing saved'})")
+            return True
+        if self.exit_duration is not None and self.exit_duration.reached():
+            self.save(progress)
+            _print_rank_0(f"exiting at iteration {progress.iteration}: training has run "
+                          f"{self.exit_duration.elapsed_minutes():.1f} minutes (--exit-duration-in-mins "
+                          f"{args.exit_duration_in_mins}; "
+                          f"{'checkpoint saved' if args.save else 'no --save, nothing saved'})")
             return True
         if args.exit_interval and progress.iteration % args.exit_interval == 0:
             self.save(progress)
@@ -143,6 +179,7 @@ class CheckpointManager:
                 files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
                 consumed_train_samples=progress.consumed_train_samples,
                 consumed_valid_samples=progress.consumed_valid_samples,
+                consumed_train_tokens=progress.consumed_train_tokens,
                 scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 ranks=ranks, has_optimizer_states=True, has_rng_states=True)
             files.finish_folder(tmp_path, metadata)
@@ -174,9 +211,10 @@ class CheckpointManager:
         return entries
 
     def _client_param_groups(self):
-        """The parameter groups of our AdamW in their original order (DeepSpeed flattens them in this order)."""
+        """The parameter groups of our optimizer in their original order (DeepSpeed flattens them in this order):
+        the 16-bit model parameters of ZeRO's, BF16_Optimizer's or, at ZeRO stage 0, FP16_Optimizer's groups."""
         optimizer = self.engine.optimizer
-        for attribute in ("bit16_groups", "bf16_groups"):
+        for attribute in ("bit16_groups", "bf16_groups", "fp16_groups"):
             if hasattr(optimizer, attribute):
                 return [{"params": group} for group in getattr(optimizer, attribute)]
         return optimizer.param_groups
@@ -214,11 +252,13 @@ class CheckpointManager:
         self._check_compatible(path, metadata)
         finetune = args.finetune or tag == files.RELEASE_TAG
         load_optimizer = not (finetune or args.no_load_optim) and metadata.get("has_optimizer_states", False)
+        progress = self._resumed_progress(metadata, finetune)
+        schedule, position, schedule_source = self._lr_schedule_to_resume(path, metadata, progress, finetune)
         start = time.perf_counter()
         if self._same_deepspeed_layout(metadata):
             how = "DeepSpeed load_checkpoint"
             self.engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=load_optimizer,
-                                        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer)
+                                        load_lr_scheduler_states=False, load_module_only=not load_optimizer)
         else:
             what = "weights and optimizer states" if load_optimizer else "weights"
             how = f"{metadata['format']} files read per rank ({what})"
@@ -226,12 +266,7 @@ class CheckpointManager:
                                     parallel_state.get_pipeline_model_parallel_rank(), with_optimizer=load_optimizer)
             load_optimizer = load_optimizer and state.optimizer is not None
             self._place_rank_state(state, load_optimizer)
-            if load_optimizer and metadata.get("scheduler") and self.engine.lr_scheduler is not None:
-                self.engine.lr_scheduler.load_state_dict(metadata["scheduler"])
-        progress = TrainingProgress() if finetune else TrainingProgress(
-            metadata["iteration"], metadata.get("consumed_train_samples", 0), metadata.get("consumed_valid_samples", 0))
-        if not load_optimizer and self.engine.lr_scheduler is not None:
-            self.engine.lr_scheduler.load_state_dict({"num_steps": progress.iteration})  # the schedule goes on
+        self.engine.lr_scheduler.resume(schedule, position)  # after the optimizer states: they hold the saved LR
         self.engine.global_steps = progress.iteration
         self.engine.global_samples = progress.consumed_train_samples
         self.loaded_iteration = progress.iteration
@@ -245,9 +280,38 @@ class CheckpointManager:
                       f"{metadata['layout'].get('data_parallel_size')}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
                       f"samples {progress.consumed_train_samples}, optimizer states "
-                      f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}"
-                      f"{' (--finetune: iteration 0)' if finetune else ''}")
+                      f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
+                      f"{schedule_source}{' (--finetune: iteration 0)' if finetune else ''}"
+                      f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}")
         return progress
+
+    def _resumed_progress(self, metadata, finetune):
+        """Where training goes on: the checkpoint's iteration and data positions, or 0 with --finetune (and a
+        release checkpoint) and with --reset-iteration (Megatron-DeepSpeed's: the weights and optimizer
+        states load, the iteration and the consumed train and validation samples and tokens start at 0)."""
+        if finetune or self.args.reset_iteration:
+            return TrainingProgress()
+        samples = metadata.get("consumed_train_samples", 0)
+        return TrainingProgress(metadata["iteration"], samples, metadata.get("consumed_valid_samples", 0),
+                                metadata.get("consumed_train_tokens", samples * self.args.seq_length))
+
+    def _lr_schedule_to_resume(self, path, metadata, progress, finetune):
+        """(schedule, position, description) of the LR schedule after the load, decided before anything loads.
+        --finetune and --no-load-lr-state: the flags' schedule from the resumed progress (iteration 0 with
+        --finetune or --reset-iteration), the checkpoint's schedule unread; otherwise
+        optimizer_param_scheduler.schedule_to_resume (the checkpoint's position; --override- /
+        --use-checkpoint-opt_param-scheduler, or the values must agree)."""
+        args = self.args
+        flags_schedule = lr_schedule_from_args(args)
+        resumed = Position(progress.iteration, progress.consumed_train_samples, progress.consumed_train_tokens)
+        if finetune or args.no_load_lr_state:
+            reason = "--no-load-lr-state" if args.no_load_lr_state else "--finetune"
+            return flags_schedule, resumed, f"the flags' from iteration {progress.iteration} ({reason})"
+        try:
+            return schedule_to_resume(flags_schedule, metadata.get("scheduler"), resumed,
+                                      args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler)
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {path}: {error}") from None
 
     def _check_compatible(self, path, metadata):
         args = self.args

@@ -5,11 +5,20 @@ Rules (also in the README):
 - a value given in both places must agree, else an error names both and where they came from;
 - values given nowhere get Megatron's defaults (micro batch 1, global batch = micro x DP,
   ZeRO stage 1, clip 1.0, fp32);
-- the JSON must not define `optimizer` or `scheduler`: AdamW and the LR schedule come from the flags.
+- the JSON must not define `optimizer` or `scheduler`: AdamW and the LR schedule come from the flags;
+- activation checkpointing: each of --partition-activations, --contigious-checkpointing, --checkpoint-in-cpu,
+  --synchronize-each-layer, --profile-backward is "given" when passed, and its key in the JSON's
+  `activation_checkpointing` block (partition_activations, contiguous_memory_optimization, cpu_checkpointing,
+  synchronize_checkpoint_boundary, profile) when present; number_checkpoints is derived from the layers and
+  recompute chunks (a JSON value must equal it); with --deepspeed-activation-checkpointing the whole block
+  is written into the effective config. The JSON must not set `pipeline.activation_checkpoint_interval`:
+  the layers recompute themselves (--checkpoint-activations / --recompute-*), at every PP size.
 """
 import copy
 import json
 import math
+
+from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 
 _DEFAULT_ZERO_STAGE = 1
 _DEFAULT_CLIP_GRAD = 1.0
@@ -36,8 +45,37 @@ def _agree(errors, flag, flag_value, key, json_value, path):
     return flag_value if flag_value is not None else json_value
 
 
+# DeepSpeed JSON blocks of Megatron-DeepSpeed's scripts for features megatron_ds does not build
+_UNBUILT_BLOCKS = {
+    "compression_training": "DeepSpeed Compression (quantization, pruning; DeepSpeed 0.19 removed the library)",
+    "data_efficiency": "DeepSpeed Data Efficiency (data sampling, curriculum, random-LTD)",
+    "curriculum_learning": "the legacy sequence-length curriculum (not yet)",
+}
+def _asks_for_feature(name, block):
+    """A block whose switches are all off (as Megatron-DeepSpeed's scripts write them by default) asks for nothing.
+    The legacy curriculum has one switch; the others a top-level one and one per sub-feature."""
+    block = block[name]
+    if not isinstance(block, dict):
+        return True
+    if name == "curriculum_learning":
+        return block.get("enabled", False) is not False
+    return block.get("enabled", True) is not False and _any_enabled(block, top=True)
+
+
+def _any_enabled(block, top=False):
+    return any((key == "enabled" and value is True and not top) or (isinstance(value, dict) and _any_enabled(value))
+               for key, value in block.items())
+
+
 _POSITIVE_INT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_BLOCK_KEYS = ("bf16", "fp16", "zero_optimization")
+_BLOCK_KEYS = ("bf16", "fp16", "zero_optimization", "activation_checkpointing")
+# (flag destination, flag, key of DeepSpeed's "activation_checkpointing" block); all true/false
+ACTIVATION_CHECKPOINTING_KEYS = (
+    ("partition_activations", "--partition-activations", "partition_activations"),
+    ("contigious_checkpointing", "--contigious-checkpointing", "contiguous_memory_optimization"),
+    ("checkpoint_in_cpu", "--checkpoint-in-cpu", "cpu_checkpointing"),
+    ("synchronize_each_layer", "--synchronize-each-layer", "synchronize_checkpoint_boundary"),
+    ("profile_backward", "--profile-backward", "profile"))
 
 
 def _is_int(value):
@@ -62,6 +100,13 @@ def _type_errors(config, path):
     clip = config.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         errors.append(f"\"gradient_clipping\": {json.dumps(clip)} in {path} must be a number >= 0")
+    block = config.get("activation_checkpointing", {})
+    errors += [f"\"activation_checkpointing.{key}\": {json.dumps(block[key])} in {path} must be true or false"
+               for _, _, key in ACTIVATION_CHECKPOINTING_KEYS if key in block and not isinstance(block[key], bool)]
+    count = block.get("number_checkpoints")
+    if count is not None and not (_is_int(count) and count > 0):
+        errors.append(f"\"activation_checkpointing.number_checkpoints\": {json.dumps(count)} in {path} must be a "
+                      f"positive integer")
     return errors
 
 
@@ -117,13 +162,55 @@ def reconcile_with_deepspeed_config(args):
     errors = [f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate schedule from --lr, "
               f"--min-lr, --lr-decay-style, --weight-decay, --adam-*: remove the block and use those flags"
               for block in ("optimizer", "scheduler") if block in config]
+    errors += [f"{path} enables \"{block}\": {feature} is not built in megatron_ds; disable or remove the block"
+               for block, feature in _UNBUILT_BLOCKS.items() if block in config and _asks_for_feature(block, config)]
     values = {**_reconcile_batch(args, config, path, errors), **_reconcile_precision(args, config, path, errors)}
     zero = _agree(errors, "--zero-stage", args.zero_stage, "zero_optimization.stage",
                   config.get("zero_optimization", {}).get("stage"), path)
     clip = _agree(errors, "--clip-grad", args.clip_grad, "gradient_clipping", config.get("gradient_clipping"), path)
     values.update(zero_stage=_DEFAULT_ZERO_STAGE if zero is None else zero,
                   clip_grad=_DEFAULT_CLIP_GRAD if clip is None else clip, user_deepspeed_config=config)
+    values.update(_reconcile_activation_checkpointing(args, config, path, values, errors))
     return values, errors
+
+
+def _reconcile_activation_checkpointing(args, config, path, batch, errors):
+    """The five on/off options of DeepSpeed's activation checkpointing from the flags and the JSON block; the
+    JSON's number_checkpoints must be the count derived here; no pipeline.activation_checkpoint_interval."""
+    block = config.get("activation_checkpointing", {})
+    values = {}
+    for dest, flag, key in ACTIVATION_CHECKPOINTING_KEYS:
+        if getattr(args, dest) and block.get(key) is False:
+            errors.append(f"{flag} conflicts with \"activation_checkpointing.{key}\": false in {path}")
+        values[dest] = bool(getattr(args, dest) or block.get(key))
+    count = block.get("number_checkpoints")
+    if count is not None and args.deepspeed_activation_checkpointing:
+        derived = number_checkpoints(args, batch["micro_batch_size"], batch["global_batch_size"])
+        if count != derived:
+            errors.append(f"\"activation_checkpointing.number_checkpoints\": {count} in {path} differs from the "
+                          f"{derived} checkpoints megatron_ds keeps at most per rank (from --num-layers, "
+                          f"--pipeline-model-parallel-size, --recompute-method/--recompute-num-layers and the "
+                          f"micro-batches in flight); drop the key")
+    pipeline = config.get("pipeline")
+    interval = pipeline.get("activation_checkpoint_interval") if isinstance(pipeline, dict) else None
+    if interval:
+        errors.append(f"\"pipeline.activation_checkpoint_interval\": {json.dumps(interval)} in {path}: megatron_ds "
+                      f"recomputes inside its transformer layers at every pipeline size; use --checkpoint-activations "
+                      f"(--recompute-num-layers N for chunks of N layers) and drop the key")
+    return values
+
+
+def number_checkpoints(args, micro_batch_size=None, global_batch_size=None):
+    """Checkpointed chunks one rank holds at most at a time (DeepSpeed's number_checkpoints, the size of its
+    contiguous buffers): the chunks of one pipeline stage, times the micro-batches DeepSpeed's 1F1B schedule has
+    in flight on the first stage (min(PP, micro-batches per iteration)); 1 micro-batch at PP 1."""
+    pp = args.pipeline_model_parallel_size
+    chunks = recompute_chunk_count(args.recompute_method, args.recompute_num_layers, args.num_layers // pp)
+    if pp == 1:
+        return chunks
+    micro = micro_batch_size or args.micro_batch_size
+    micro_batches = (global_batch_size or args.global_batch_size) // (micro * args.data_parallel_size)
+    return chunks * max(1, min(pp, micro_batches))
 
 
 def _fp16_block(args, user_block):
@@ -137,7 +224,8 @@ def _fp16_block(args, user_block):
 
 def build_deepspeed_config(args):
     """The effective DeepSpeed config: the user's JSON with every reconciled value written in."""
-    config = copy.deepcopy(args.user_deepspeed_config)
+    config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
+              if key not in _UNBUILT_BLOCKS}  # switched off (else refused); DeepSpeed 0.19 rejects some of them
     accumulation = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     config.update({"train_batch_size": args.global_batch_size,
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,
@@ -160,4 +248,9 @@ def build_deepspeed_config(args):
                 config.setdefault("communication_data_type", "fp32")
     elif args.fp16:
         config["fp16"] = _fp16_block(args, config.get("fp16", {}))
+    if args.deepspeed_activation_checkpointing:
+        config["activation_checkpointing"] = {
+            **config.get("activation_checkpointing", {}),
+            **{key: bool(getattr(args, dest)) for dest, _, key in ACTIVATION_CHECKPOINTING_KEYS},
+            "number_checkpoints": number_checkpoints(args)}
     return config

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ds.arguments import ArgumentsError, padded_vocab_size, parse_args
+from megatron_ds.arguments import ArgumentsError, padded_vocab_size
 from megatron_ds.glue.ds_config import build_deepspeed_config
+from tests.flags import parse_with_deepspeed_json
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "ds_configs"
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1 --mock-data "
@@ -18,12 +19,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 def parse(tmp_path):
     """parse(*flags, ds=dict or None, world=N) -> args; ds is written to a JSON file and passed as the config."""
     def parse(*flags, ds=None, world=1):
-        argv = BASE + list(flags)
-        if ds is not None:
-            path = tmp_path / "ds.json"
-            path.write_text(json.dumps(ds))
-            argv += ["--deepspeed_config", str(path)]
-        return parse_args(argv, world_size=world)
+        return parse_with_deepspeed_json(tmp_path, BASE + list(flags), ds, world)
     return parse
 
 
@@ -135,7 +131,7 @@ def test_fp16_refused_without_gpu(parse, monkeypatch):
 def test_unmanaged_json_keys_preserved(parse):
     ds = {"wall_clock_breakdown": True, "zero_optimization": {"stage": 1, "reduce_bucket_size": 123},
           "bf16": {"enabled": True, "immediate_grad_update": False}, "data_types": {"grad_accum_dtype": "bf16"},
-          "activation_checkpointing": {"partition_activations": True}}
+          "activation_checkpointing": {"partition_activations": False}}  # an option set true needs the flag
     args = parse("--micro-batch-size", "2", ds=ds)
     config = build_deepspeed_config(args)
     assert config["wall_clock_breakdown"] is True
@@ -143,7 +139,7 @@ def test_unmanaged_json_keys_preserved(parse):
     assert config["bf16"] == {"enabled": True, "immediate_grad_update": False}
     assert config["data_types"] == {"grad_accum_dtype": "bf16"}  # not replaced by the fp32 default
     assert "communication_data_type" not in config  # fp32 reduction goes with fp32 accumulation only
-    assert config["activation_checkpointing"] == {"partition_activations": True}
+    assert config["activation_checkpointing"] == {"partition_activations": False}
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert args.user_deepspeed_config == ds  # building the effective config does not touch the user's JSON
 

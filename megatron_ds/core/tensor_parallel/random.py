@@ -4,6 +4,11 @@ Dropout inside a TP region (attention probabilities of this rank's heads) must d
 dropout in replicated regions must be identical on every TP rank. The tracker keeps a separate
 generator state, seeded per TP rank, and `fork()` swaps it in. It works on CPU and CUDA: it swaps the
 state of the generator that drives the current device.
+
+DeepSpeed's activation checkpointing (`use_deepspeed_checkpointing`, as Megatron-DeepSpeed's
+--deepspeed-activation-checkpointing): `checkpoint` runs deepspeed.checkpointing.checkpoint and
+`get_cuda_rng_tracker` returns DeepSpeed's tracker, the one its checkpoint saves and restores around a
+recompute; the seeds stay ours, so dropout masks are the same as with our own checkpoint.
 """
 import contextlib
 import hashlib
@@ -72,11 +77,30 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+_deepspeed_checkpointing = None  # the deepspeed.checkpointing module while use_deepspeed_checkpointing() is on
 
 
-def get_cuda_rng_tracker() -> RNGStatesTracker:
-    """The process-wide tracker (Megatron's name; it serves CPU and CUDA alike)."""
+def get_cuda_rng_tracker():
+    """The process-wide tracker (Megatron's name; it serves CPU and CUDA alike): ours, or DeepSpeed's while
+    use_deepspeed_checkpointing() is on (same methods: reset, add, fork, get_states, set_states)."""
+    if _deepspeed_checkpointing is not None:
+        return _deepspeed_checkpointing.get_cuda_rng_tracker()
     return _TRACKER
+
+
+def use_deepspeed_checkpointing(enabled=True):
+    """Route `checkpoint` and `get_cuda_rng_tracker` to DeepSpeed's activation checkpointing (configured first
+    with deepspeed.checkpointing.configure), or back to ours. The tracker's states move to the one now active,
+    so the switch may come before or after model_parallel_cuda_manual_seed."""
+    global _deepspeed_checkpointing
+    from deepspeed.runtime.activation_checkpointing import checkpointing as deepspeed_checkpointing
+    if enabled and not deepspeed_checkpointing.is_configured():
+        raise RuntimeError("call deepspeed.checkpointing.configure(mpu, ...) before use_deepspeed_checkpointing()")
+    states = get_cuda_rng_tracker().get_states()
+    _deepspeed_checkpointing = deepspeed_checkpointing if enabled else None
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()  # DeepSpeed's also forgets the seeds it refuses to see twice
+    tracker.set_states({name: state.clone() for name, state in states.items()})
 
 
 def model_parallel_cuda_manual_seed(seed: int):
@@ -85,8 +109,9 @@ def model_parallel_cuda_manual_seed(seed: int):
     default_seed = seed + 100 * get_pipeline_model_parallel_rank()
     torch.manual_seed(default_seed)
     _manual_seed_device(default_seed)
-    _TRACKER.reset()
-    _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, default_seed + 2718 + get_tensor_model_parallel_rank())
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, default_seed + 2718 + get_tensor_model_parallel_rank())
 
 
 def _generator_for(seed: int, key: str) -> torch.Generator:
@@ -138,14 +163,14 @@ def initialize_deterministically(module: torch.nn.Module, prefix: str, seed: int
 
 def _rng_snapshot():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": _TRACKER.get_states()}
+            "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def _restore_rng(snapshot):
     torch.set_rng_state(snapshot["cpu"])
     if snapshot["cuda"] is not None:
         torch.cuda.set_rng_state(snapshot["cuda"])
-    _TRACKER.set_states(snapshot["tracker"])
+    get_cuda_rng_tracker().set_states(snapshot["tracker"])
 
 
 def _split_for_this_rank(tensor):
@@ -201,5 +226,26 @@ class _CheckpointFunction(torch.autograd.Function):
 
 
 def checkpoint(function, distribute_saved_activations, *args):
-    """Activation recompute (Megatron's tensor_parallel.checkpoint); function returns a tensor or a tuple."""
+    """Activation recompute (Megatron's tensor_parallel.checkpoint); function returns a tensor or a tuple.
+    While use_deepspeed_checkpointing() is on, DeepSpeed's checkpoint does it, with the options given to
+    deepspeed.checkpointing.configure (partition_activations replaces distribute_saved_activations)."""
+    if _deepspeed_checkpointing is not None:
+        return _deepspeed_checkpoint(function, args)
     return _CheckpointFunction.apply(function, distribute_saved_activations, *args)
+
+
+def _deepspeed_checkpoint(function, args):
+    if not torch.is_grad_enabled():
+        # nothing to recompute without a backward; and DeepSpeed's contiguous buffers are only freed by one
+        return function(*args)
+    # only tensors go through DeepSpeed: with partition_activations it puts each non-tensor argument back twice
+    positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+    others = [None if torch.is_tensor(a) else a for a in args]
+
+    def run(*tensors):
+        full = list(others)
+        for position, tensor in zip(positions, tensors):
+            full[position] = tensor
+        return function(*full)
+
+    return _deepspeed_checkpointing.checkpoint(run, *(args[i] for i in positions))

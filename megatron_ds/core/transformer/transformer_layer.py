@@ -75,3 +75,12 @@ def assign_recompute_chunks(layers, config):
             layer.recompute_chunk = list(layers[index:index + size])
         else:
             layer.recompute_chunk, layer.absorbed = None, True
+
+
+def recompute_chunk_count(recompute_method, recompute_num_layers, stage_layers):
+    """How many checkpointed chunks assign_recompute_chunks makes on a stage of stage_layers layers (full
+    recompute; None = the config's defaults, uniform and 1)."""
+    size = recompute_num_layers or 1
+    if recompute_method == "block":
+        return min(size, stage_layers)
+    return -(-stage_layers // size)

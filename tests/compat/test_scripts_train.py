@@ -1,0 +1,40 @@
+"""Megatron-DeepSpeed launch scripts' flag sets train through the deepspeed launcher: every flag as the script
+passes it, only the model and the run made tiny for a CPU (tests/compat/scripts.py says what is replaced)."""
+import pytest
+
+from tests.compat.scripts import make_datasets, make_tokenizer_files, tiny_command_line
+from tests.launch import launch, losses
+
+pytestmark = pytest.mark.e2e  # launches several real processes
+
+ITERATIONS = 3
+TRAINED = [
+    "examples/pretrain_gpt.sh",                                            # iterations, warmup fraction, fp16
+    "examples/pretrain_gpt3_175B.sh",                                      # samples, old recompute name, TP x PP
+    "examples/pretrain_gpt_distributed_with_mp.sh",                        # TP x PP, nccl
+    "examples/sc21/run_table_1.sh",                                        # sc21 paper runs
+    "examples_deepspeed/MoE/ds_pretrain_gpt_350M_dense.sh",                # tokens, DS checkpointing, curriculum off
+    "examples_deepspeed/azure/run-175b.sh",                                # JSON batch sizes
+    "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh",  # its JSON's blocks off
+    "examples_deepspeed/deepspeed4science/megatron_long_seq_support/pretrain_gpt_1.3B_seq_parallel.sh",
+    "examples_deepspeed/pretrain_llama2_distributed.sh",                   # LLaMA: rmsnorm, GPTSentencePiece, GQA
+    "examples_deepspeed/rebase/ds_pretrain_gpt_125M_flashattn.sh",         # flash-attention flags
+    "examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh",  # LLaMA, bf16
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compat")
+    files = make_tokenizer_files(folder / "tokenizers")
+    return files, make_datasets(folder, files)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_script_trains(name, inputs, tmp_path):
+    files, datasets = inputs
+    argv, ranks = tiny_command_line(name, files, datasets, tmp_path, ITERATIONS)
+    result = launch(ranks, argv, launcher="deepspeed", timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert sorted(losses(result.stdout)) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
+    assert "unrecognized" not in result.stdout

@@ -1,0 +1,83 @@
+"""Every GPT/LLaMA launch script of Megatron-DeepSpeed, at its real model size, through tools/plan.py (pretrain.py's
+own validation, for a cluster that is not this machine): it validates and gets a plan, or it is refused with a
+message that names the feature or the contradiction, never as an unknown flag."""
+import pytest
+
+from megatron_ds.arguments import ArgumentsError, parse_flags, raise_if_invalid
+from megatron_ds.planning import cli
+from tests.compat.scripts import SCRIPTS, command_line, make_tokenizer_files, world_size
+
+MOE = "Mixture of Experts is not built"
+KD = "knowledge distillation is not built"
+CURRICULUM = 'enables "curriculum_learning": the legacy sequence-length curriculum'
+COMPRESSION = 'enables "compression_training": DeepSpeed Compression'
+
+# scripts refused on purpose: what each message must say
+REFUSED = {
+    "examples/sc21/run_figure_12.sh": "interleaved (virtual) pipeline schedule is not built",
+    "examples/sc21/run_figure_18.sh": "interleaved (virtual) pipeline schedule is not built",
+    "examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_MoE128.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_PR-MoE64or128.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_PR-MoE64or128_MoS.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_350M_MoE128.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_350M_PR-MoE32or64.sh": MOE,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense_cl.sh": CURRICULUM,
+    "examples_deepspeed/MoE/ds_pretrain_gpt_125M_dense_cl.sh": CURRICULUM,
+    "examples_deepspeed/compression/125M-Int8-test-64gpu-distilled-group48.sh": COMPRESSION,
+    "examples_deepspeed/compression/125M-L10-Int8-test-64gpu-distilled-group48.sh": COMPRESSION,
+    "examples_deepspeed/compression/125M-L12-Int8-test-64gpu-distilled-group48.sh": COMPRESSION,
+    # the script leaves ZERO_STAGE unsubstituted in its JSON (it does not run on Megatron-DeepSpeed either)
+    "examples_deepspeed/MoE/ds_pretrain_gpt_350M_PR-MoE32or64_MoS.sh": '"stage": "ZERO_STAGE"',
+    "examples_deepspeed/azure/run-1t.sh": "--cpu-optimizer: DeepSpeed's CPU Adam is not built",
+    "examples_deepspeed/offload_pp/ds_pretrain_gpt_350M.sh": '--fp16 conflicts with "bf16": {"enabled": true}',
+    "examples_deepspeed/compression/ds_pretrain_gpt_1.3B_dense_cl_kd.sh": KD,
+    "examples_deepspeed/compression/ds_pretrain_gpt_125M_dense_cl_kd.sh": KD,
+    "examples_deepspeed/compression/ds_pretrain_gpt_125M_dense_kd.sh": KD,
+    # its JSON disagrees with its flags (train_batch_size 512 vs --global-batch-size 4096, its own optimizer)
+    "examples_deepspeed/curriculum_learning/ds_pretrain_gpt2.sh": '--global-batch-size 4096 conflicts with',
+    "examples_deepspeed/curriculum_learning/ds_pretrain_gpt_1.3B_rope_slw.sh": "partial rotary embeddings",
+    "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope.sh": "partial rotary embeddings",
+    "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh": "partial rotary embeddings",
+    # --global-batch-size 1024 against its JSON's train_batch_size 64
+    "examples_deepspeed/run_deepspeed_example.sh": "--global-batch-size 1024 conflicts with",
+    "examples_deepspeed/sequence_parallel/ds_pretrain_gpt_1.3B_seq_parallel_32k.sh": "DeepSpeed-Ulysses",
+    "examples_deepspeed/sequence_parallel/ds_pretrain_gpt_30B_seq_parallel_32k.sh": "DeepSpeed-Ulysses",
+    "examples_deepspeed/sequence_parallel/ds_pretrain_gpt_6.7B_fpdt_32k.sh": "FPDT long-context attention",
+    "examples_deepspeed/universal_checkpointing/llama/run_universal_llama_bf16.sh": "universal checkpoints",
+    "examples_deepspeed/universal_checkpointing/megatron_gpt/run_universal_bf16.sh": "universal checkpoints",
+    "examples_deepspeed/universal_checkpointing/megatron_gpt/run_universal_fp16.sh": "universal checkpoints",
+    "examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh": "zero-bubble pipeline schedule is not built",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    return make_tokenizer_files(tmp_path_factory.mktemp("tokenizers"))
+
+
+def plan(name, tokenizer_files, folder):
+    argv = command_line(name, tokenizer_files, folder)
+    args, problems = parse_flags(cli.build_plan_parser(), argv + ["--world-size", str(world_size(name, argv))])
+    raise_if_invalid(problems)
+    return cli.run(args)
+
+
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - set(REFUSED)))
+def test_script_validates_and_is_planned(name, tokenizer_files, tmp_path):
+    result, status = plan(name, tokenizer_files, tmp_path)
+    assert status == 0, result["plan"]["errors"]
+    assert result["plan"]["parameters"]["total"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_script_is_refused_by_name(name, tokenizer_files, tmp_path):
+    with pytest.raises(ArgumentsError) as raised:
+        plan(name, tokenizer_files, tmp_path)
+    assert any(REFUSED[name] in problem for problem in raised.value.problems), raised.value
+    assert not any("unrecognized arguments" in problem for problem in raised.value.problems), raised.value
+
+
+def test_most_scripts_validate():
+    """The count the README reports."""
+    assert len(SCRIPTS) == 61 and len(set(SCRIPTS) - set(REFUSED)) == 30

@@ -1,0 +1,45 @@
+"""--deepspeed-activation-checkpointing through the real launcher: DeepSpeed's checkpoint recomputes the layers
+and changes no number. fp32: the lm loss of each of 10 iterations equals the run without recompute (rel 1e-5)
+at (tp, pp, dp) = (2,1,1), and with --partition-activations --contigious-checkpointing at (2,2,1) (inside
+DeepSpeed's pipeline, 2 micro-batches in flight on the first stage); with dropout 0.1 it is identical to our own
+recompute for the same seed (the dropout forks DeepSpeed's RNG tracker, seeded as ours)."""
+import pytest
+
+from tests.launch import launch, losses
+from tests.layouts import COMMON, FAMILIES, ITERATIONS, run_layout
+
+pytestmark = pytest.mark.e2e  # launches several real processes
+
+DS = ["--checkpoint-activations", "--deepspeed-activation-checkpointing"]
+PARTITIONED = DS + ["--partition-activations", "--contigious-checkpointing"]
+# the flags tests/test_sequence_parallel_recompute.py gives our own recompute with dropout (memoized, shared)
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--attention-backend", "local"]
+FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+
+
+def _deepspeed_run(tp, pp, flags):
+    """Per-iteration losses of one launch, after checking from its log that DeepSpeed's checkpoint was set up."""
+    result = launch(tp * pp, COMMON + FAMILIES["gpt2"] + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--make-vocab-size-divisible-by", str(256 // tp), *flags])
+    assert result.returncode == 0, result.stdout[-4000:]
+    partitioned = "--partition-activations" in flags
+    assert (f"DeepSpeed activation checkpointing recomputes the layers: partition_activations={partitioned}"
+            in result.stdout), result.stdout[-4000:]
+    trajectory = losses(result.stdout)
+    assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
+    return trajectory
+
+
+@pytest.mark.parametrize("tp, pp, flags", [(2, 1, DS), (2, 2, PARTITIONED)], ids=["tp2", "tp2-pp2-partitioned"])
+def test_losses_equal_the_run_without_recompute(tp, pp, flags):
+    expected, observed = run_layout("gpt2", tp, pp, 1), _deepspeed_run(tp, pp, flags)
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-5), (iteration, observed, expected)
+
+
+def test_dropout_is_identical_to_our_recompute():
+    expected = run_layout("gpt2", 2, 1, 1, DROPOUT + FULL_UNIFORM)
+    observed = _deepspeed_run(2, 1, DROPOUT + FULL_UNIFORM + ["--deepspeed-activation-checkpointing",
+                                                              "--partition-activations"])
+    assert observed == expected
