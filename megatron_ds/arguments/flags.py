@@ -369,7 +369,7 @@ def parse_flags(parser, argv=None):
         except _MissingFlags as error:
             return None, problems + [str(error)]
         if unknown:
-            problems.append(f"unrecognized arguments: {' '.join(unknown)} (python pretrain.py --help lists the flags)")
+            problems.append(f"unrecognized arguments: {' '.join(unknown)} (python {parser.prog} --help lists the flags)")
         return flags, problems
 
 
