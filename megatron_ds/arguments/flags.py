@@ -3,7 +3,9 @@
 Only the parser lives here; what the flags imply is worked out in `megatron_ds.arguments.resolve`.
 """
 import argparse
+import functools
 import sys
+import types
 
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, TOKENIZER_TYPES
 
@@ -386,6 +388,9 @@ def _without_flag(argv, option_strings):
     return argv[:start] + argv[end + 1:]
 
 
+@functools.lru_cache(maxsize=1)
 def flag_defaults():
-    """{destination: default} of every flag, e.g. to read a checkpoint saved before a flag existed."""
-    return {action.dest: action.default for action in build_parser()._actions if action.dest != "help"}
+    """{destination: default} of every flag, e.g. to read a checkpoint saved before a flag existed (read-only;
+    built once per process)."""
+    return types.MappingProxyType({action.dest: action.default for action in build_parser()._actions
+                                   if action.dest != "help"})

@@ -68,10 +68,7 @@ class ExitSignalHandler:
         self.received = True
 
     def any_rank_received(self):
-        from megatron_ds.glue.runtime import device
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _on_any_rank(self.received)
 
 
 class ExitDuration:
@@ -88,10 +85,15 @@ class ExitDuration:
         return (time.time() - self.start) / 60
 
     def reached(self):
-        from megatron_ds.glue.runtime import device
-        flag = torch.tensor([1 if self.elapsed_minutes() > self.minutes else 0], dtype=torch.int32, device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _on_any_rank(self.elapsed_minutes() > self.minutes)
+
+
+def _on_any_rank(condition):
+    """True on every rank when condition holds on any (one MAX all-reduce)."""
+    from megatron_ds.glue.runtime import device
+    flag = torch.tensor([1 if condition else 0], dtype=torch.int32, device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 # --- the manager the training loop calls --------------------------------------------------------------

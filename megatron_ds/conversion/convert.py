@@ -233,7 +233,8 @@ def model_flags(args):
     if shape["swiglu"]:
         flags.append("--swiglu")
     if shape["position_embedding_type"] == "rope":
-        flags.append(f"--use-rotary-position-embeddings --rotary-base {args.get('rotary_base', flag_defaults()['rotary_base']):g}")
+        rotary_base = args.get("rotary_base", flag_defaults()["rotary_base"])
+        flags.append(f"--use-rotary-position-embeddings --rotary-base {rotary_base:g}")
     if not shape["bias"]:
         flags.append("--disable-bias-linear")
     if not shape["tied_embeddings"]:
