@@ -20,7 +20,7 @@ from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
 from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-from megatron_ds.core.transformer.rotary import apply_rotary_pos_emb
+from megatron_ds.core.transformer.rotary import apply_rotary
 
 
 @dataclass
@@ -86,7 +86,7 @@ def _attention_step(attention, hidden_states, cache, index):
     key, value = grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]  # [s, b, groups, d]
     if attention.rotary is not None:
         cos, sin = attention.rotary(s, hidden_states.device, offset=cache.length)
-        query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        query, key = apply_rotary(query, key, cos, sin)  # the leading rotary channels (partial rotary)
     if cache.keys[index] is not None:
         key, value = torch.cat([cache.keys[index], key]), torch.cat([cache.values[index], value])
     cache.keys[index], cache.values[index] = key, value

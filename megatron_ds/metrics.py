@@ -324,7 +324,7 @@ class MetricsLogger:
 
     def __init__(self, args, config, peak_tflops, engine=None):
         self.args = args
-        self.flops_per_sample = model_flops_per_iteration(config, args.padded_vocab_size, 1, args.seq_length)
+        self.config = config
         self.peak_tflops = peak_tflops
         self.writing = bool(args.tensorboard_dir or args.wandb_project)  # the same on every rank
         self.writers = ScalarWriters(args) if self.writing and is_logging_rank() else None
@@ -335,7 +335,10 @@ class MetricsLogger:
         self.zero_counter = None
         if engine is not None:
             self._set_up(engine, cuda)
-        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
+        self._start_interval()
+
+    def _start_interval(self):
+        self.losses, self.tokens, self.flops, self.interval_start = [], 0, 0, time.perf_counter()
 
     def _set_up(self, engine, cuda):
         args = self.args
@@ -365,21 +368,27 @@ class MetricsLogger:
         for note in notes:
             _print_rank_0(f"note: {note}")
 
-    def iteration(self, iteration, loss, lr, engine, batch_size, consumed_samples):
-        self.losses.append(loss)
-        self.samples += batch_size
-        if iteration % self.args.log_interval:
-            return
+    def iteration(self, iteration, loss, lr, engine, batch_size, progress, curriculum=None):
+        """progress: the TrainingProgress after this iteration; curriculum: the legacy sequence-length
+        curriculum, whose current length the iteration trained on."""
         args = self.args
+        seq_length = args.seq_length if curriculum is None else curriculum.length
+        self.losses.append(loss)
+        self.tokens += batch_size * seq_length
+        self.flops += model_flops_per_iteration(self.config, args.padded_vocab_size, batch_size, seq_length)
+        if iteration % args.log_interval:
+            return
         iterations = len(self.losses)
-        seconds = (time.perf_counter() - self.interval_start) / iterations
-        samples_per_second = self.samples / iterations / seconds
-        tflops = self.flops_per_sample * samples_per_second / args.world_size / 1e12
+        elapsed = time.perf_counter() - self.interval_start
+        tflops = self.flops / elapsed / args.world_size / 1e12
         scalars = {"lm loss": sum(self.losses) / iterations, "learning-rate": lr,
-                   "consumed-samples": consumed_samples, "loss-scale": _loss_scale(engine),
-                   "grad-norm": engine.get_global_grad_norm(),
-                   "tokens-per-second": samples_per_second * args.seq_length,
+                   "consumed-samples": progress.consumed_train_samples,
+                   "consumed-tokens": progress.consumed_train_tokens, "loss-scale": _loss_scale(engine),
+                   "grad-norm": engine.get_global_grad_norm(), "tokens-per-second": self.tokens / elapsed,
                    "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
+        if curriculum is not None:
+            scalars["curriculum-seqlen"] = seq_length
+        seconds = elapsed / iterations
         scalars.update(self._statistics(engine))  # collectives: every rank
         timers = self.timers.min_max(iterations) if self.timers.active else {}
         if is_logging_rank():
@@ -388,7 +397,7 @@ class MetricsLogger:
                 print(_timers_text(timers), flush=True)
             if self.writers is not None:
                 self.writers.write({**scalars, **self._tensorboard_only(batch_size, seconds, timers)}, iteration)
-        self.losses, self.samples, self.interval_start = [], 0, time.perf_counter()
+        self._start_interval()
 
     def _statistics(self, engine):
         args, scalars = self.args, {}
@@ -425,7 +434,10 @@ class MetricsLogger:
         if s.get("params-norm") is not None:
             optional += f" params norm: {s['params-norm']:.3f} |"
         skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
+        if s.get("curriculum-seqlen") is not None:
+            optional += f" curriculum seqlen: {s['curriculum-seqlen']} |"
         return (f" iteration {iteration}/{args.train_iters} | consumed samples: {s['consumed-samples']} |"
+                f" consumed tokens: {s['consumed-tokens']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
                 f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |"
                 f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{optional}{skipped}"

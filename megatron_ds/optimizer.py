@@ -6,7 +6,11 @@
   bf16 optimizer the fp32 master weights are one flat tensor per group, and torch's for-loop AdamW
   allocates two temporaries of that size every step (sqrt, then the division): measured on the 2-core
   CPU for 45M parameters, 210 ms per step against 30 ms fused;
-- --fusion-backend reference: torch's for-loop AdamW, the plain definition the fused ones are held to.
+- --fusion-backend reference: torch's for-loop AdamW, the plain definition the fused ones are held to;
+- DeepSpeed's CPU Adam (`deepspeed.ops.adam.DeepSpeedCPUAdam`, AdamW mode) with --cpu-optimizer or when the
+  DeepSpeed JSON offloads the optimizer to the CPU (args.cpu_adam, resolved in megatron_ds.arguments.resolve):
+  DeepSpeed refuses ZeRO-Offload with any other client optimizer. Its C++ op is compiled with ninja on first
+  use and cached in ~/.cache/torch_extensions.
 
 No weight decay on biases and norm weights (the 1-D parameters), as in Megatron, for both optimizers.
 """
@@ -17,8 +21,10 @@ import torch
 TORCH_FUSED_DEVICES = ("cpu", "cuda")
 
 
-def adam_implementation(fusion_backend, device_type):
-    """'apex', 'torch-fused' or 'torch-reference'."""
+def adam_implementation(fusion_backend, device_type, cpu_adam=False):
+    """'deepspeed-cpu-adam', 'apex', 'torch-fused' or 'torch-reference'."""
+    if cpu_adam:
+        return "deepspeed-cpu-adam"
     if fusion_backend == "reference":
         return "torch-reference"
     if device_type == "cuda" and fusion_backend in ("auto", "apex") and importlib.util.find_spec("apex"):
@@ -34,7 +40,9 @@ def parameter_groups(model, weight_decay):
 
 def optimizer_description(args, device_type):
     """For the start-up log: 'AdamW:<implementation>' or 'SGD'."""
-    return "SGD" if args.optimizer == "sgd" else f"AdamW:{adam_implementation(args.fusion_backend, device_type)}"
+    if args.optimizer == "sgd":
+        return "SGD"
+    return f"AdamW:{adam_implementation(args.fusion_backend, device_type, args.cpu_adam)}"
 
 
 def build_optimizer(model, args, device_type):
@@ -46,7 +54,10 @@ def build_optimizer(model, args, device_type):
 def build_adamw(model, args, device_type):
     groups = parameter_groups(model, args.weight_decay)
     options = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    implementation = adam_implementation(args.fusion_backend, device_type)
+    implementation = adam_implementation(args.fusion_backend, device_type, args.cpu_adam)
+    if implementation == "deepspeed-cpu-adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **options)
     if implementation == "apex":
         from apex.optimizers import FusedAdam
         return FusedAdam(groups, adam_w_mode=True, **options)

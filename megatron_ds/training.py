@@ -24,6 +24,7 @@ from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
+from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
@@ -100,11 +101,23 @@ def run_global_batch(engine, iterator, accumulation_steps, train):
     return _mean_over_data_parallel(total / accumulation_steps).item()
 
 
-def evaluate(args, engine, iterator, accumulation_steps):
+def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
+    """The mean loss of --eval-iters global batches, at the full --seq-length."""
+    if curriculum is not None:
+        _change_sequence_length(engine, curriculum.length, args.seq_length)
     engine.eval()
     losses = [run_global_batch(engine, iterator, accumulation_steps, train=False) for _ in range(args.eval_iters)]
     engine.train()
+    if curriculum is not None:
+        _change_sequence_length(engine, args.seq_length, curriculum.length)
     return sum(losses) / len(losses)
+
+
+def _change_sequence_length(engine, old, new):
+    """DeepSpeed's pipeline engine keeps its send/receive buffers from the first batch: renew them when the
+    sequence length changes (Megatron-DeepSpeed does the same for its curriculum)."""
+    if old != new and isinstance(engine, deepspeed.PipelineEngine):
+        engine.reset_activation_shape()
 
 
 def train(args, engine, datasets, logger, progress=None, checkpoints=None, watchdog=None):
@@ -113,7 +126,10 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
     batch_schedule = build_batch_schedule(args)
-    train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device())
+    curriculum = (SequenceLengthCurriculum(args.curriculum_learning_legacy, args.seq_length)
+                  if args.curriculum_learning_legacy else None)
+    train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device(),
+                                    curriculum)
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
     profiler = IterationProfiler(args, dist.get_rank())
@@ -130,22 +146,33 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
         engine.lr_scheduler.global_batch_size = batch_size  # what its step counts in samples and tokens
         accumulation_steps = engine.gradient_accumulation_steps()
+        seq_length = _sequence_length(engine, curriculum, iteration, args.seq_length)
+        engine.lr_scheduler.seq_length = seq_length  # its token count
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
         loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
-        progress.consumed_train_tokens += batch_size * args.seq_length
-        logger.iteration(iteration, loss, lr, engine, batch_size, progress.consumed_train_samples)
+        progress.consumed_train_tokens += batch_size * seq_length
+        logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum)
         if evaluating and iteration % args.eval_interval == 0:
-            logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps))
+            logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps, curriculum))
             progress.consumed_valid_samples += args.eval_iters * batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
             return progress
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+def _sequence_length(engine, curriculum, iteration, seq_length):
+    """This iteration's sequence length: the curriculum's, else --seq-length."""
+    if curriculum is None:
+        return seq_length
+    previous = curriculum.length
+    _change_sequence_length(engine, previous, curriculum.advance_to(iteration))
+    return curriculum.length
 
 
 def _train_tokens_reached(args, progress):

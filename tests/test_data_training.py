@@ -1,8 +1,10 @@
 """pretrain.py on preprocessed indexed datasets: a blend of two prefixes with --reset-position-ids,
 --reset-attention-mask and --eod-mask-loss. The (2,2,2) layout, where each data-parallel rank reads its
 half of every global batch and the masks travel through the pipeline, matches the single-rank run;
-the sample indices are built once and re-used."""
+the sample indices are built once and re-used; reading in the training process (--num-workers 0) trains
+like the default 2 DataLoader workers."""
 import json
+import re
 import subprocess
 import sys
 
@@ -41,7 +43,7 @@ def blended_data(tmp_path_factory):
     return root, prefixes
 
 
-def _run(blended_data, tp, pp, dp):
+def _run(blended_data, tp, pp, dp, *extra):
     root, (a, b) = blended_data
     flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS),
@@ -51,14 +53,20 @@ def _run(blended_data, tp, pp, dp):
              "--make-vocab-size-divisible-by", str(256 // tp),
              "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
              "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
-             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
     result = launch(tp * pp * dp, flags)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
 
 
-def test_blended_data_with_resets_matches_across_layouts(blended_data):
-    first = _run(blended_data, 1, 1, 1)
+@pytest.fixture(scope="module")
+def single_rank_output(blended_data):
+    """The first launch of the module (it builds the indices), with the default --num-workers 2."""
+    return _run(blended_data, 1, 1, 1)
+
+
+def test_blended_data_with_resets_matches_across_layouts(blended_data, single_rank_output):
+    first = single_rank_output
     assert "built indices" in first
     expected = losses(first)
     assert sorted(expected) == list(range(1, ITERATIONS + 1))
@@ -70,3 +78,11 @@ def test_blended_data_with_resets_matches_across_layouts(blended_data):
     observed = losses(second)
     for iteration, loss in expected.items():
         assert observed[iteration] == pytest.approx(loss, rel=1e-4), (iteration, observed, expected)
+
+
+def test_dataloader_workers_do_not_change_training(blended_data, single_rank_output):
+    """--num-workers 0 (read in the training process) trains and validates bitwise like the default 2 workers."""
+    in_process = _run(blended_data, 1, 1, 1, "--num-workers", "0")
+    assert losses(in_process) == losses(single_rank_output)
+    validation = re.compile(r"validation loss at iteration \d+ \| lm loss value: \S+")
+    assert validation.findall(in_process) == validation.findall(single_rank_output) != []

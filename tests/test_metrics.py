@@ -62,21 +62,23 @@ def test_timer_report_is_megatrons():
 def _line(**statistics):
     logger = metrics.MetricsLogger.__new__(metrics.MetricsLogger)
     logger.args = SimpleNamespace(train_iters=10, fp16=False)
-    scalars = {"consumed-samples": 16, "learning-rate": 3e-3, "lm loss": 5.25, "loss-scale": 1.0, "grad-norm": 1.5,
+    scalars = {"consumed-samples": 16, "consumed-tokens": 512, "learning-rate": 3e-3, "lm loss": 5.25,
+               "loss-scale": 1.0, "grad-norm": 1.5,
                "tokens-per-second": 100.0, "tflops-per-device": 0.01, "mfu": 0.1, **statistics}
     return logger._line(2, 0.1234, 8, scalars, engine=None)
 
 
 def test_iteration_line_adds_num_zeros_and_params_norm_where_megatron_prints_them():
     plain = _line()
-    assert plain == (" iteration 2/10 | consumed samples: 16 | elapsed time per iteration (ms): 123.4 | learning rate: "
-                     "3.000000E-03 | global batch size: 8 | lm loss: 5.250000E+00 | loss scale: 1.0 | grad norm: "
-                     "1.500 | tokens per second: 100.0 | TFLOP/s per device: 0.010 | MFU: 10.0% |")
+    assert plain == (" iteration 2/10 | consumed samples: 16 | consumed tokens: 512 | elapsed time per iteration "
+                     "(ms): 123.4 | learning rate: 3.000000E-03 | global batch size: 8 | lm loss: 5.250000E+00 | "
+                     "loss scale: 1.0 | grad norm: 1.500 | tokens per second: 100.0 | TFLOP/s per device: 0.010 | MFU: 10.0% |")
     full = _line(**{"num-zeros": 12.0, "params-norm": 3.14159})
     assert " grad norm: 1.500 | num zeros: 12.0 | params norm: 3.142 | tokens per second: 100.0 |" in full
     assert full.replace(" num zeros: 12.0 | params norm: 3.142 |", "") == plain
     assert LOSS_LINE.findall(full) == [("2", "5.250000E+00")]
     assert "num zeros" not in _line(**{"num-zeros": None})  # a skipped (fp16 overflow) step has no count
+    assert " grad norm: 1.500 | curriculum seqlen: 64 | tokens per second:" in _line(**{"curriculum-seqlen": 64})
 
 
 def test_tensorboard_writer_gets_the_queue_size(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from megatron_ds.optimizer import adam_implementation, build_adamw
 
-ARGS = types.SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1)
+ARGS = types.SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1, cpu_adam=False)
 
 
 def _model():

@@ -3,6 +3,7 @@
 Every function here only reads the arguments and returns a list of messages, each naming the flags and
 the values involved; `megatron_ds.arguments.resolve` decides when each runs.
 """
+import json
 import os
 
 import torch
@@ -76,7 +77,27 @@ def model_errors(args):
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    return errors
+    return errors + _rotary_errors(args)
+
+
+def _rotary_errors(args):
+    """--rotary-percent in (0, 1]; with RoPE, head dim x percent an even integer >= 2 (the rotated channels)."""
+    percent = args.rotary_percent
+    if not 0.0 < percent <= 1.0:
+        return [f"--rotary-percent must be in (0, 1] (the fraction of each head's channels RoPE rotates), "
+                f"got {percent}"]
+    if args.position_embedding_type != "rope" or (args.kv_channels is None
+                                                  and args.hidden_size % args.num_attention_heads):
+        return []  # no RoPE, or no head dim (reported above)
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    origin = (f"--kv-channels {head_dim}" if args.kv_channels else
+              f"head dim {head_dim} = --hidden-size {args.hidden_size} / --num-attention-heads "
+              f"{args.num_attention_heads}")
+    channels = head_dim * percent
+    if channels - int(channels) > 1e-6 or int(channels) % 2 or int(channels) < 2:
+        return [f"--rotary-percent {percent:g}: {origin} x {percent:g} = {channels:g} rotated channels per head; "
+                f"RoPE needs an even integer >= 2"]
+    return []
 
 
 def activation_memory_errors(args):
@@ -211,6 +232,47 @@ def deepspeed_activation_checkpointing_errors(args):
     return errors
 
 
+def cpu_optimizer_errors(args, on_gpu):
+    """--cpu-optimizer (DeepSpeed's CPU Adam) and the JSON's zero_optimization.offload_optimizer, on the reconciled
+    ZeRO stage and the resolved offload device (args.offload_optimizer_device). on_gpu: the run's devices are GPUs
+    (CPU Adam then needs the optimizer offloaded to reach parameters in CPU memory)."""
+    zero = args.user_deepspeed_config.get("zero_optimization", {})
+    path = args.deepspeed_config
+    block = zero.get("offload_optimizer")
+    if block is not None and not isinstance(block, dict):
+        return [f"\"zero_optimization.offload_optimizer\": {json.dumps(block)} in {path} must be an object, e.g. "
+                f"{{\"device\": \"cpu\"}}"]
+    device = args.offload_optimizer_device
+    offload = (f"\"zero_optimization.offload_optimizer.device\": {json.dumps(device)} in {path}"
+               if isinstance(block, dict) else f"\"zero_optimization.cpu_offload\": true in {path}")
+    errors = []
+    if device not in ("none", "cpu", "nvme"):
+        return [f"{offload} must be \"none\", \"cpu\" or \"nvme\""]
+    if device == "nvme":
+        errors.append(f"{offload}: ZeRO-Infinity's NVMe offload of the optimizer is not built in megatron_ds; use "
+                      f"\"device\": \"cpu\"")
+    if device == "cpu" and args.zero_stage == 0:
+        stage = (f"\"zero_optimization.stage\": 0 in {path}" if zero.get("stage") is not None else
+                 "--zero-stage 0")
+        errors.append(f"{offload} needs ZeRO stage >= 1 (the offloaded optimizer steps ZeRO's fp32 partitions), got "
+                      f"{stage}")
+    if device == "cpu" and args.pipeline_model_parallel_size > 1:
+        errors.append(f"{offload} with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                      f"optimizer offload is supported at PP 1 only here; use --pipeline-model-parallel-size 1 or "
+                      f"remove offload_optimizer")
+    if args.optimizer == "sgd" and args.cpu_optimizer:
+        errors.append("--cpu-optimizer (DeepSpeed's CPU Adam, AdamW) conflicts with --optimizer sgd; drop one")
+    elif args.optimizer == "sgd" and device == "cpu":
+        errors.append(f"{offload} with --optimizer sgd: DeepSpeed's ZeRO-Offload steps with its CPU Adam only; use "
+                      f"--optimizer adam or remove offload_optimizer")
+    if args.cpu_optimizer and device == "none" and on_gpu:
+        where = f"to {path}" if path else "to a DeepSpeed JSON (--deepspeed_config)"
+        errors.append(f"--cpu-optimizer without optimizer offload on a GPU run: DeepSpeed's CPU Adam steps "
+                      f"parameters in CPU memory; add \"zero_optimization\": {{\"offload_optimizer\": "
+                      f"{{\"device\": \"cpu\"}}}} {where} (or drop --cpu-optimizer)")
+    return errors
+
+
 def compatibility_errors(args):
     """Megatron-DeepSpeed values with no counterpart here, named with what to use instead."""
     errors = []
@@ -246,9 +308,6 @@ _UNBUILT_FEATURES = (
      "DeepSpeed's pipeline engine runs 1F1B without it"),
     (lambda a: a.train_doc_idx_path or a.train_sample_idx_path or a.train_shuffle_idx_path,
      "--train-*-idx-path", "index files given by path", "megatron_ds builds and caches its own (--data-cache-path)"),
-    (lambda a: a.cpu_optimizer, "--cpu-optimizer", "DeepSpeed's CPU Adam", "not yet: drop it"),
-    (lambda a: a.rotary_percent != 1.0, "--rotary-percent {rotary_percent}", "partial rotary embeddings",
-     "not yet: use --rotary-percent 1.0"),
 )
 
 
@@ -259,13 +318,13 @@ def unbuilt_feature_errors(args):
 
 
 def data_source_errors(args):
-    """Exactly one source of training data, and its files exist on this machine."""
+    """Exactly one source of training data, its files exist on this machine, and --num-workers is >= 0."""
     sources = [flag for flag, given in (("--mock-data", args.mock_data), ("--data-path", args.data_path),
                                         ("--train-data-path", args.train_data_path)) if given]
+    errors = [f"--num-workers {args.num_workers}: must be >= 0"] if args.num_workers < 0 else []
     if len(sources) != 1:
-        return [f"give exactly one source of training data (--mock-data, --data-path or --train-data-path), "
-                f"got {', '.join(sources) or 'none'}"]
-    errors = []
+        return errors + [f"give exactly one source of training data (--mock-data, --data-path or --train-data-path), "
+                         f"got {', '.join(sources) or 'none'}"]
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         values = getattr(args, flag[2:].replace("-", "_"))
         if not values:

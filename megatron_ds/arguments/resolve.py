@@ -14,9 +14,10 @@ function named here, and the checks in `checks.py` only read:
   6. reconcile_with_deepspeed_config (glue/ds_config.py)
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
+     optimizer_values         the JSON's optimizer offload device; whether AdamW is DeepSpeed's CPU Adam
   8. reconciled checks        batch arithmetic (then schedule_values: iterations for --train-samples), ZeRO
-                              stage, DeepSpeed's activation checkpointing, the TransformerConfig (+ fused
-                              kernels, fp16, profiler*)
+                              stage, DeepSpeed's activation checkpointing, CPU Adam and optimizer offload, the
+                              TransformerConfig (+ fused kernels, fp16, profiler*)
   9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize; the warnings
 
 (*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
@@ -75,11 +76,12 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
         vars(args).update(layout_values(args))
         errors += _apply(args, reconcile_with_deepspeed_config(args))
     raise_if_invalid(errors)
-    vars(args).update(numerics_values(args))
+    vars(args).update(numerics_values(args), **optimizer_values(args))
     errors = checks.batch_errors(args) if layout_known else []
     if layout_known and not errors:
         vars(args).update(schedule_values(args))
     errors += (checks.zero_stage_errors(args) + checks.deepspeed_activation_checkpointing_errors(args)
+               + checks.cpu_optimizer_errors(args, on_gpu=torch.cuda.is_available() if on_this_host else True)
                + transformer_config_errors(args, check_fusions=on_this_host))
     if on_this_host:
         errors += checks.this_host_errors(args)
@@ -173,6 +175,20 @@ def numerics_values(args):
                                                    args.tensor_model_parallel_size)}
 
 
+def optimizer_values(args):
+    """offload_optimizer_device: the JSON's zero_optimization.offload_optimizer.device ('none' without the block;
+    DeepSpeed's deprecated "cpu_offload": true is 'cpu'). cpu_adam: AdamW is DeepSpeed's CPU Adam, with
+    --cpu-optimizer or when the JSON offloads the optimizer to the CPU (DeepSpeed refuses ZeRO-Offload with any
+    other client optimizer)."""
+    zero = args.user_deepspeed_config.get("zero_optimization", {})
+    block = zero.get("offload_optimizer")
+    if isinstance(block, dict):
+        device = block.get("device", "none")
+    else:
+        device = "cpu" if block is None and zero.get("cpu_offload") is True else "none"
+    return {"offload_optimizer_device": device, "cpu_adam": bool(args.cpu_optimizer) or device == "cpu"}
+
+
 def schedule_values(args):
     """With --train-samples: the iterations that consume them (Megatron's count: the ramp-up's batches, then
     whole global batches)."""
@@ -215,7 +231,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, gated_linear_unit=args.swiglu,
         bias=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, attention_backend=args.attention_backend,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        attention_backend=args.attention_backend,
         init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,

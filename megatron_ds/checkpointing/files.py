@@ -299,6 +299,7 @@ def model_shape(args):
         "ffn_hidden_size": ffn, "padded_vocab_size": get("padded_vocab_size"),
         "max_position_embeddings": get("max_position_embeddings") if position == "learned_absolute" else None,
         "normalization": get("normalization") or "LayerNorm", "swiglu": swiglu, "position_embedding_type": position,
+        "rotary_percent": float(get("rotary_percent") or 1.0) if position == "rope" else None,
         "bias": not get("disable_bias_linear"),
         "tied_embeddings": not get("untie_embeddings_and_output_weights"),
     }
@@ -320,6 +321,7 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "padded_vocab_size": "padded vocabulary (--vocab-size / tokenizer, --make-vocab-size-divisible-by, TP)",
                 "max_position_embeddings": "--max-position-embeddings", "normalization": "--normalization",
                 "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
+                "rotary_percent": "--rotary-percent",
                 "bias": "biases (--disable-bias-linear)",
                 "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
 

@@ -188,7 +188,7 @@ def _default_args():
     """What a checkpoint made from Hugging Face weights records where the HF folder says nothing."""
     defaults = flag_defaults()
     return {**{name: defaults[name] for name in ("tokenizer_model", "vocab_file", "merge_file", "rotary_base",
-                                                 "norm_epsilon")},
+                                                 "rotary_percent", "norm_epsilon")},
             "tokenizer_type": "NullTokenizer", "params_dtype": "float32", "data_parallel_size": 1}
 
 
@@ -235,6 +235,8 @@ def model_flags(args):
     if shape["position_embedding_type"] == "rope":
         rotary_base = args.get("rotary_base", flag_defaults()["rotary_base"])
         flags.append(f"--use-rotary-position-embeddings --rotary-base {rotary_base:g}")
+        if shape["rotary_percent"] != 1.0:
+            flags.append(f"--rotary-percent {shape['rotary_percent']:g}")
     if not shape["bias"]:
         flags.append("--disable-bias-linear")
     if not shape["tied_embeddings"]:

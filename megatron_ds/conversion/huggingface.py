@@ -97,6 +97,12 @@ def _to_gpt2(weights, shape, vocab_rows):
 
 def _llama_config(args, shape, vocab_rows):
     from transformers import LlamaConfig
+    if shape["rotary_percent"] != 1.0:
+        rotated = int(shape["kv_channels"] * shape["rotary_percent"])
+        raise CheckpointError(f"LlamaForCausalLM has no partial rotary embeddings: this model has rotary_percent "
+                              f"{shape['rotary_percent']:g} (--rotary-percent: RoPE on {rotated} of each head's "
+                              f"{shape['kv_channels']} channels), which a Hugging Face LLaMA would rotate in full; "
+                              f"export needs rotary_percent 1.0")
     return LlamaConfig(vocab_size=vocab_rows, hidden_size=shape["hidden_size"],
                        intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
                        num_attention_heads=shape["num_attention_heads"],
@@ -201,6 +207,10 @@ def _from_llama(config, state):
     problems = []
     if rope_type != "default":
         problems.append(f"rope_type {rope_type!r} (only plain RoPE is supported, no scaling)")
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1.0):
+        problems.append(f"partial_rotary_factor {partial} (LlamaForCausalLM rotates every channel; its partial "
+                        f"factor is not carried here)")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         problems.append("attention_bias / mlp_bias (the LLaMA family has no biases)")
     if config.hidden_act != "silu":
@@ -235,7 +245,7 @@ def _from_llama(config, state):
             "max_position_embeddings": config.max_position_embeddings,
             "seq_length": min(config.max_position_embeddings, 4096), "normalization": "RMSNorm", "swiglu": True,
             "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
-            "rotary_base": float(rope_theta), "disable_bias_linear": True,
+            "rotary_base": float(rope_theta), "rotary_percent": 1.0, "disable_bias_linear": True,
             "untie_embeddings_and_output_weights": not tied, "norm_epsilon": config.rms_norm_eps,
             "hidden_dropout": 0.0, "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0)}
     return args, _contiguous(weights)

@@ -114,12 +114,16 @@ def _model_batch(tokens, args, device):
     return inputs, ((labels, loss_mask) if args.eod_mask_loss else labels)
 
 
-def batch_iterator(dataset, args, consumed_samples, device):
+def batch_iterator(dataset, args, consumed_samples, device, curriculum=None):
     """Endless (inputs, labels) micro-batches of this data-parallel rank from the global sample position
-    consumed_samples; None when this rank reads no data."""
+    consumed_samples, read by --num-workers DataLoader processes from the first next(); None when this rank
+    reads no data. With a sequence-length curriculum (glue/curriculum.py) each micro-batch is cut to the
+    length current when it is taken."""
     if dataset is None:
         return None
     samples = micro_batch_samples(dataset, consumed_samples, args.micro_batch_size,
                                   parallel_state.get_data_parallel_rank(),
-                                  parallel_state.get_data_parallel_world_size())
-    return (_model_batch(tokens, args, device) for tokens in samples)
+                                  parallel_state.get_data_parallel_world_size(), args.num_workers)
+    if curriculum is None:
+        return (_model_batch(tokens, args, device) for tokens in samples)
+    return (_model_batch(tokens[:, :curriculum.length + 1], args, device) for tokens in samples)

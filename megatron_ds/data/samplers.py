@@ -1,15 +1,57 @@
 """Megatron's pretraining sampler: the global sample position is the data position."""
+import signal
+
 import numpy as np
 import torch
 
 
-def micro_batch_samples(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
+class MicroBatchSampler:
+    """Megatron's MegatronPretrainingSampler: endless lists of the dataset indices of this data-parallel rank's
+    micro-batches, from the global sample position `consumed_samples`. Each step of micro_batch_size x DP
+    consecutive samples is split between the data-parallel ranks, so restarting at any position repeats the
+    uninterrupted run."""
+
+    def __init__(self, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+
+    def __iter__(self):
+        position = self.consumed_samples
+        while True:
+            first = position + self.data_parallel_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+            position += self.micro_batch_size * self.data_parallel_size
+
+
+def collate_tokens(samples):
+    """Samples of seq_length + 1 token ids (numpy arrays or tensors) -> a torch.long [len(samples), seq_length + 1]."""
+    return torch.stack([torch.as_tensor(np.asarray(sample), dtype=torch.long) for sample in samples])
+
+
+def _leave_sigterm_to_the_training_process(worker_id):
+    """A worker ignores SIGTERM: a launcher that signals the whole process group must reach the training
+    process's handler (--exit-signal-handler: finish the iteration, save, exit), not kill the workers under
+    it, which the DataLoader reports as a crash. Workers still exit with the training process."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def micro_batch_loader(dataset, sampler, num_workers=0):
+    """A DataLoader reading the micro-batches of `sampler` in order, in num_workers processes (0: in this one)."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate_tokens, num_workers=num_workers,
+        worker_init_fn=_leave_sigterm_to_the_training_process,
+        persistent_workers=False, pin_memory=torch.cuda.is_available(),
+        # its own generator: starting an iterator draws the workers' base seed from it, and drawing from the
+        # global RNG would shift training's dropout masks and break the bitwise-exact resume
+        generator=torch.Generator())
+
+
+def micro_batch_samples(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                        num_workers=0):
     """Endless [micro_batch_size, seq_length + 1] token batches for this data-parallel rank, starting at the
-    global sample position `consumed_samples`. Each step of micro_batch_size x DP consecutive samples is
-    split between the data-parallel ranks, so restarting at any position repeats the uninterrupted run."""
-    position = consumed_samples
-    while True:
-        first = position + data_parallel_rank * micro_batch_size
-        yield torch.stack([torch.as_tensor(np.asarray(dataset[i]), dtype=torch.long)
-                           for i in range(first, first + micro_batch_size)])
-        position += micro_batch_size * data_parallel_size
+    global sample position `consumed_samples` (see MicroBatchSampler). Lazy: the DataLoader and its workers
+    start at the first next()."""
+    sampler = MicroBatchSampler(consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+    yield from micro_batch_loader(dataset, sampler, num_workers)

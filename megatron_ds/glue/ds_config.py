@@ -12,13 +12,16 @@ Rules (also in the README):
   synchronize_checkpoint_boundary, profile) when present; number_checkpoints is derived from the layers and
   recompute chunks (a JSON value must equal it); with --deepspeed-activation-checkpointing the whole block
   is written into the effective config. The JSON must not set `pipeline.activation_checkpoint_interval`:
-  the layers recompute themselves (--checkpoint-activations / --recompute-*), at every PP size.
+  the layers recompute themselves (--checkpoint-activations / --recompute-*), at every PP size;
+- an enabled legacy `curriculum_learning` block is validated here and run by the glue (glue/curriculum.py),
+  never passed to DeepSpeed.
 """
 import copy
 import json
 import math
 
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
+from megatron_ds.glue import curriculum
 
 _DEFAULT_ZERO_STAGE = 1
 _DEFAULT_CLIP_GRAD = 1.0
@@ -49,16 +52,17 @@ def _agree(errors, flag, flag_value, key, json_value, path):
 _UNBUILT_BLOCKS = {
     "compression_training": "DeepSpeed Compression (quantization, pruning; DeepSpeed 0.19 removed the library)",
     "data_efficiency": "DeepSpeed Data Efficiency (data sampling, curriculum, random-LTD)",
-    "curriculum_learning": "the legacy sequence-length curriculum (not yet)",
 }
+# taken out of what DeepSpeed sees (0.19 rejects them): switched off (else refused), or run by the glue
+_BLOCKS_KEPT_FROM_DEEPSPEED = (*_UNBUILT_BLOCKS, curriculum.BLOCK)
+
+
 def _asks_for_feature(name, block):
     """A block whose switches are all off (as Megatron-DeepSpeed's scripts write them by default) asks for nothing.
-    The legacy curriculum has one switch; the others a top-level one and one per sub-feature."""
+    They have a top-level switch and one per sub-feature."""
     block = block[name]
     if not isinstance(block, dict):
         return True
-    if name == "curriculum_learning":
-        return block.get("enabled", False) is not False
     return block.get("enabled", True) is not False and _any_enabled(block, top=True)
 
 
@@ -171,7 +175,17 @@ def reconcile_with_deepspeed_config(args):
     values.update(zero_stage=_DEFAULT_ZERO_STAGE if zero is None else zero,
                   clip_grad=_DEFAULT_CLIP_GRAD if clip is None else clip, user_deepspeed_config=config)
     values.update(_reconcile_activation_checkpointing(args, config, path, values, errors))
+    values["curriculum_learning_legacy"] = _curriculum(args, config, path, errors)
     return values, errors
+
+
+def _curriculum(args, config, path, errors):
+    """The enabled legacy curriculum block (validated), or None."""
+    block = curriculum.enabled_block(config)
+    if block is not None:
+        divisor = args.tensor_model_parallel_size if args.sequence_parallel else 1
+        errors += curriculum.curriculum_errors(block, path, args.seq_length, divisor)
+    return block
 
 
 def _reconcile_activation_checkpointing(args, config, path, batch, errors):
@@ -225,7 +239,7 @@ def _fp16_block(args, user_block):
 def build_deepspeed_config(args):
     """The effective DeepSpeed config: the user's JSON with every reconciled value written in."""
     config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
-              if key not in _UNBUILT_BLOCKS}  # switched off (else refused); DeepSpeed 0.19 rejects some of them
+              if key not in _BLOCKS_KEPT_FROM_DEEPSPEED}
     accumulation = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     config.update({"train_batch_size": args.global_batch_size,
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,

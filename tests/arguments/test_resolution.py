@@ -65,13 +65,13 @@ def test_generation_rebuilds_the_trained_model_config():
     from megatron_ds.checkpointing.files import args_to_dict
     from megatron_ds.generation import inference_args
     args = parse_args(TINY_MODEL + ["--swiglu", "--use-rotary-position-embeddings", "--hidden-size", "96",
-                                    "--recompute-activations"], world_size=1)
+                                    "--rotary-percent", "0.5", "--recompute-activations"], world_size=1)
     saved = args_to_dict(args)
     for name in ("ffn_hidden_size", "position_embedding_type", "attention_backend"):  # an older checkpoint
         saved.pop(name)
     trained, rebuilt = transformer_config_from_args(args), transformer_config_from_args(inference_args(saved))
     expected = {**vars(trained), "hidden_dropout": 0.0, "attention_dropout": 0.0, "recompute_granularity": None}
-    assert vars(rebuilt) == expected
+    assert vars(rebuilt) == expected and rebuilt.rotary_dim == 12  # half of head dim 96 / 4
 
 
 def test_planner_resolves_like_pretrain(tmp_path):

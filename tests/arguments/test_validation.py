@@ -56,6 +56,7 @@ CASES = dict([
            expect=[f"--zero-stage {stage} with --pipeline-model-parallel-size 2"]) for stage in (2, 3)],
     case("non-positive", "--hidden-size", "0", "--micro-batch-size", "-1",
          expect=["--hidden-size must be positive, got 0", "--micro-batch-size must be positive, got -1"]),
+    case("negative-num-workers", "--num-workers", "-1", expect=["--num-workers -1: must be >= 0"]),
     case("json-global-batch", "--global-batch-size", "4", ds={"train_batch_size": 8},
          expect=['--global-batch-size 4 conflicts with "train_batch_size": 8 in {path}']),
     case("json-micro-batch", "--micro-batch-size", "1", ds={"train_micro_batch_size_per_gpu": 2},
@@ -108,6 +109,18 @@ CASES = dict([
     case("profile-nsys-on-cpu", "--profile", "--profile-step-start", "1", "--profile-step-end", "2",
          expect=["--profile without --use-pytorch-profiler drives CUDA's profiler API"],
          marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA profiler API exists with a GPU")),
+    *[case(f"rotary-percent-{value}", "--use-rotary-position-embeddings", "--rotary-percent", value,
+           expect=[f"--rotary-percent must be in (0, 1] (the fraction of each head's channels RoPE rotates), "
+                   f"got {float(value)}"]) for value in ("0", "1.5")],
+    case("rotary-percent-odd-dim", "--use-rotary-position-embeddings", "--rotary-percent", "0.375",
+         expect=["--rotary-percent 0.375: head dim 8 = --hidden-size 32 / --num-attention-heads 4 x 0.375 = 3 rotated "
+                 "channels per head; RoPE needs an even integer >= 2"]),
+    case("rotary-percent-fraction", "--position-embedding-type", "rope", "--kv-channels", "16", "--rotary-percent",
+         "0.3",
+         expect=["--rotary-percent 0.3: --kv-channels 16 x 0.3 = 4.8 rotated channels per head"]),
+    case("rotary-percent-one-channel", "--use-rotary-position-embeddings", "--rotary-percent", "0.125",
+         expect=["--rotary-percent 0.125: head dim 8 = --hidden-size 32 / --num-attention-heads 4 x 0.125 = 1 "
+                 "rotated"]),
     case("json-string-batch", ds={"train_batch_size": "auto"}, expect=["train_batch_size"]),
     case("json-bool-block", ds={"bf16": True}, expect=["bf16"]),
     case("json-zero-accumulation", ds={"train_batch_size": 8, "gradient_accumulation_steps": 0},

@@ -26,6 +26,16 @@ def test_load_refuses_another_model_shape_listing_every_difference(tmp_path):
         assert expected in message, message
 
 
+def test_load_refuses_another_rotary_percent(tmp_path):
+    """Partial rotary changes no tensor shape, but another model: loading it with other flags is refused."""
+    from megatron_ds.arguments import parse_args
+    folder, _ = tiny_checkpoint(tmp_path, 2, position_embedding_type="rope", rotary_percent=0.5)
+    args = parse_args(TINY + ["--train-iters", "8", "--position-embedding-type", "rope", "--load", str(tmp_path)]
+                      + layout_flags(1, 1), world_size=1)
+    with pytest.raises(files.CheckpointError, match=r"--rotary-percent: checkpoint 0.5, flags 1.0"):
+        _manager_for(args)._check_compatible(folder, files.read_metadata(folder))
+
+
 def test_load_with_another_tp_or_pp_points_to_the_converter(tmp_path):
     from megatron_ds.arguments import parse_args
     folder, _ = tiny_checkpoint(tmp_path, 2, tp=2, pp=1)

@@ -130,6 +130,9 @@ def tiny_command_line(name, files, datasets, folder, iterations=3):
     config = {key: value for key, value in (SCRIPTS[name]["ds_config"] or {}).items()
               if key not in ("fp16", "gradient_accumulation_steps")}
     config.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=2)
+    if config.get("curriculum_learning", {}).get("enabled"):  # its sequence-length warm-up, over the tiny run
+        config["curriculum_learning"] = {**config["curriculum_learning"], "min_difficulty": 8, "max_difficulty": 32,
+                                         "schedule_config": {"total_curriculum_step": iterations, "difficulty_step": 8}}
     if sixteen_bit:
         config["bf16"] = {"enabled": True}
     return command_line(name, files, folder, replace, config), tp * pp * dp

@@ -1,8 +1,10 @@
 """Megatron-DeepSpeed launch scripts' flag sets train through the deepspeed launcher: every flag as the script
 passes it, only the model and the run made tiny for a CPU (tests/compat/scripts.py says what is replaced)."""
+import re
+
 import pytest
 
-from tests.compat.scripts import make_datasets, make_tokenizer_files, tiny_command_line
+from tests.compat.scripts import SCRIPTS, make_datasets, make_tokenizer_files, tiny_command_line
 from tests.launch import launch, losses
 
 pytestmark = pytest.mark.e2e  # launches several real processes
@@ -19,6 +21,7 @@ TRAINED = [
     "examples_deepspeed/deepspeed4science/megatron_long_seq_support/pretrain_gpt_1.3B_seq_parallel.sh",
     "examples_deepspeed/pretrain_llama2_distributed.sh",                   # LLaMA: rmsnorm, GPTSentencePiece, GQA
     "examples_deepspeed/rebase/ds_pretrain_gpt_125M_flashattn.sh",         # flash-attention flags
+    "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh",          # partial rotary, curriculum, tokens
     "examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh",  # LLaMA, bf16
 ]
 
@@ -38,3 +41,6 @@ def test_script_trains(name, inputs, tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     assert sorted(losses(result.stdout)) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
     assert "unrecognized" not in result.stdout
+    if (SCRIPTS[name]["ds_config"] or {}).get("curriculum_learning", {}).get("enabled"):
+        # min 8 to max 32 over the 3 iterations (tests/compat/scripts.py): 8 + 24 i / 3
+        assert re.findall(r"curriculum seqlen: (\d+) \|", result.stdout) == ["16", "24", "32"], result.stdout[-4000:]

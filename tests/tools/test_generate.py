@@ -65,12 +65,17 @@ def test_greedy_generation_at_tp2_equals_tp1_and_hugging_face(llama_checkpoint):
         [record["generated_ids"] for record in tp1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_cached_forward_equals_full_forward(tmp_path, family):
+@pytest.mark.parametrize("family, rotary_percent", [("llama", 1.0), ("llama", 0.5), ("gpt2", None)],
+                         ids=["llama", "llama-partial-rotary", "gpt2"])
+def test_cached_forward_equals_full_forward(tmp_path, family, rotary_percent):
     (tiny_llama if family == "llama" else tiny_gpt2)(tmp_path / "hf")
     full = convert.read_hf(str(tmp_path / "hf"))
+    if rotary_percent is not None:  # as a checkpoint trained with --rotary-percent records it
+        full.args["rotary_percent"] = rotary_percent
     model_parallel_cuda_manual_seed(0)
     model = build_model(full)
+    if rotary_percent is not None:
+        assert model.layers[0].self_attention.rotary.rotary_dim == int(8 * rotary_percent)  # head dim 8
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
     cache = KVCache(len(model.layers))
     pieces = [forward_step(model, ids[:, :7], cache)] + [forward_step(model, ids[:, i:i + 1], cache)

@@ -1,7 +1,8 @@
 """Rotary position embedding applied to the query and the key in one call, rotate-half convention:
 x [s, b, heads, d] (q and k may have different head counts), cos and sin [s, 1, 1, d]; rotation in fp32,
 results in the inputs' dtype. cos and sin get no gradient. `apply_rotary_pos_emb` is the reference's
-rotation of one tensor (transformer/rotary.py re-exports it for generation's KV-cache step).
+rotation of one tensor (transformer/rotary.py re-exports it; its `apply_rotary` runs these ops on the
+leading channels for partial rotary).
 
 y = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); its adjoint (the backward) is
 dx = dy * cos + cat(dy2 * sin2, -dy1 * sin1). The triton kernel reads cos/sin once per token for all

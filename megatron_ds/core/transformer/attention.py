@@ -11,7 +11,7 @@ from megatron_ds.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
 from megatron_ds.core.transformer.fused_ops import op_implementation
-from megatron_ds.core.transformer.rotary import RotaryEmbedding
+from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 
 
 def local_attention(query, key, value, attention_mask, dropout_p, training, softmax=scale_mask_softmax_reference):
@@ -54,7 +54,7 @@ class SelfAttention(torch.nn.Module):
                                              config=config, bias=config.bias, input_is_parallel=True,
                                              skip_bias_add=True,
                                              init_method=init_method_normal(config.output_layer_init_std))
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.core_attention = _BACKENDS[config.attention_backend]
         self.softmax = op_implementation(config, "scale_mask_softmax")
@@ -76,7 +76,7 @@ class SelfAttention(torch.nn.Module):
         query, key, value = self._split_qkv(mixed)
         if self.rotary is not None:
             cos, sin = self.rotary(query.size(0), query.device)
-            query, key = self.rotary_pos_emb(query, key, cos, sin)
+            query, key = apply_rotary(query, key, cos, sin, self.rotary_pos_emb)
         # [s, b, heads, d] -> [b, heads, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.config.recompute_granularity == "selective":

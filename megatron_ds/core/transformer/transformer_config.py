@@ -32,6 +32,7 @@ class TransformerConfig:
     bias: bool = True                           # biases on the linear layers
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0                 # RoPE rotates the first int(kv_channels * this) channels of a head
     attention_backend: str = "sdpa"
     init_method_std: float = 0.02
     init_seed: int = 1234                       # full-model initialization seed (same for every layout)
@@ -73,7 +74,18 @@ class TransformerConfig:
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("fusion_backend", FUSION_BACKENDS)
+        self._check_rotary()
         self._check_recompute()
+
+    def _check_rotary(self):
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"TransformerConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim < 2
+                                                       or self.kv_channels * self.rotary_percent
+                                                       - self.rotary_dim > 1e-6):
+            raise ValueError(f"rotary embeddings rotate kv_channels x rotary_percent = {self.kv_channels} x "
+                             f"{self.rotary_percent} = {self.kv_channels * self.rotary_percent:g} channels of each "
+                             f"head: that must be an even integer >= 2")
 
     def _check_recompute(self):
         if self.recompute_granularity not in (None, "selective", "full"):
@@ -96,6 +108,12 @@ class TransformerConfig:
     def _check_choice(self, name, choices):
         if getattr(self, name) not in choices:
             raise ValueError(f"TransformerConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading channels of each query and key head that RoPE rotates (Megatron's
+        int(kv_channels * rotary_percent)); the rest pass through unrotated."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def output_layer_init_std(self) -> float:

@@ -47,3 +47,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def textbook_vocab_parallel_cross_entropy(vocab_parallel_logits, target):
     """Per-token loss [...] from logits [..., vocab/tp] (this rank's slice) and full-vocab targets [...]."""
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)
+
+
+def textbook_partial_rope(x, positions, rotary_dim, base=10000.0):
+    """RoPE on the leading rotary_dim channels of x [s, b, heads, d], the rest unchanged, in float64 (result in x's
+    dtype): channels i and i + rotary_dim/2 (i < rotary_dim/2, the rotate-half pairing) form the complex number
+    x_i + j x_{i + rotary_dim/2}, multiplied by e^{j theta} with theta = position * base^(-2i / rotary_dim)."""
+    half = rotary_dim // 2
+    x64 = x.double()
+    pairs = torch.complex(x64[..., :half], x64[..., half:rotary_dim])
+    frequencies = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / rotary_dim)
+    theta = positions.double()[:, None] * frequencies[None, :]                       # [s, half]
+    rotated = pairs * torch.polar(torch.ones_like(theta), theta)[:, None, None, :]
+    return torch.cat((rotated.real, rotated.imag, x64[..., rotary_dim:]), dim=-1).to(x.dtype)

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ds.core import fusions
 from megatron_ds.core.fusions._triton import TRITON_IMPORT_ERROR, interpreter_problem
-from megatron_ds.core.transformer.rotary import RotaryEmbedding
+from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 from tests.core.fusions.common import assert_matches, leaf
 from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy
 
@@ -73,6 +73,17 @@ def test_rotary_pos_emb_strided_input(triton_device):
         return lambda fused: fn(fused[..., :d], fused[..., d:2 * d], cos, sin)
 
     assert_matches(split(fusions.rotary_pos_emb_triton), split(fusions.rotary_pos_emb_reference), [qkv])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_pos_emb_partial(triton_device, dtype):
+    """Partial rotary (--rotary-percent 0.25): the kernel rotates the leading 6 of 24 channels of each head (strided
+    slices of q and k) like the reference; the other channels pass through."""
+    s, b, d, rotary_dim = 3, 2, 24, 6
+    cos, sin = RotaryEmbedding(rotary_dim)(s, triton_device)
+    q, k = leaf((s, b, 3, d), dtype, triton_device), leaf((s, b, 1, d), dtype, triton_device, seed=5)
+    assert_matches(lambda q, k: apply_rotary(q, k, cos, sin, fusions.rotary_pos_emb_triton),
+                   lambda q, k: apply_rotary(q, k, cos, sin, fusions.rotary_pos_emb_reference), [q, k])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
