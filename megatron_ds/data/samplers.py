@@ -1,5 +1,5 @@
 """Megatron's pretraining sampler: the global sample position is the data position."""
-import signal
+import os
 
 import numpy as np
 import torch
@@ -30,18 +30,19 @@ def collate_tokens(samples):
     return torch.stack([torch.as_tensor(np.asarray(sample), dtype=torch.long) for sample in samples])
 
 
-def _leave_sigterm_to_the_training_process(worker_id):
-    """A worker ignores SIGTERM: a launcher that signals the whole process group must reach the training
-    process's handler (--exit-signal-handler: finish the iteration, save, exit), not kill the workers under
-    it, which the DataLoader reports as a crash. Workers still exit with the training process."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _out_of_the_launchers_process_group(worker_id):
+    """A worker leaves the training process's process group: a launcher that signals the whole group (SIGTERM)
+    must reach the training process's handler (--exit-signal-handler: finish the iteration, save, exit), not
+    kill the workers under it, which the DataLoader would report as a crash. A worker still ends with the
+    training process: the DataLoader shuts it down, or it sees its parent gone."""
+    os.setpgrp()
 
 
 def micro_batch_loader(dataset, sampler, num_workers=0):
     """A DataLoader reading the micro-batches of `sampler` in order, in num_workers processes (0: in this one)."""
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_tokens, num_workers=num_workers,
-        worker_init_fn=_leave_sigterm_to_the_training_process,
+        worker_init_fn=_out_of_the_launchers_process_group,
         persistent_workers=False, pin_memory=torch.cuda.is_available(),
         # its own generator: starting an iterator draws the workers' base seed from it, and drawing from the
         # global RNG would shift training's dropout masks and break the bitwise-exact resume
