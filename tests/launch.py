@@ -1,6 +1,7 @@
 """Launch pretrain.py through a real launcher (torchrun or deepspeed) and read its log."""
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,16 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("p
     else:
         command = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(command + [*program, *flags], cwd=REPO, env=environment, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own session, so a launch that overruns is killed whole (the launcher alone would leave its ranks)
+    with subprocess.Popen(command + [*program, *flags], cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
 def losses(output):
