@@ -338,7 +338,8 @@ class MetricsLogger:
         self._start_interval()
 
     def _start_interval(self):
-        self.losses, self.tokens, self.flops, self.interval_start = [], 0, 0, time.perf_counter()
+        self.losses, self.moe_losses, self.tokens, self.flops = [], [], 0, 0
+        self.interval_start = time.perf_counter()
 
     def _set_up(self, engine, cuda):
         args = self.args
@@ -368,12 +369,14 @@ class MetricsLogger:
         for note in notes:
             _print_rank_0(f"note: {note}")
 
-    def iteration(self, iteration, loss, lr, engine, batch_size, progress, curriculum=None):
+    def iteration(self, iteration, loss, lr, engine, batch_size, progress, curriculum=None, moe_loss=None):
         """progress: the TrainingProgress after this iteration; curriculum: the legacy sequence-length
-        curriculum, whose current length the iteration trained on."""
+        curriculum, whose current length the iteration trained on; moe_loss: the MoE auxiliary loss."""
         args = self.args
         seq_length = args.seq_length if curriculum is None else curriculum.length
         self.losses.append(loss)
+        if moe_loss is not None:
+            self.moe_losses.append(moe_loss)
         self.tokens += batch_size * seq_length
         self.flops += model_flops_per_iteration(self.config, args.padded_vocab_size, batch_size, seq_length)
         if iteration % args.log_interval:
@@ -383,11 +386,13 @@ class MetricsLogger:
         tflops = self.flops / elapsed / args.world_size / 1e12
         scalars = {"lm loss": sum(self.losses) / iterations, "learning-rate": lr,
                    "consumed-samples": progress.consumed_train_samples,
-                   "consumed-tokens": progress.consumed_train_tokens, "loss-scale": _loss_scale(engine),
+                   "consumed-tokens": progress.consumed_train_tokens, "loss-scale": loss_scale(engine),
                    "grad-norm": engine.get_global_grad_norm(), "tokens-per-second": self.tokens / elapsed,
                    "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
         if curriculum is not None:
             scalars["curriculum-seqlen"] = seq_length
+        if self.moe_losses:
+            scalars["moe loss"] = sum(self.moe_losses) / len(self.moe_losses)
         seconds = elapsed / iterations
         scalars.update(self._statistics(engine))  # collectives: every rank
         timers = self.timers.min_max(iterations) if self.timers.active else {}
@@ -436,10 +441,11 @@ class MetricsLogger:
         skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
         if s.get("curriculum-seqlen") is not None:
             optional += f" curriculum seqlen: {s['curriculum-seqlen']} |"
+        moe = f" moe loss: {s['moe loss']:.6E} |" if s.get("moe loss") is not None else ""
         return (f" iteration {iteration}/{args.train_iters} | consumed samples: {s['consumed-samples']} |"
                 f" consumed tokens: {s['consumed-tokens']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
-                f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |"
+                f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |{moe}"
                 f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{optional}{skipped}"
                 f" tokens per second: {s['tokens-per-second']:.1f} | TFLOP/s per device: {s['tflops-per-device']:.3f} |"
                 f" MFU: {100 * s['mfu']:.1f}% |")
@@ -468,7 +474,8 @@ def _timers_text(timers):
     return "\n".join(lines)
 
 
-def _loss_scale(engine):
+def loss_scale(engine):
+    """What DeepSpeed multiplies the loss by before backward: fp16's loss scale, else 1."""
     if not engine.fp16_enabled():
         return 1.0
     optimizer = engine.optimizer

@@ -17,6 +17,7 @@ No weight decay on biases and norm weights (the 1-D parameters), as in Megatron,
 import importlib.util
 
 import torch
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 TORCH_FUSED_DEVICES = ("cpu", "cuda")
 
@@ -33,9 +34,15 @@ def adam_implementation(fusion_backend, device_type, cpu_adam=False):
 
 
 def parameter_groups(model, weight_decay):
+    """Weight decay on the >1-D parameters only. MoE experts get groups of their own (DeepSpeed's ZeRO and bf16
+    optimizers partition them over their expert-data-parallel group; Megatron-DeepSpeed's
+    --create-moe-param-group, always on here)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+              {"name": "no_decay", "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if any(is_moe_param(p) for p in params):
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return groups
 
 
 def optimizer_description(args, device_type):

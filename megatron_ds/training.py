@@ -21,6 +21,7 @@ from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer.fused_ops import describe_fused_ops
+from megatron_ds.core.transformer.moe import AuxiliaryLossGradient, auxiliary_loss_of, moe_layers
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
@@ -30,9 +31,11 @@ from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
-from megatron_ds.metrics import MetricsLogger
+from megatron_ds.metrics import MetricsLogger, loss_scale
 from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler, lr_schedule_from_args
+from megatron_ds.planning.cli import model_spec
+from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
 
@@ -82,11 +85,15 @@ def _mean_over_data_parallel(value):
 
 
 def run_global_batch(engine, iterator, accumulation_steps, train):
-    """One global batch; returns its mean loss over all micro-batches and data-parallel ranks."""
+    """One global batch; returns (lm loss, MoE auxiliary loss or None without MoE layers), each the mean over
+    all micro-batches and data-parallel ranks."""
+    # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
+    AuxiliaryLossGradient.scale = loss_scale(engine) / accumulation_steps
     if isinstance(engine, deepspeed.PipelineEngine):
         loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
-        return loss.item()
-    total = torch.zeros((), device=device())
+        return loss.item(), None
+    total, auxiliary = torch.zeros((), device=device()), torch.zeros((), device=device())
+    experts = moe_layers(engine.module)
     for _ in range(accumulation_steps):
         inputs, labels = next(iterator)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)  # GPTModel(input_ids, position_ids, mask)
@@ -98,7 +105,12 @@ def run_global_batch(engine, iterator, accumulation_steps, train):
             with torch.no_grad():
                 loss = engine(*inputs, labels=labels)
         total += loss.detach()
-    return _mean_over_data_parallel(total / accumulation_steps).item()
+        if experts:
+            auxiliary += auxiliary_loss_of(experts)
+    lm_loss = _mean_over_data_parallel(total / accumulation_steps).item()
+    if not experts:
+        return lm_loss, None
+    return lm_loss, _mean_over_data_parallel(auxiliary / accumulation_steps).item()
 
 
 def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
@@ -106,7 +118,7 @@ def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
     if curriculum is not None:
         _change_sequence_length(engine, curriculum.length, args.seq_length)
     engine.eval()
-    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False) for _ in range(args.eval_iters)]
+    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False)[0] for _ in range(args.eval_iters)]
     engine.train()
     if curriculum is not None:
         _change_sequence_length(engine, args.seq_length, curriculum.length)
@@ -150,12 +162,12 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         engine.lr_scheduler.seq_length = seq_length  # its token count
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
-        loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
+        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
         progress.consumed_train_tokens += batch_size * seq_length
-        logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum)
+        logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum, moe_loss)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps, curriculum))
             progress.consumed_valid_samples += args.eval_iters * batch_size
@@ -194,7 +206,12 @@ def log_startup(args, config, engine, peak, peak_source):
                  f"ZeRO stage {args.zero_stage}")
     for axis, groups in parallel_state.all_groups_by_axis().items():
         print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
+    if config.is_moe:
+        for axis, groups in parallel_state.expert_groups_by_axis(config.moe_expert_parallel_size).items():
+            print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
+    if config.is_moe:
+        _log_experts(args, config)
     print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
@@ -213,6 +230,17 @@ def _log_parameters_per_stage(engine):
             per_stage[stage] = per_stage.get(stage, 0) + count
     for stage in sorted(per_stage):
         print_rank_0(f"megatron_ds: parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
+
+
+def _log_experts(args, config):
+    """Total and active parameters (the planner's count: the one formula), and the experts' placement."""
+    spec = model_spec(args)
+    counts = sorted({config.experts_in_layer(n) for n in range(1, config.num_layers + 1)} - {1})
+    print_rank_0(f"megatron_ds: Mixture of Experts: {total_parameters(spec):,} parameters in all, "
+                 f"{active_parameters(spec):,} active per token (top-{config.moe_router_topk} of "
+                 f"{'/'.join(map(str, counts))} experts every {config.expert_interval} layers); "
+                 f"{'/'.join(str(count // config.moe_expert_parallel_size) for count in counts)} experts per "
+                 f"rank (EP {config.moe_expert_parallel_size})")
 
 
 def _configure_logging():
@@ -250,6 +278,8 @@ def pretrain(argv=None, start_time=None):
 def _pretrain(args, watchdog, start_time=None):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if max(args.num_experts) > 1:
+        parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size)
     _log_placement(args)
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)

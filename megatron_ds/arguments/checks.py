@@ -194,6 +194,9 @@ def zero_stage_errors(args):
                 f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports only ZeRO "
                 f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
                 f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"]
+    if args.zero_stage == 3 and max(args.num_experts) > 1:
+        return [f"--zero-stage 3 with --num-experts {' '.join(map(str, args.num_experts))}: DeepSpeed's ZeRO-3 does "
+                f"not shard MoE experts; use --zero-stage 0, 1 or 2"]
     return []
 
 
@@ -287,8 +290,6 @@ def compatibility_errors(args):
 
 # flag (as argparse stores it) -> (is it asked for, what the feature is, what to do instead)
 _UNBUILT_FEATURES = (
-    (lambda a: a.num_experts != [1], "--num-experts {num_experts}", "Mixture of Experts",
-     "train the dense model (--num-experts 1)"),
     (lambda a: a.ds_sequence_parallel_size != 1, "--ds-sequence-parallel-size {ds_sequence_parallel_size}",
      "DeepSpeed-Ulysses sequence parallelism", "use --ds-sequence-parallel-size 1, or Megatron's "
      "--sequence-parallel with TP"),
@@ -309,6 +310,41 @@ _UNBUILT_FEATURES = (
     (lambda a: a.train_doc_idx_path or a.train_sample_idx_path or a.train_shuffle_idx_path,
      "--train-*-idx-path", "index files given by path", "megatron_ds builds and caches its own (--data-cache-path)"),
 )
+
+
+def moe_errors(args):
+    """Mixture of Experts (--num-experts > 1): the counts, the expert-parallel size against the experts and
+    the data-parallel size, and the layouts not built yet, each by name."""
+    counts, ep = args.num_experts, args.moe_expert_parallel_size
+    if max(counts) <= 1:
+        return [f"--num-experts {' '.join(map(str, counts))}: counts must be >= 1"] if min(counts) < 1 else []
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    moe_layers = args.num_layers // args.expert_interval if args.expert_interval > 0 else 0
+    errors = []
+    if args.expert_interval < 1:
+        errors.append(f"--expert-interval {args.expert_interval} must be >= 1")
+    elif len(counts) not in (1, moe_layers):
+        errors.append(f"--num-experts {' '.join(map(str, counts))}: give one count, or one per MoE layer "
+                      f"({moe_layers}: --num-layers {args.num_layers} / --expert-interval {args.expert_interval})")
+    if min(counts) < 1 or ep < 1:
+        return errors + [f"--num-experts {' '.join(map(str, counts))} and --moe-expert-parallel-size {ep} must be "
+                         f">= 1"]
+    errors += [f"--num-experts {count} is not divisible by --moe-expert-parallel-size {ep} (each expert-parallel "
+               f"rank holds the same number of experts)" for count in sorted(set(counts)) if count > 1 and count % ep]
+    if args.world_size % (tp * pp) == 0 and (args.world_size // (tp * pp)) % ep:
+        errors.append(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size "
+                      f"{args.world_size // (tp * pp)} (world size {args.world_size} / TP {tp} / PP {pp}): the "
+                      f"experts are spread over data-parallel ranks")
+    if not 1 <= args.topk <= min(count for count in counts if count > 1):
+        errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer "
+                      f"({min(count for count in counts if count > 1)})")
+    if args.moe_min_capacity < 0:
+        errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
+    not_yet = [(tp > 1, f"--tensor-model-parallel-size {tp}"), (pp > 1, f"--pipeline-model-parallel-size {pp}"),
+               (args.enable_expert_tensor_parallelism, "--enable-expert-tensor-parallelism")]
+    errors += [f"--num-experts {' '.join(map(str, counts))} with {flag}: Mixture of Experts runs at TP 1 and PP 1 "
+               f"so far (DP, expert parallelism, ZeRO-0/1/2); use TP 1 and PP 1" for asked, flag in not_yet if asked]
+    return errors
 
 
 def unbuilt_feature_errors(args):

@@ -105,7 +105,7 @@ def _freeze(args):
 def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
-              + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args))
+              + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args))
     return errors + (checks.data_source_errors(args) if on_this_host else [])
 
 
@@ -240,4 +240,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         masked_softmax_fusion=not args.no_masked_softmax_fusion, persist_layer_norm=not args.no_persist_layer_norm,
         apply_rope_fusion=not args.no_rope_fusion, bias_gelu_fusion=not args.no_bias_gelu_fusion,
         bias_swiglu_fusion=not args.no_bias_swiglu_fusion, bias_dropout_fusion=not args.no_bias_dropout_fusion,
-        cross_entropy_fusion=not args.no_cross_entropy_fusion)
+        cross_entropy_fusion=not args.no_cross_entropy_fusion,
+        num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, moe_router_topk=args.topk,
+        moe_expert_parallel_size=args.moe_expert_parallel_size,
+        moe_train_capacity_factor=args.moe_train_capacity_factor,
+        moe_eval_capacity_factor=args.moe_eval_capacity_factor, moe_min_capacity=args.moe_min_capacity,
+        moe_token_dropping=args.moe_token_dropping, moe_top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
+        moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff)

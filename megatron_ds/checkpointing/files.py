@@ -302,7 +302,21 @@ def model_shape(args):
         "rotary_percent": float(get("rotary_percent") or 1.0) if position == "rope" else None,
         "bias": not get("disable_bias_linear"),
         "tied_embeddings": not get("untie_embeddings_and_output_weights"),
+        **_experts_shape(get),
     }
+
+
+def _experts_shape(get):
+    """Mixture of Experts: the experts per MoE layer, the interval and the residual MLP; dense: one expert."""
+    counts = list(get("num_experts") or [1])
+    if max(counts) <= 1:
+        return {"num_experts": [1], "expert_interval": None, "mlp_type": None}
+    return {"num_experts": counts, "expert_interval": get("expert_interval"),
+            "mlp_type": get("mlp_type") or "standard"}
+
+
+def is_moe(shape):
+    return max(shape["num_experts"]) > 1
 
 
 def model_family(shape):
@@ -321,7 +335,8 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "padded_vocab_size": "padded vocabulary (--vocab-size / tokenizer, --make-vocab-size-divisible-by, TP)",
                 "max_position_embeddings": "--max-position-embeddings", "normalization": "--normalization",
                 "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
-                "rotary_percent": "--rotary-percent",
+                "rotary_percent": "--rotary-percent", "num_experts": "--num-experts",
+                "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",
                 "bias": "biases (--disable-bias-linear)",
                 "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
 

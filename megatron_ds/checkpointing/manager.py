@@ -198,6 +198,7 @@ class CheckpointManager:
                 "data_parallel_size": args.data_parallel_size, "world_size": args.world_size,
                 "zero_stage": args.zero_stage, "precision": str(args.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain",
+                "expert_parallel_size": args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
@@ -325,6 +326,7 @@ class CheckpointManager:
         if differences:
             raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
                                   + "\n  - ".join(differences))
+        self._check_experts_resume_in_place(path, metadata)
         if (saved_tp, saved_pp) != (tp, pp):
             target = f"{args.load.rstrip('/')}_tp{tp}_pp{pp}"
             raise CheckpointError(
@@ -336,9 +338,23 @@ class CheckpointManager:
                 f"  ... pretrain.py --load {target} ...")
 
     def _same_deepspeed_layout(self, metadata):
-        saved, ours = metadata["layout"], self._layout()
-        keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer")
+        saved, ours = {"expert_parallel_size": 1, **metadata["layout"]}, self._layout()
+        keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size")
         return metadata["format"] == files.FORMAT_DEEPSPEED and all(saved.get(k) == ours[k] for k in keys)
+
+    def _check_experts_resume_in_place(self, path, metadata):
+        """Expert shards are DeepSpeed's own files (one per layer and global expert); only its load_checkpoint
+        reads them, at the layout they were saved at."""
+        if not files.is_moe(files.model_shape(metadata["args"])) or self._same_deepspeed_layout(metadata):
+            return
+        saved, ours = {"expert_parallel_size": 1, **metadata["layout"]}, self._layout()
+        described = ", ".join(f"{key} {saved.get(key)} (this run: {ours[key]})" for key in
+                              ("data_parallel_size", "expert_parallel_size", "zero_stage", "precision", "optimizer")
+                              if saved.get(key) != ours[key])
+        raise CheckpointError(f"checkpoint {path} holds a Mixture of Experts saved with {described}: an MoE "
+                              f"checkpoint resumes only at the layout it was saved at so far (same --tensor-model-"
+                              f"parallel-size, --pipeline-model-parallel-size, data-parallel size, "
+                              f"--moe-expert-parallel-size, ZeRO stage and precision)")
 
     def _place_rank_state(self, state, load_optimizer):
         """Copy this rank's weights (and fp32 master weights and Adam moments) into the engine."""

@@ -55,6 +55,12 @@ def _rank_entry(metadata, tp_rank, pp_rank):
 
 def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
     """RankState of (tp_rank, pp_rank) from the checkpoint folder `path`, either format."""
+    shape = files.model_shape(metadata["args"])
+    if files.is_moe(shape):
+        raise CheckpointError(f"checkpoint {path} holds a Mixture of Experts (--num-experts "
+                              f"{' '.join(map(str, shape['num_experts']))}): reading it by canonical names "
+                              f"(another layout, tools/convert_checkpoint.py, --to-hf, tools/generate.py) is not "
+                              f"built yet; resume it with pretrain.py at the layout it was saved at")
     if metadata["format"] == files.FORMAT_SHARDED:
         data = load_file(os.path.join(path, files.sharded_file_name(tp_rank, pp_rank)))
         optimizer = data.get("optimizer") if with_optimizer else None

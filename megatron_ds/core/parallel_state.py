@@ -202,3 +202,41 @@ def simulated_model_parallel(tensor_model_parallel_size: int = 1, tensor_model_p
         yield
     finally:
         _SIMULATED = previous
+
+
+# --- expert parallelism (MoE) -----------------------------------------------------------------------------
+
+def expert_parallel_rank_lists(topology, expert_parallel_size):
+    """(expert-parallel groups, expert-data-parallel groups) as rank lists: each data-parallel group (one per
+    pipeline stage and TP rank) is cut into consecutive runs of expert_parallel_size ranks that split the
+    experts between them; the ranks at the same place in those runs hold the same experts and form an
+    expert-data-parallel group (DeepSpeed's layout, taken along our data axis)."""
+    parallel, data = [], []
+    for ranks in topology.get_axis_comm_lists("data"):
+        runs = [ranks[start:start + expert_parallel_size] for start in range(0, len(ranks), expert_parallel_size)]
+        parallel += runs
+        data += [list(column) for column in zip(*runs)]
+    return parallel, data
+
+
+def initialize_expert_parallel(expert_parallel_size):
+    """Create the expert-parallel and expert-data-parallel groups from the topology (every rank, same order) and
+    hand them to DeepSpeed under its name for them, so its MoE layers and engine use exactly these groups."""
+    from deepspeed.utils import groups as deepspeed_groups
+    name = f"ep_size_{expert_parallel_size}"
+    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size)
+    me = dist.get_rank()
+    for lists, groups, ranks_of in ((parallel, deepspeed_groups._EXPERT_PARALLEL_GROUP,
+                                     deepspeed_groups._EXPERT_PARALLEL_GROUP_RANKS),
+                                    (data, deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP,
+                                     deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS)):
+        for ranks in lists:
+            group = dist.new_group(ranks=ranks)
+            if me in ranks:
+                groups[name], ranks_of[name] = group, ranks
+
+
+def expert_groups_by_axis(expert_parallel_size):
+    """{'expert': [...], 'expert-data': [...]}: every expert group's ranks, for start-up logs."""
+    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size)
+    return {"expert": parallel, "expert-data": data}

@@ -18,7 +18,8 @@ from megatron_ds.planning.devices import DEVICES, device_spec
 from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 from megatron_ds.planning.performance import PerformanceAssumptions
-from megatron_ds.planning.planner import make_plan
+from megatron_ds.planning.parameters import active_parameters, total_parameters
+from megatron_ds.planning.planner import make_plan, moe_section
 from megatron_ds.planning.search import search_layouts
 
 DEFAULT_VOCAB_SIZE = 51200
@@ -100,10 +101,17 @@ def model_summary(model: ModelSpec) -> dict:
                 {"rope": "RoPE", "learned_absolute": "learned positions"}.get(config.position_embedding_type,
                                                                               "no positions"),
                 "biases" if config.bias else "no biases", "tied embeddings" if model.tied_embeddings else "untied"]
+    moe = moe_section(model)
+    if moe:
+        experts = "/".join(map(str, sorted(set(moe["experts"]))))
+        features.append(f"MoE {experts} experts every {config.expert_interval} layers, top-{config.moe_router_topk}"
+                        f"{', residual' if config.moe_residual else ''}, EP {config.moe_expert_parallel_size}")
     return {"layers": config.num_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
             "kv_heads": config.num_query_groups, "kv_channels": config.kv_channels, "ffn": config.ffn_hidden_size,
             "seq_length": model.seq_length, "max_position_embeddings": model.max_position_embeddings,
-            "vocab_size": model.vocab_size, "precision": model.precision, "features": features}
+            "vocab_size": model.vocab_size, "precision": model.precision, "features": features,
+            "total_parameters": total_parameters(model), "active_parameters": active_parameters(model),
+            **({"moe": moe} if moe else {})}
 
 
 def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:

@@ -12,11 +12,20 @@ PP, per micro-batch and stage boundary: the activation forward and its gradient 
 DP, per iteration: the gradient all-reduce over the data-parallel group, 2 (dp-1)/dp x gradient bytes
 (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
 updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). With tied embeddings and PP > 1 the
-first and last stages also all-reduce the embedding gradient.
+first and last stages also all-reduce the embedding gradient. With MoE the experts' gradients are reduced
+(and their 16-bit weights all-gathered) over the expert-data-parallel group (DP / EP ranks) instead.
+EP (Mixture of Experts), per MoE layer and micro-batch: DeepSpeed-MoE's dispatch and combine all-to-alls in
+forward and their two conjugates in backward, 4 all-to-alls over the expert-parallel group of the
+[E, C, h] capacity buffer (E experts x C slots each x h elements: E C ~ k x capacity factor x the s b tokens
+of the micro-batch), of which (EP - 1)/EP leaves the rank; full recompute repeats the forward's 2 for each
+recomputed MoE layer. At TP > 1 (not built yet) DeepSpeed first drops each TP rank's duplicate tokens (C / t
+each) and all-gathers them over TP after the combine (that all-gather not counted here).
 """
+import math
 from dataclasses import dataclass
+from typing import List, Optional
 
-from megatron_ds.planning.model import Cluster, Layout, ModelSpec
+from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
 
 
 def all_reduce_bytes(ranks: int, payload: float) -> float:
@@ -79,11 +88,14 @@ def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
     return 2 if model.sixteen_bit else 4
 
 
-def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int) -> dict:
-    """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather)."""
-    dp = layout.dp
-    gradients = all_reduce_bytes(dp, parameters * gradient_reduction_element_bytes(model, layout))
-    weights = (all_gather_bytes(dp, parameters * (2 if model.sixteen_bit else 4))
+def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, expert_parameters: int = 0) -> dict:
+    """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather).
+    parameters: the device's; expert_parameters: the MoE experts among them, reduced over DP / EP ranks."""
+    groups = ((layout.dp, parameters - expert_parameters),
+              (expert_data_parallel_size(model, layout), expert_parameters))
+    gradient_bytes, weight_bytes = gradient_reduction_element_bytes(model, layout), 2 if model.sixteen_bit else 4
+    gradients = sum(all_reduce_bytes(ranks, count * gradient_bytes) for ranks, count in groups)
+    weights = (sum(all_gather_bytes(ranks, count * weight_bytes) for ranks, count in groups)
                if layout.zero_stage >= 1 else 0.0)
     return {"gradient_all_reduce": gradients, "weight_all_gather": weights}
 
@@ -96,6 +108,62 @@ def tied_embedding_traffic(model: ModelSpec, layout: Layout) -> float:
     return all_reduce_bytes(2, vocab_shard * gradient_reduction_element_bytes(model, layout))
 
 
+def all_to_all_bytes(ranks: int, payload: float) -> float:
+    """Each rank keeps 1/n of its P bytes and sends the rest: (n-1)/n P."""
+    return (ranks - 1) / ranks * payload
+
+
+def expert_capacity(model: ModelSpec, tokens: int, num_experts: int) -> int:
+    """Slots per expert for `tokens` tokens of one rank (DeepSpeed's gate): max(ceil(tokens / E x k x
+    capacity factor), min capacity). Without token dropping it is the busiest expert's load, which depends on
+    the data: the balanced ceil(k tokens / E) is taken (a lower bound)."""
+    config, k = model.config, model.config.moe_router_topk
+    if not config.moe_token_dropping:
+        return math.ceil(k * tokens / num_experts)
+    return max(math.ceil(tokens / num_experts * (config.moe_train_capacity_factor * k)), config.moe_min_capacity)
+
+
+@dataclass(frozen=True)
+class ExpertParallelTraffic:
+    """One MoE layer, one micro-batch: bytes one device sends over its expert-parallel group."""
+    num_experts: int
+    capacity: int          # C, slots per expert
+    payload: float         # one all-to-all's buffer on this rank: E x C x h elements (/ t), bytes
+    per_all_to_all: float  # (EP - 1)/EP of it
+    forward: float         # dispatch + combine
+    backward: float        # their conjugates
+    recompute: float       # per recomputed MoE layer: the forward's again
+
+
+def expert_parallel_traffic_per_layer(model: ModelSpec, layout: Layout, num_experts: int) -> ExpertParallelTraffic:
+    ep, h = model.config.moe_expert_parallel_size, model.config.hidden_size
+    capacity = expert_capacity(model, model.seq_length * layout.micro_batch_size, num_experts)
+    payload = num_experts * capacity * h * activation_element_bytes(model) / layout.tp
+    one = all_to_all_bytes(ep, payload)
+    return ExpertParallelTraffic(num_experts, capacity, payload, one, 2 * one, 2 * one,
+                                 2 * one if layout.recompute == "full" else 0.0)
+
+
+def moe_layer_numbers(model: ModelSpec, first_layer: int = 1, num_layers: Optional[int] = None) -> List[int]:
+    """The MoE layers (global numbers) among `num_layers` layers from `first_layer` (default: to the last)."""
+    config = model.config
+    stop = config.num_layers + 1 if num_layers is None else first_layer + num_layers
+    return [n for n in range(first_layer, stop) if config.experts_in_layer(n) > 1]
+
+
+def expert_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int,
+                                          first_layer: int = 1) -> float:
+    """EP all-to-all bytes one device of a stage (`num_layers` layers from `first_layer`) sends per micro-batch."""
+    if model.config.moe_expert_parallel_size == 1:
+        return 0.0
+    recomputed = range(first_layer, first_layer + layout.recomputed_layers(num_layers))
+    total = 0.0
+    for n in moe_layer_numbers(model, first_layer, num_layers):
+        traffic = expert_parallel_traffic_per_layer(model, layout, model.config.experts_in_layer(n))
+        total += traffic.forward + traffic.backward + (traffic.recompute if n in recomputed else 0.0)
+    return total
+
+
 @dataclass(frozen=True)
 class Links:
     """Bandwidth (bytes/s, before efficiency) each axis runs at, and whether its groups cross nodes."""
@@ -105,6 +173,8 @@ class Links:
     tensor_spans_nodes: bool
     pipeline_spans_nodes: bool
     data_spans_nodes: bool
+    expert: float = 0.0                # MoE all-to-alls over the expert-parallel group
+    expert_spans_nodes: bool = False
 
 
 def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
@@ -112,17 +182,20 @@ def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
     return consecutive_ranks <= gpus_per_node and gpus_per_node % consecutive_ranks == 0
 
 
-def links(layout: Layout, cluster: Cluster) -> Links:
+def links(layout: Layout, cluster: Cluster, ep: int = 1) -> Links:
     """Ranks are TP fastest, then DP, then PP: a TP group is tp consecutive ranks, a stage's DP groups
-    span tp x dp consecutive ranks, a pipeline spans the whole replica. A group that crosses a node runs
+    span tp x dp consecutive ranks, a pipeline spans the whole replica; an expert-parallel group is ep
+    consecutive ranks of a DP group (parallel_state.expert_parallel_rank_lists), inside tp x ep consecutive
+    ranks (an expert-data-parallel group spans its DP group: the data link). A group that crosses a node runs
     at the inter-node bandwidth (its slowest hop)."""
     g, device = cluster.gpus_per_node, cluster.device
     tensor_spans = not _fits_in_node(layout.tp, g)
     data_spans = layout.dp > 1 and not _fits_in_node(layout.tp * layout.dp, g)
     pipeline_spans = layout.pp > 1 and not _fits_in_node(layout.world_size, g)
+    expert_spans = ep > 1 and not _fits_in_node(layout.tp * ep, g)
 
     def bandwidth(spans):
         return (device.inter_node_gbs if spans else device.intra_node_gbs) * 1e9
 
     return Links(bandwidth(tensor_spans), bandwidth(pipeline_spans), bandwidth(data_spans),
-                 tensor_spans, pipeline_spans, data_spans)
+                 tensor_spans, pipeline_spans, data_spans, bandwidth(expert_spans), expert_spans)

@@ -3,7 +3,8 @@ hardware FLOPs (what recompute adds).
 
 Hardware FLOPs (docs/formulas.md): selective recompute doubles the attention-score term (s/(6h) -> s/(3h));
 full recompute adds one forward of every recomputed layer (all of them with the "uniform" method:
-72 -> 96, V/(12lh) -> V/(16lh); "block" recomputes only N layers per stage).
+72 -> 96, V/(12lh) -> V/(16lh); "block" recomputes only N layers per stage, the first N of it, which
+matters with MoE layers: they cost the router and k experts' MLPs, core/models/gpt/flops.py).
 """
 from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.planning.model import Layout, ModelSpec
@@ -14,12 +15,19 @@ def forward_flops_per_token(model: ModelSpec, tp: int = 1) -> model_flops.Forwar
     return model_flops.forward_flops_per_token(model.config, model.seq_length, model.padded_vocab_size(tp))
 
 
-def recompute_flops_per_token(model: ModelSpec, layout: Layout, num_layers: int) -> float:
-    """Extra FLOPs per token that recompute adds on a stage of `num_layers` layers."""
+def recompute_flops_per_token(model: ModelSpec, layout: Layout, num_layers: int, first_layer: int = 1) -> float:
+    """Extra FLOPs per token that recompute adds on a stage of `num_layers` layers from global layer
+    `first_layer` (MoE layers cost more, so which layers full recompute reruns matters)."""
     per_token = forward_flops_per_token(model, layout.tp)
     if layout.recompute == "selective":
         return num_layers * 3 * per_token.attention_scores
-    return layout.recomputed_layers(num_layers) * per_token.layer
+    return per_token.layers(first_layer, layout.recomputed_layers(num_layers))
+
+
+def stage_first_layers(model: ModelSpec, layout: Layout):
+    """(first global layer, layers) of each pipeline stage (an even split)."""
+    count = model.config.num_layers // layout.pp
+    return [(stage * count + 1, count) for stage in range(layout.pp)]
 
 
 def model_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
@@ -29,14 +37,20 @@ def model_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
 
 def hardware_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
     tokens = layout.global_batch_size * model.seq_length
-    extra = layout.pp * recompute_flops_per_token(model, layout, model.config.num_layers // layout.pp) * tokens
+    extra = sum(recompute_flops_per_token(model, layout, count, first) for first, count in
+                stage_first_layers(model, layout)) * tokens
     return model_flops_per_iteration(model, layout) + extra
 
 
-def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int, last: bool) -> float:
-    """Hardware FLOPs one device of a stage runs for one micro-batch (forward + backward + recompute)."""
+def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int, last: bool,
+                                         first_layer: int = 1) -> float:
+    """Hardware FLOPs one device of a stage (`num_layers` layers from global layer `first_layer`) runs for one
+    micro-batch (forward + backward + recompute). Each TP rank runs 1/t of the layers' FLOPs; for MoE layers
+    (built at TP 1 only so far) that holds for the experts, replicated over TP but each TP rank's duplicate
+    tokens dropped first (DeepSpeed), not for the router and residual MLP every TP rank runs whole."""
     per_token = forward_flops_per_token(model, layout.tp)
-    flops = 3 * num_layers * per_token.layer + recompute_flops_per_token(model, layout, num_layers)
+    flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
+                                                                                       first_layer)
     if last:
         flops += 3 * per_token.head
     return flops * layout.micro_batch_size * model.seq_length / layout.tp

@@ -9,6 +9,10 @@ Model states, bytes per parameter (Adam):
 - fp32: 4 + 4 + 12/dp with ZeRO-1 (DeepSpeed's ZeRO optimizer keeps an fp32 copy of its partition even when
   the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
 ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only).
+Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
+over the expert-data-parallel group (DP / EP ranks hold the same experts; DeepSpeed's MoE parameter groups),
+everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(dp / ep). ZeRO-3 does not
+take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
 
 Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
 sequence, b micro batch, h hidden, a heads, t TP:
@@ -26,10 +30,11 @@ norm and head inputs (4 s b h, / t with SP) and the fp32 softmax of the vocabula
 chunk keeps one input per chunk and needs one chunk's whole activations while it runs backward; "block"
 recomputes only the first N layers of each stage and keeps the others' whole activations.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import List
 
-from megatron_ds.planning.model import Layout, ModelSpec
+from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters
 
 GIB = 1024 ** 3
@@ -148,14 +153,22 @@ class StageMemory:
         return self.model_states + self.activations + self.overhead
 
 
+def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
+    """Bytes of each model state one device of the stage holds: the non-expert parameters sharded over DP,
+    the experts over the expert-data-parallel group (DP / EP)."""
+    state = state_bytes_per_parameter(model.precision, layout.zero_stage)
+    dense = sharded_state_bytes(state, layout.zero_stage, layout.dp)
+    experts = sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout))
+    n, e = stage_params.non_expert, stage_params.experts
+    return StateBytes(*(n * a + e * b for a, b in zip(dataclasses.astuple(dense), dataclasses.astuple(experts))))
+
+
 def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StageMemory:
-    per_param = sharded_state_bytes(state_bytes_per_parameter(model.precision, layout.zero_stage),
-                                    layout.zero_stage, layout.dp)
-    n = stage_params.total
-    return StageMemory(stage=stage_params.stage, parameters=n,
+    states = stage_state_bytes(model, layout, stage_params)
+    return StageMemory(stage=stage_params.stage, parameters=stage_params.total,
                        in_flight_micro_batches=in_flight_micro_batches(layout, stage_params.stage),
-                       weights=n * per_param.weights, gradients=n * per_param.gradients,
-                       grad_accumulation=n * per_param.grad_accumulation, optimizer=n * per_param.optimizer,
+                       weights=states.weights, gradients=states.gradients,
+                       grad_accumulation=states.grad_accumulation, optimizer=states.optimizer,
                        activations=stage_activation_bytes(model, layout, stage_params.stage,
                                                           stage_params.num_layers),
                        overhead=RUNTIME_OVERHEAD_BYTES)

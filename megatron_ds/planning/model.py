@@ -93,9 +93,18 @@ class Cluster:
         return tflops * 1e12
 
 
+def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
+    """Ranks holding the same experts (DP / EP): the group expert gradients are reduced and their optimizer
+    states ZeRO-partitioned over (the whole data-parallel group for everything else). DP for a dense model."""
+    if not model.config.is_moe:
+        return layout.dp
+    return max(layout.dp // model.config.moe_expert_parallel_size, 1)
+
+
 def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
     """(reason, detail) for each rule the layout breaks, before any memory or time estimate."""
     config, tp, pp = model.config, layout.tp, layout.pp
+    moe, ep = config.is_moe, config.moe_expert_parallel_size
     checks = [
         (config.num_attention_heads % tp, "heads not divisible by TP",
          f"{config.num_attention_heads} heads over TP {tp}"),
@@ -110,5 +119,11 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
          f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
         (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
          f"sequence {model.seq_length} over TP {tp}"),
+        (moe and layout.dp % ep, "expert parallel size does not divide DP",
+         f"EP {ep} over DP {layout.dp} (expert-parallel groups lie inside the data-parallel group)"),
+        # training refuses these (megatron_ds/arguments/checks.py, moe_errors); the formulas are general
+        (moe and (tp > 1 or pp > 1), "MoE with TP or PP > 1 (not built yet)",
+         f"MoE runs at TP 1 and PP 1 so far, not TP {tp} x PP {pp}"),
+        (moe and layout.zero_stage == 3, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts"),
     ]
     return [(reason, detail) for broken, reason, detail in checks if broken]

@@ -8,9 +8,17 @@ positions, an (unused) copy of the position embeddings. With PP = 1 the head reu
 
 Per TP rank: column-parallel weights and biases and the vocabulary are split by TP; row-parallel biases,
 norms and position embeddings are replicated.
+
+Mixture of Experts (DeepSpeed-MoE, config.experts_in_layer: every expert_interval-th layer): an MoE layer's
+MLP is a router Linear(h, E, no bias), E experts of the dense MLP's shape and, with PR-MoE's residual
+(config.moe_residual), the dense MLP beside them and a Linear(h, 2) coefficient (with bias). Each
+expert-parallel (EP) rank holds E / EP experts of every MoE layer; router, residual MLP and coefficient are
+on every rank. The experts, router, residual and coefficient are replicated over TP (Megatron-DeepSpeed
+without expert tensor parallelism; megatron_ds builds MoE at TP 1 only so far). The whole model counts all E
+experts (total_parameters); a token uses the router, its top-k experts and the residual (active_parameters).
 """
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from megatron_ds.planning.model import ModelSpec
 
@@ -19,15 +27,45 @@ def norm_parameters(config) -> int:
     return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
 
 
-def layer_parameters(config, tp: int = 1) -> int:
-    """One transformer layer on one TP rank (tp=1: the whole layer)."""
+def attention_parameters(config, tp: int = 1) -> int:
+    """Self-attention on one TP rank: QKV (column-parallel) and projection weights and QKV's bias split by TP,
+    the projection's (row-parallel) bias replicated."""
     h, d = config.hidden_size, config.kv_channels
     qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
-    fc1_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    sharded_weights = (qkv_out * h + config.num_attention_heads * d * h + fc1_out * h + config.ffn_hidden_size * h)
-    sharded_biases = qkv_out + fc1_out if config.bias else 0
-    replicated_biases = 2 * h if config.bias else 0          # attention projection and fc2 (row-parallel)
-    return (sharded_weights + sharded_biases) // tp + replicated_biases + 2 * norm_parameters(config)
+    sharded = qkv_out * h + config.num_attention_heads * d * h + (qkv_out if config.bias else 0)
+    return sharded // tp + (h if config.bias else 0)
+
+
+def mlp_parameters(config, tp: int = 1) -> int:
+    """One MLP (the dense one, or one expert) on one TP rank: fc1 (gate and up with SwiGLU) and fc2 weights and
+    fc1's bias split by TP, fc2's (row-parallel) bias replicated."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    fc1_out = f * (2 if config.gated_linear_unit else 1)
+    sharded = fc1_out * h + f * h + (fc1_out if config.bias else 0)
+    return sharded // tp + (h if config.bias else 0)
+
+
+def moe_mlp_parameters(config, num_experts: int, ep: int = 1) -> int:
+    """An MoE layer's MLP on one rank of EP `ep` (ep=1: all experts): router h E, E / ep experts, and with
+    PR-MoE's residual the dense MLP and its Linear(h, 2) coefficient (2h + 2). Replicated over TP."""
+    h = config.hidden_size
+    residual = mlp_parameters(config) + 2 * h + 2 if config.moe_residual else 0
+    return h * num_experts + num_experts // ep * mlp_parameters(config) + residual
+
+
+def layer_parameters(config, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
+    """Layer `layer_number` (1-based, global; None: a dense layer) on one rank of TP `tp` and EP `ep`
+    (tp=1, ep=1: the whole layer)."""
+    experts = 1 if layer_number is None else config.experts_in_layer(layer_number)
+    mlp = mlp_parameters(config, tp) if experts == 1 else moe_mlp_parameters(config, experts, ep)
+    return attention_parameters(config, tp) + mlp + 2 * norm_parameters(config)
+
+
+def expert_parameters(config, layer_number: int, ep: int = 1) -> int:
+    """The experts of layer `layer_number` one rank of EP `ep` holds (0 for a dense layer): the parameters
+    reduced and ZeRO-partitioned over the expert-data-parallel group (DP / EP ranks) instead of DP."""
+    experts = config.experts_in_layer(layer_number)
+    return 0 if experts == 1 else experts // ep * mlp_parameters(config)
 
 
 def embedding_parameters(model: ModelSpec, tp: int = 1) -> int:
@@ -45,26 +83,44 @@ def output_head_parameters(model: ModelSpec, tp: int, pp: int) -> int:
 
 
 def total_parameters(model: ModelSpec, tp: int = 1) -> int:
-    """Distinct parameters of the full model (tied weights once), vocabulary padded as for TP `tp`."""
+    """Distinct parameters of the full model (tied weights once, every expert), vocabulary padded as for TP
+    `tp`."""
     config, h = model.config, model.config.hidden_size
     head = 0 if model.tied_embeddings else model.padded_vocab_size(tp) * h
+    layers = sum(layer_parameters(config, 1, n) for n in range(1, config.num_layers + 1))
     return (model.padded_vocab_size(tp) * h + (model.max_position_embeddings * h if model.learned_positions else 0)
-            + config.num_layers * layer_parameters(config) + norm_parameters(config) + head)
+            + layers + norm_parameters(config) + head)
+
+
+def active_parameters(model: ModelSpec, tp: int = 1) -> int:
+    """Parameters one token uses: the total less, in each MoE layer, the E - k experts it does not go to (the
+    router, its top-k experts and the residual MLP count; the dense parts as in the total)."""
+    config = model.config
+    unused = sum(max(config.experts_in_layer(n) - config.moe_router_topk, 0) * mlp_parameters(config)
+                 for n in range(1, config.num_layers + 1) if config.experts_in_layer(n) > 1)
+    return total_parameters(model, tp) - unused
 
 
 @dataclass(frozen=True)
 class StageParameters:
-    """Parameters held by one device (one TP rank) of a pipeline stage."""
+    """Parameters held by one device (one TP rank, one EP rank) of a pipeline stage."""
     stage: int
     num_layers: int
     embedding: int
     layers: int
     final_norm: int
     output_head: int
+    first_layer: int = 1     # the global number (1-based) of the stage's first layer
+    experts: int = 0         # of `layers`, the MoE experts this device holds (reduced over DP / EP ranks)
 
     @property
     def total(self) -> int:
         return self.embedding + self.layers + self.final_norm + self.output_head
+
+    @property
+    def non_expert(self) -> int:
+        """Everything but the experts: reduced and ZeRO-partitioned over the whole data-parallel group."""
+        return self.total - self.experts
 
 
 def layers_per_stage(num_layers: int, pp: int) -> List[int]:
@@ -72,15 +128,21 @@ def layers_per_stage(num_layers: int, pp: int) -> List[int]:
     return [num_layers // pp] * pp
 
 
-def stage_parameters(model: ModelSpec, tp: int, pp: int) -> List[StageParameters]:
+def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = None) -> List[StageParameters]:
+    """Per stage, one device's parameters: TP rank of `tp`, EP rank of `ep` (default the model's
+    moe_expert_parallel_size; ep=1 counts every expert of the stage)."""
     config = model.config
-    stages = []
+    ep = config.moe_expert_parallel_size if ep is None else ep
+    stages, first = [], 1
     for stage, count in enumerate(layers_per_stage(config.num_layers, pp)):
         last = stage == pp - 1
+        numbers = range(first, first + count)
         stages.append(StageParameters(
             stage=stage, num_layers=count,
             embedding=embedding_parameters(model, tp) if stage == 0 else 0,
-            layers=count * layer_parameters(config, tp),
+            layers=sum(layer_parameters(config, tp, n, ep) for n in numbers),
             final_norm=norm_parameters(config) if last else 0,
-            output_head=output_head_parameters(model, tp, pp) if last else 0))
+            output_head=output_head_parameters(model, tp, pp) if last else 0,
+            first_layer=first, experts=sum(expert_parameters(config, n, ep) for n in numbers)))
+        first += count
     return stages

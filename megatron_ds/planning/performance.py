@@ -3,8 +3,8 @@
 The model (assumptions also printed with every plan and listed in the README):
 - compute runs at `compute_efficiency` x the device's peak (one factor for GEMMs and the memory-bound
   ops between them); communication at `bandwidth_efficiency` x link bandwidth; latency terms ignored;
-- nothing overlaps: TP collectives, pipeline sends/receives, the data-parallel reduction and the optimizer
-  step all add to the compute time (Megatron's TP collectives sit on the critical path; DeepSpeed's
+- nothing overlaps: TP collectives, MoE all-to-alls, pipeline sends/receives, the data-parallel reduction
+  and the optimizer step all add to the compute time (Megatron's TP collectives sit on the critical path; DeepSpeed's
   pipeline engine sends/receives blockingly and reduces gradients after the last micro-batch);
 - 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
   micro-batch, so the bubble is (p - 1) / (m + p - 1) of it;
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
                                         stage_hardware_flops_per_micro_batch)
-from megatron_ds.planning.model import Cluster, Layout, ModelSpec
+from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters
 
 
@@ -32,8 +32,8 @@ class PerformanceAssumptions:
                 f"memory-bound ops between them, one factor)",
                 f"communication at {self.bandwidth_efficiency:.0%} of link bandwidth (ring collectives, "
                 f"no latency term); memory-bound work at {self.bandwidth_efficiency:.0%} of HBM bandwidth",
-                "no overlap: TP collectives, pipeline sends/receives, the data-parallel reduction and the "
-                "optimizer step add to compute time",
+                "no overlap: TP collectives, MoE all-to-alls, pipeline sends/receives, the data-parallel "
+                "reduction and the optimizer step add to compute time",
                 "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch"]
 
 
@@ -47,8 +47,11 @@ def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) 
     return parameters * 10.0 if model.precision == "bf16" and layout.zero_stage == 1 else 0.0
 
 
-def _optimizer_step_bytes(model: ModelSpec, layout: Layout, parameters: int) -> float:
-    shard = parameters / (layout.dp if layout.zero_stage >= 1 else 1)
+def _optimizer_step_bytes(model: ModelSpec, layout: Layout, stage: StageParameters) -> float:
+    """The device's ZeRO shard: non-expert parameters over DP, experts over DP / EP."""
+    zero = layout.zero_stage >= 1
+    shard = (stage.non_expert / (layout.dp if zero else 1)
+             + stage.experts / (expert_data_parallel_size(model, layout) if zero else 1))
     weights = 2 if model.sixteen_bit else 0      # fp32 training updates the master copy in place
     return shard * (4 + 2 * 12 + weights)
 
@@ -61,34 +64,41 @@ class StageTime:
     tensor_parallel: float
     pipeline_p2p: float
     grad_accumulation: float
+    expert_all_to_all: float = 0.0    # MoE dispatch and combine over the expert-parallel group
 
     @property
     def total(self) -> float:
-        return self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
+        return (self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
+                + self.expert_all_to_all)
 
 
 def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
-    flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers, last=stage.stage == layout.pp - 1)
+    flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers, last=stage.stage == layout.pp - 1,
+                                                 first_layer=stage.first_layer)
     tp_bytes = comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
+    ep_bytes = comm.expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
     pp_bytes = 2 * comm.pipeline_payload_per_micro_batch(model, layout) if layout.pp > 1 else 0
     hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
     return StageTime(stage=stage.stage,
                      compute=flops / (cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency),
                      tensor_parallel=tp_bytes / (links.tensor * assumptions.bandwidth_efficiency),
                      pipeline_p2p=pp_bytes / (links.pipeline * assumptions.bandwidth_efficiency),
-                     grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm)
+                     grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm,
+                     expert_all_to_all=ep_bytes / (links.expert * assumptions.bandwidth_efficiency) if ep_bytes
+                     else 0.0)
 
 
 def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, stages, assumptions) -> dict:
     """Iteration time and its parts, TFLOP/s per device (hardware and model FLOPs) and MFU."""
-    links = comm.links(layout, cluster)
+    links = comm.links(layout, cluster, model.config.moe_expert_parallel_size)
     eff = assumptions.bandwidth_efficiency
     times = [stage_time(model, layout, cluster, assumptions, stage, links) for stage in stages]
     slowest = max(times, key=lambda t: t.total)
     m = layout.num_micro_batches
     pipeline = (m + layout.pp - 1) * slowest.total
-    largest = max(stage.total for stage in stages)
-    dp_traffic = comm.data_parallel_traffic(model, layout, largest) if layout.dp > 1 else {}
+    largest = max(stages, key=lambda stage: stage.total)
+    dp_traffic = (comm.data_parallel_traffic(model, layout, largest.total, largest.experts) if layout.dp > 1
+                  else {})
     data_parallel = sum(dp_traffic.values()) / (links.data * eff)
     tied = comm.tied_embedding_traffic(model, layout) / (links.pipeline * eff)
     optimizer = _optimizer_step_bytes(model, layout, largest) / (cluster.device.memory_bandwidth_gbs * 1e9 * eff)

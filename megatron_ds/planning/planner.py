@@ -5,22 +5,48 @@ from megatron_ds.planning import communication as comm
 from megatron_ds.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from megatron_ds.planning.memory import (GIB, layer_activation_bytes, memory_per_stage, sharded_state_bytes,
                                          state_bytes_per_parameter)
-from megatron_ds.planning.model import RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, layout_errors
-from megatron_ds.planning.parameters import stage_parameters, total_parameters
+from megatron_ds.planning.model import (RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, expert_data_parallel_size,
+                                        layout_errors)
+from megatron_ds.planning.parameters import active_parameters, mlp_parameters, stage_parameters, total_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
 
 
 def representative_stages(stages):
-    """The stages that can hold the most memory or take the longest: the first two and the last."""
-    keep = {0, 1, len(stages) - 1}
+    """The stages that can hold the most memory or take the longest: the first two, the last and the one with
+    the most parameters (with MoE, stages differ by their MoE layers)."""
+    keep = {0, 1, len(stages) - 1, max(stages, key=lambda stage: stage.total).stage}
     return [stage for stage in stages if stage.stage in keep]
+
+
+def moe_section(model, layout=None):
+    """The MoE layers (None for a dense model): experts per layer and per rank, top-k, EP and the expert-data-
+    parallel size, parameters of one expert; with a layout, the all-to-all of each MoE layer per micro-batch."""
+    config = model.config
+    if not config.is_moe:
+        return None
+    ep, numbers = config.moe_expert_parallel_size, comm.moe_layer_numbers(model)
+    section = {"moe_layers": numbers, "experts": [config.experts_in_layer(n) for n in numbers],
+               "experts_per_rank": [config.experts_in_layer(n) // ep for n in numbers],
+               "expert_interval": config.expert_interval, "top_k": config.moe_router_topk,
+               "expert_parallel_size": ep, "residual": config.moe_residual,
+               "capacity_factor": config.moe_train_capacity_factor, "token_dropping": config.moe_token_dropping,
+               "parameters_per_expert": mlp_parameters(config)}
+    if layout is not None:
+        section["expert_data_parallel_size"] = expert_data_parallel_size(model, layout)
+        section["all_to_all_per_layer_per_micro_batch"] = [   # one entry per distinct expert count
+            {"layers": [n for n in numbers if config.experts_in_layer(n) == experts]}
+            | dataclasses.asdict(comm.expert_parallel_traffic_per_layer(model, layout, experts))
+            for experts in sorted(set(section["experts"]))]
+    return section
 
 
 def _parameters_section(model, layout, stages):
     padded = dataclasses.replace(model, vocab_size=model.padded_vocab_size(layout.tp), make_vocab_size_divisible_by=1)
-    whole = {stage.stage: stage for stage in stage_parameters(padded, 1, layout.pp)}  # distinct, over TP ranks
-    return {
+    # distinct over the stage's TP ranks and (with MoE) EP ranks
+    whole = {stage.stage: stage for stage in stage_parameters(padded, 1, layout.pp, ep=1)}
+    section = {
         "total": total_parameters(model, layout.tp),
+        "active": active_parameters(model, layout.tp),
         "padded_vocab_size": model.padded_vocab_size(layout.tp),
         "per_stage": [{"stage": device.stage, "layers": device.num_layers, "stage_total": whole[device.stage].total,
                        "per_device": device.total, "per_device_parts": {
@@ -29,6 +55,10 @@ def _parameters_section(model, layout, stages):
                       for device in stages],
         "per_device_max": max(stage.total for stage in stages),
     }
+    if model.config.is_moe:
+        for row, device in zip(section["per_stage"], stages):
+            row["per_device_parts"]["experts"] = device.experts
+    return section
 
 
 def _memory_section(model, layout, cluster, stages):
@@ -43,6 +73,9 @@ def _memory_section(model, layout, cluster, stages):
         "state_bytes_per_parameter": dataclasses.asdict(state),
         "state_bytes_per_parameter_on_device": dataclasses.asdict(
             sharded_state_bytes(state, layout.zero_stage, layout.dp)),
+        **({"expert_state_bytes_per_parameter_on_device": dataclasses.asdict(
+            sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout)))}
+           if model.config.is_moe else {}),
         "activation_bytes_per_layer": {str(choice): layer_activation_bytes(model, layout, choice)
                                        for choice in RECOMPUTE_CHOICES},
     }
@@ -61,8 +94,9 @@ def _communication_section(model, layout, stages):
     most_layers = max(stage.num_layers for stage in stages)
     m = layout.num_micro_batches
     pp_payload = comm.pipeline_payload_per_micro_batch(model, layout)
-    dp = comm.data_parallel_traffic(model, layout, max(s.total for s in stages)) if layout.dp > 1 else {}
-    return {
+    largest = max(stages, key=lambda stage: stage.total)
+    dp = comm.data_parallel_traffic(model, layout, largest.total, largest.experts) if layout.dp > 1 else {}
+    section = {
         "tensor_parallel": {"payload_bytes": tp_layer.payload, "collectives": tp_layer.collectives,
                             "per_layer_per_micro_batch": {"forward": tp_layer.forward, "backward": tp_layer.backward,
                                                           "recompute": tp_layer.recompute},
@@ -73,6 +107,12 @@ def _communication_section(model, layout, stages):
         "data_parallel": {"per_iteration_per_device": dp,
                           "tied_embedding_all_reduce": comm.tied_embedding_traffic(model, layout)},
     }
+    if model.config.is_moe:
+        section["expert_parallel"] = {
+            "all_to_all_per_layer_per_micro_batch": moe_section(model, layout)["all_to_all_per_layer_per_micro_batch"],
+            "per_iteration_per_device": max(comm.expert_parallel_bytes_per_micro_batch(
+                model, layout, stage.num_layers, stage.first_layer) for stage in stages) * m}
+    return section
 
 
 def _warnings(model, layout, cluster, performance):
@@ -86,6 +126,10 @@ def _warnings(model, layout, cluster, performance):
                         f"iteration is pipeline bubble")
     if layout.sequence_parallel and layout.tp == 1:
         warnings.append("--sequence-parallel has no effect with TP 1")
+    if model.config.is_moe:
+        warnings.append("activations are counted as for dense layers: an MoE layer keeps its experts' inputs "
+                        "and intermediates at capacity (about k x capacity factor x the dense MLP's) and the "
+                        "gate's, so the activation figure is low when k x capacity factor > 1")
     if model.config.attention_backend == "sdpa" and layout.recompute is None:
         warnings.append("activations use the paper's 5as/h attention-score term; flash attention (sdpa on GPUs) "
                         "stores no scores, so the activation figure is an upper bound")
@@ -109,6 +153,7 @@ def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
         "layout": dataclasses.asdict(layout) | {"num_micro_batches": layout.num_micro_batches},
         "errors": [],
         "parameters": _parameters_section(model, layout, stages),
+        **({"moe": moe_section(model, layout)} if model.config.is_moe else {}),
         "memory": _memory_section(model, layout, cluster, stages),
         "flops": _flops_section(model, layout),
         "communication": _communication_section(model, layout, stages),

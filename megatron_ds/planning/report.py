@@ -20,23 +20,41 @@ def model_lines(model_summary, cluster_summary):
     m, c = model_summary, cluster_summary
     kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] != m["heads"] else ""
     features = ", ".join(m["features"])
+    moe = ([f"         {_count(m['total_parameters'])} parameters, {_count(m['active_parameters'])} active per "
+            f"token (vocab padded for TP 1)"] if "moe" in m else [])
     return [f"model:   {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{kv}, FFN {m['ffn']}, "
-            f"seq {m['seq_length']}, vocab {m['vocab_size']}, {m['precision']}, {features}",
+            f"seq {m['seq_length']}, vocab {m['vocab_size']}, {m['precision']}, {features}"] + moe + [
             f"cluster: {c['world_size']} x {c['device']} ({c['memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s "
             f"peak), {c['gpus_per_node']} per node"]
 
 
-def _parameter_lines(parameters):
+def _parameter_lines(parameters, moe=None):
     lines = ["Parameters", f"  total (distinct, vocab padded to {parameters['padded_vocab_size']}): "
                            f"{_count(parameters['total'])}"]
-    lines.append("  stages  layers  stage total (all TP ranks)   per device     (embedding / layers / norm / head)")
+    if moe:
+        lines.append(f"  active per token (router, top-{moe['top_k']} experts"
+                     f"{', residual MLP' if moe['residual'] else ''}): {_count(parameters['active'])}")
+        lines.append(f"  MoE: {len(moe['moe_layers'])} layers (every {moe['expert_interval']}), "
+                     f"{_values(moe['experts'])} experts of {moe['parameters_per_expert']:,} parameters; EP "
+                     f"{moe['expert_parallel_size']}: {_values(moe['experts_per_rank'])} experts per rank and "
+                     f"layer; expert states sharded over {moe['expert_data_parallel_size']} (DP / EP) ranks")
+        lines.append("  stages  layers  stage total (all TP/EP ranks) per device     "
+                     "(embedding / layers (of which experts) / norm / head)")
+    else:
+        lines.append("  stages  layers  stage total (all TP ranks)   per device     (embedding / layers / norm / head)")
     for first, last, row in _runs_of_equal_stages(parameters["per_stage"]):
         parts = row["per_device_parts"]
         stages = f"{first}" if first == last else f"{first}-{last}"
+        experts = f" ({parts['experts']:,})" if "experts" in parts else ""
         lines.append(f"  {stages:>6}  {row['layers']:>6}  {_count(row['stage_total']):>27}  "
-                     f"{_count(row['per_device']):>22}  ({parts['embedding']:,} / {parts['layers']:,} / "
+                     f"{_count(row['per_device']):>22}  ({parts['embedding']:,} / {parts['layers']:,}{experts} / "
                      f"{parts['final_norm']:,} / {parts['output_head']:,})")
     return lines
+
+
+def _values(values) -> str:
+    """One value when all MoE layers share it (8), else each layer's (2, 4: PR-MoE's pyramid)."""
+    return str(values[0]) if len(set(values)) == 1 else ", ".join(map(str, values))
 
 
 def _runs_of_equal_stages(rows):
@@ -69,7 +87,9 @@ def _memory_lines(memory):
     entries = [("weights", "weights", f"{state['weights']:g} B/param"),
                ("gradients", "gradients", f"{state['gradients']:g} B/param"),
                ("fp32 grad accumulation", "grad_accumulation", f"{state['grad_accumulation']:g} B/param"),
-               ("optimizer (sharded)", "optimizer", f"{state['optimizer']:.3g} B/param"),
+               ("optimizer (sharded)", "optimizer", f"{state['optimizer']:.3g} B/param" + (
+                   f"; experts {memory['expert_state_bytes_per_parameter_on_device']['optimizer']:.3g} B/param"
+                   if "expert_state_bytes_per_parameter_on_device" in memory else "")),
                ("activations", "activations", "micro-batches in flight: " +
                 ", ".join(str(row["in_flight_micro_batches"]) for row in shown)),
                ("runtime overhead (assumed)", "overhead", ""),
@@ -96,6 +116,21 @@ def _flops_lines(flops, layout):
                 f"{'none' if key == 'None' else key} {value:.4e}" for key, value in variants.items())]
 
 
+def _expert_parallel_lines(communication, links):
+    if "expert_parallel" not in communication:
+        return []
+    ep = communication["expert_parallel"]
+    layers = "; ".join(
+        f"{row['num_experts']} experts x capacity {row['capacity']} slots: buffer {_bytes(row['payload'])}, "
+        f"{_bytes(row['per_all_to_all'])} sent per all-to-all, {_bytes(row['forward'] + row['backward'])} "
+        f"forward + backward" + (f", recompute {_bytes(row['recompute'])}" if row["recompute"] else "")
+        for row in ep["all_to_all_per_layer_per_micro_batch"])
+    spans = " inter-node" if links.get("expert_spans_nodes") else ""
+    return [f"  EP ({links.get('expert', 0) / 1e9:g} GB/s{spans}): 4 all-to-alls per MoE layer per micro-batch "
+            f"(dispatch and combine, forward and backward), (EP-1)/EP of each sent: {layers}; per iteration "
+            f"{_bytes(ep['per_iteration_per_device'])}"]
+
+
 def _communication_lines(communication, links):
     tp, pp, dp = communication["tensor_parallel"], communication["pipeline"], communication["data_parallel"]
     per_layer = tp["per_layer_per_micro_batch"]
@@ -110,7 +145,7 @@ def _communication_lines(communication, links):
             f"  DP ({links['data'] / 1e9:g} GB/s): gradient all-reduce "
             f"{_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
             f"{_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
-            f"{_bytes(dp['tied_embedding_all_reduce'])}"]
+            f"{_bytes(dp['tied_embedding_all_reduce'])}"] + _expert_parallel_lines(communication, links)
 
 
 def _performance_lines(performance):
@@ -122,7 +157,9 @@ def _performance_lines(performance):
             f"{b['optimizer_step']:.3f}",
             f"  slowest stage ({slowest['stage']}) per micro-batch: compute {slowest['compute'] * 1e3:.1f} ms, TP "
             f"{slowest['tensor_parallel'] * 1e3:.1f} ms, PP send/recv {slowest['pipeline_p2p'] * 1e3:.1f} ms, "
-            f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms",
+            f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms"
+            + (f", EP all-to-all {slowest['expert_all_to_all'] * 1e3:.1f} ms" if slowest.get("expert_all_to_all")
+               else ""),
             f"  TFLOP/s per device: {performance['hardware_tflops_per_device']:.1f} hardware, "
             f"{performance['model_tflops_per_device']:.1f} model; MFU {performance['mfu']:.1%}; "
             f"{performance['tokens_per_second']:,.0f} tokens/s"]
@@ -135,7 +172,7 @@ def plan_text(result) -> str:
     if plan["errors"]:
         lines += ["Invalid layout:"] + [f"  - {reason}: {detail}" for reason, detail in plan["errors"]]
         return "\n".join(lines)
-    for section in (_parameter_lines(plan["parameters"]), _memory_lines(plan["memory"]),
+    for section in (_parameter_lines(plan["parameters"], plan.get("moe")), _memory_lines(plan["memory"]),
                     _flops_lines(plan["flops"], plan["layout"]),
                     _communication_lines(plan["communication"], plan["performance"]["links"]),
                     _performance_lines(plan["performance"])):

@@ -108,6 +108,12 @@ TINY = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--s
 CPU = {"--fp16": None, "--distributed-backend": "gloo"}
 
 
+def is_moe(name):
+    """The script trains a Mixture of Experts (--num-experts above 1; Megatron-DeepSpeed's dense scripts pass 1)."""
+    value = dict(SCRIPTS[name]["flags"]).get("--num-experts") or "1"
+    return max(int(count) for count in ([value] if isinstance(value, str) else value)) > 1
+
+
 def tiny_command_line(name, files, datasets, folder, iterations=3):
     """(argv, ranks): the script's flags on a tiny model for `iterations` iterations on at most 4 CPU ranks (TP
     and PP 2 where the script uses them), bf16 where it uses fp16, its DeepSpeed JSON given the same batch
@@ -127,6 +133,8 @@ def tiny_command_line(name, files, datasets, folder, iterations=3):
                "--tensorboard-dir": str(folder / "tensorboard"), "--bf16": True if sixteen_bit else None,
                "--num-key-value-heads": 2 if "--num-key-value-heads" in flags else None,
                "--ffn-hidden-size": 128 if "--ffn-hidden-size" in flags else None}
+    if is_moe(name):  # 4 experts over the data-parallel ranks
+        replace.update({"--num-experts": 4, "--moe-expert-parallel-size": dp})
     config = {key: value for key, value in (SCRIPTS[name]["ds_config"] or {}).items()
               if key not in ("fp16", "gradient_accumulation_steps")}
     config.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=2)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.compat.scripts import SCRIPTS, make_datasets, make_tokenizer_files, tiny_command_line
+from tests.compat.scripts import SCRIPTS, is_moe, make_datasets, make_tokenizer_files, tiny_command_line
 from tests.launch import launch, losses
 
 pytestmark = pytest.mark.e2e  # launches several real processes
@@ -16,6 +16,7 @@ TRAINED = [
     "examples/pretrain_gpt_distributed_with_mp.sh",                        # TP x PP, nccl
     "examples/sc21/run_table_1.sh",                                        # sc21 paper runs
     "examples_deepspeed/MoE/ds_pretrain_gpt_350M_dense.sh",                # tokens, DS checkpointing, curriculum off
+    "examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh",                # Mixture of Experts (4 experts, EP 2)
     "examples_deepspeed/azure/run-175b.sh",                                # JSON batch sizes
     "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh",  # its JSON's blocks off
     "examples_deepspeed/deepspeed4science/megatron_long_seq_support/pretrain_gpt_1.3B_seq_parallel.sh",
@@ -41,6 +42,8 @@ def test_script_trains(name, inputs, tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     assert sorted(losses(result.stdout)) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
     assert "unrecognized" not in result.stdout
+    if is_moe(name):
+        assert re.search(r"lm loss: \S+ \| moe loss: \S+ \|", result.stdout), result.stdout[-4000:]
     if (SCRIPTS[name]["ds_config"] or {}).get("curriculum_learning", {}).get("enabled"):
         # min 8 to max 32 over the 3 iterations (tests/compat/scripts.py): 8 + 24 i / 3
         assert re.findall(r"curriculum seqlen: (\d+) \|", result.stdout) == ["16", "24", "32"], result.stdout[-4000:]

@@ -1,6 +1,6 @@
 """TransformerConfig: the one validated description of a transformer's shape and numerics."""
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -50,6 +50,19 @@ class TransformerConfig:
     bias_swiglu_fusion: bool = True
     bias_dropout_fusion: bool = True
     cross_entropy_fusion: bool = True
+    # Mixture of Experts (DeepSpeed-MoE, Megatron-DeepSpeed's flags): every expert_interval-th layer is an MoE
+    # layer; num_experts holds one count for all of them, or one per MoE layer (PR-MoE's pyramid); 1 is dense
+    num_experts: Tuple[int, ...] = (1,)
+    expert_interval: int = 2
+    moe_router_topk: int = 1
+    moe_expert_parallel_size: int = 1
+    moe_train_capacity_factor: float = 1.0
+    moe_eval_capacity_factor: float = 1.0
+    moe_min_capacity: int = 4
+    moe_token_dropping: bool = True
+    moe_top2_2nd_expert_sampling: bool = True
+    moe_residual: bool = False                   # PR-MoE's residual: a dense MLP beside the experts
+    moe_loss_coeff: float = 0.1                  # the auxiliary load-balancing loss's weight
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -76,6 +89,7 @@ class TransformerConfig:
         self._check_choice("fusion_backend", FUSION_BACKENDS)
         self._check_rotary()
         self._check_recompute()
+        self._check_moe()
 
     def _check_rotary(self):
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -104,6 +118,32 @@ class TransformerConfig:
         if self.distribute_saved_activations and (not full or self.sequence_parallel):
             raise ValueError("distribute_saved_activations needs recompute_granularity 'full' and no sequence "
                              "parallelism (with SP the saved inputs are already split)")
+
+    def _check_moe(self):
+        self.num_experts = tuple(self.num_experts)
+        moe_layers = self.num_layers // self.expert_interval if self.expert_interval > 0 else 0
+        if self.expert_interval < 1 or len(self.num_experts) not in (1, moe_layers) or min(self.num_experts) < 1:
+            raise ValueError(f"num_experts {list(self.num_experts)} must be one count >= 1, or one per MoE layer "
+                             f"({moe_layers} with num_layers {self.num_layers} and expert_interval "
+                             f"{self.expert_interval})")
+        ep = self.moe_expert_parallel_size
+        if self.is_moe and any(count % ep for count in self.num_experts if count > 1):
+            raise ValueError(f"num_experts {list(self.num_experts)} must be multiples of moe_expert_parallel_size "
+                             f"{ep}")
+        if self.moe_router_topk < 1:
+            raise ValueError(f"moe_router_topk must be >= 1, got {self.moe_router_topk}")
+
+    @property
+    def is_moe(self) -> bool:
+        return max(self.num_experts) > 1
+
+    def experts_in_layer(self, layer_number) -> int:
+        """Experts of layer layer_number (1-based, global): Megatron-DeepSpeed's placement, every
+        expert_interval-th layer (the pyramid's count for its group); 1 for a dense layer."""
+        if layer_number % self.expert_interval:
+            return 1
+        return self.num_experts[0] if len(self.num_experts) == 1 else \
+            self.num_experts[(layer_number - 1) // self.expert_interval]
 
     def _check_choice(self, name, choices):
         if getattr(self, name) not in choices:

@@ -12,6 +12,7 @@ from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tra
 from megatron_ds.core.transformer.attention import SelfAttention
 from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.mlp import MLP
+from megatron_ds.core.transformer.moe import MoEMLP
 from megatron_ds.core.transformer.norms import build_norm
 
 
@@ -25,7 +26,8 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        experts = config.experts_in_layer(layer_number)
+        self.mlp = MLP(config) if experts == 1 else MoEMLP(config, experts, layer_number)
         self.bias_dropout_add = op_implementation(config, "bias_dropout_add")
         # layers this one recomputes in backward (itself alone by default under full recompute); a layer
         # absorbed into another's chunk passes its input through, the leader having already applied it

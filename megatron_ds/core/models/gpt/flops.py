@@ -4,31 +4,70 @@ Forward FLOPs per token: each layer 2 x (QKV + projection + MLP weights) for its
 QK^T and attention x V (no causal halving, Megatron's convention); the head 2 h V. Training = 3 x forward
 (no recompute). For a GPT-2 shape this is Megatron's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (Narayanan et
 al. 2021, arXiv 2104.04473; see docs/formulas.md).
+
+Mixture of Experts (DeepSpeed-MoE; config.experts_in_layer says which layers): a token of an MoE layer runs
+the router and its top-k experts, each an MLP of the dense MLP's shape, so the MLP's 2 x MLP weights become
+    2 h E (router) + k x 2 x MLP weights (+ 2 x MLP weights + 2 x 2h for PR-MoE's residual MLP and its
+    Linear(h, 2) coefficient)
+i.e. the FLOPs of the active parameters. An MoE layer with top-k (without residual) costs what a dense layer
+with a k times wider FFN does, plus 2 h E. Not counted (as in Megatron-DeepSpeed): the gate's softmax and
+top-k, dispatch and combine, and the padding of the experts' capacity buffers (capacity factor > 1).
+A dense model (num_experts 1) gets exactly the formula above.
 """
 from dataclasses import dataclass
+from typing import Tuple
+
+
+def mlp_flops_per_token(config) -> float:
+    """One MLP's forward GEMMs (the dense MLP, or one expert): 2 x (fc1 + fc2 weights), fc1 doubled by SwiGLU."""
+    return 2 * config.hidden_size * config.ffn_hidden_size * (3 if config.gated_linear_unit else 2)
+
+
+def moe_mlp_flops_per_token(config, num_experts) -> float:
+    """An MoE layer's MLP part per token: router 2hE, top-k experts, PR-MoE's residual MLP and coefficient."""
+    h = config.hidden_size
+    residual = mlp_flops_per_token(config) + 2 * h * 2 if config.moe_residual else 0
+    return 2 * h * num_experts + config.moe_router_topk * mlp_flops_per_token(config) + residual
+
+
+def layer_gemm_flops_per_token(config, layer_number) -> float:
+    """Weight GEMMs of layer `layer_number` (1-based, global) per token: attention plus the dense MLP, or an
+    MoE layer's router, top-k experts and residual."""
+    h, d, heads = config.hidden_size, config.kv_channels, config.num_attention_heads
+    attention = 2 * (h * (heads + 2 * config.num_query_groups) * d + heads * d * h)
+    experts = config.experts_in_layer(layer_number)
+    return attention + (mlp_flops_per_token(config) if experts == 1 else moe_mlp_flops_per_token(config, experts))
 
 
 @dataclass(frozen=True)
 class ForwardFlopsPerToken:
-    layer_gemms: float       # one layer's weight GEMMs
-    attention_scores: float  # one layer's QK^T and attention x V
-    head: float              # the output head
+    layers_gemms: Tuple[float, ...]   # each layer's weight GEMMs, layer 1 first (MoE layers differ)
+    attention_scores: float           # one layer's QK^T and attention x V (the same in every layer)
+    head: float                       # the output head
+
+    def layer(self, layer_number) -> float:
+        """Forward FLOPs per token of layer `layer_number` (1-based, global)."""
+        return self.layers_gemms[layer_number - 1] + self.attention_scores
+
+    def layers(self, first=1, count=None) -> float:
+        """Of `count` consecutive layers from `first` (default: all of them)."""
+        count = len(self.layers_gemms) - first + 1 if count is None else count
+        return sum(self.layers_gemms[first - 1:first - 1 + count]) + count * self.attention_scores
 
     @property
-    def layer(self) -> float:
-        return self.layer_gemms + self.attention_scores
+    def total(self) -> float:
+        """The whole model: every layer and the head."""
+        return self.layers() + self.head
 
 
 def forward_flops_per_token(config, seq_length, vocab_size) -> ForwardFlopsPerToken:
     """config: a TransformerConfig; vocab_size: the rows of the output head (padded)."""
-    h, d, heads = config.hidden_size, config.kv_channels, config.num_attention_heads
-    qkv = h * (heads + 2 * config.num_query_groups) * d
-    mlp = h * config.ffn_hidden_size * (3 if config.gated_linear_unit else 2)
-    return ForwardFlopsPerToken(layer_gemms=2 * (qkv + heads * d * h + mlp),
-                                attention_scores=4 * seq_length * heads * d, head=2 * h * vocab_size)
+    return ForwardFlopsPerToken(
+        layers_gemms=tuple(layer_gemm_flops_per_token(config, n) for n in range(1, config.num_layers + 1)),
+        attention_scores=4 * seq_length * config.num_attention_heads * config.kv_channels,
+        head=2 * config.hidden_size * vocab_size)
 
 
 def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):
     """Model FLOPs of one training iteration (forward + backward = 3 x forward; recompute not counted)."""
-    per_token = forward_flops_per_token(config, seq_length, vocab_size)
-    return 3 * (config.num_layers * per_token.layer + per_token.head) * global_batch_size * seq_length
+    return 3 * forward_flops_per_token(config, seq_length, vocab_size).total * global_batch_size * seq_length

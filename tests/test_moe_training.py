@@ -1,0 +1,67 @@
+"""Mixture of Experts through pretrain.py on 4 real ranks (DP 4): top-2 routing without token dropping or
+second-expert sampling is the same computation at every expert-parallel size, so EP 1, 2 and 4 give the same
+lm and moe losses; bf16 (DeepSpeed's BF16_Optimizer with its expert parameter groups) tracks fp32; a run
+saved at EP 2 resumes bitwise, and another layout is refused by name."""
+import re
+
+import pytest
+
+from tests.launch import launch, losses
+from tests.layouts import COMMON, ITERATIONS
+
+pytestmark = pytest.mark.e2e  # launches real training processes
+
+MOE = ["--num-experts", "4", "--topk", "2", "--disable-moe-token-dropping", "--disable-moe-top2-2nd-expert-sampling",
+       "--moe-min-capacity", "0"]
+MOE_LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: \S+ \| moe loss: (\S+) \|")
+_runs = {}
+
+
+def _run(ep, *flags):
+    key = (ep, flags)
+    if key not in _runs:
+        result = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", str(ep), *flags])
+        assert result.returncode == 0, result.stdout[-4000:]
+        _runs[key] = result.stdout
+    return _runs[key]
+
+
+def _losses(output):
+    lm, moe = losses(output), {int(i): float(loss) for i, loss in MOE_LOSS.findall(output)}
+    assert sorted(lm) == sorted(moe) == list(range(1, ITERATIONS + 1)), output[-3000:]
+    return lm, moe
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_sizes_train_the_same_model(ep):
+    expected_lm, expected_moe = _losses(_run(1))
+    lm, moe = _losses(_run(ep))
+    assert expected_lm[ITERATIONS] < expected_lm[1], expected_lm
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-5, abs=0), (iteration, lm, expected_lm)
+        assert moe[iteration] == pytest.approx(expected_moe[iteration], rel=1e-5, abs=0), (iteration, moe)
+    assert f"expert-parallel groups: {[list(range(i, i + ep)) for i in range(0, 4, ep)]}" in _run(ep)
+
+
+def test_bf16_tracks_fp32():
+    expected, _ = _losses(_run(2))
+    observed, _ = _losses(_run(2, "--bf16"))
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=2e-2), (iteration, observed, expected)
+
+
+def test_resume_at_ep2_is_bitwise_and_another_layout_is_refused(tmp_path):
+    save = ["--save", str(tmp_path), "--save-interval", "5"]
+    first = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--exit-interval", "5", *save])
+    assert first.returncode == 0, first.stdout[-4000:]
+    resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path), *save])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert "resuming at iteration 5" in resumed.stdout, resumed.stdout[-4000:]
+    straight_lm, straight_moe = _losses(_run(2))
+    lm, moe = losses(first.stdout), {int(i): float(x) for i, x in MOE_LOSS.findall(first.stdout + resumed.stdout)}
+    lm.update(losses(resumed.stdout))
+    assert lm == straight_lm and moe == straight_moe
+    other = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "4", "--load", str(tmp_path)])
+    assert other.returncode != 0
+    assert "holds a Mixture of Experts saved with expert_parallel_size 2 (this run: 4)" in other.stdout, \
+        other.stdout[-4000:]
