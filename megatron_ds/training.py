@@ -21,7 +21,8 @@ from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer.fused_ops import describe_fused_ops
-from megatron_ds.core.transformer.moe import AuxiliaryLossGradient, auxiliary_loss_of, moe_layers
+from megatron_ds.core.transformer.moe import (AuxiliaryLossGradient, auxiliary_loss_of, forget_auxiliary_losses,
+                                              moe_layers)
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
@@ -84,16 +85,17 @@ def _mean_over_data_parallel(value):
     return value / parallel_state.get_data_parallel_world_size()
 
 
-def run_global_batch(engine, iterator, accumulation_steps, train):
-    """One global batch; returns (lm loss, MoE auxiliary loss or None without MoE layers), each the mean over
-    all micro-batches and data-parallel ranks."""
+def run_global_batch(engine, iterator, accumulation_steps, train, moe=False):
+    """One global batch; returns (lm loss, MoE auxiliary loss or None without MoE (moe: the model has MoE
+    layers)), each the mean over all micro-batches and data-parallel ranks."""
     # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
     AuxiliaryLossGradient.scale = loss_scale(engine) / accumulation_steps
+    experts = moe_layers(engine.module)
+    forget_auxiliary_losses(experts)
     if isinstance(engine, deepspeed.PipelineEngine):
         loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
-        return loss.item(), None
-    total, auxiliary = torch.zeros((), device=device()), torch.zeros((), device=device())
-    experts = moe_layers(engine.module)
+        return loss.item(), _moe_loss(experts) if moe else None
+    total = torch.zeros((), device=device())
     for _ in range(accumulation_steps):
         inputs, labels = next(iterator)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)  # GPTModel(input_ids, position_ids, mask)
@@ -105,12 +107,15 @@ def run_global_batch(engine, iterator, accumulation_steps, train):
             with torch.no_grad():
                 loss = engine(*inputs, labels=labels)
         total += loss.detach()
-        if experts:
-            auxiliary += auxiliary_loss_of(experts)
-    lm_loss = _mean_over_data_parallel(total / accumulation_steps).item()
-    if not experts:
-        return lm_loss, None
-    return lm_loss, _mean_over_data_parallel(auxiliary / accumulation_steps).item()
+    return _mean_over_data_parallel(total / accumulation_steps).item(), _moe_loss(experts) if moe else None
+
+
+def _moe_loss(experts):
+    """The MoE auxiliary loss of the global batch: this stage's layers' (each the mean over micro-batches),
+    summed over the pipeline stages, mean over the data-parallel ranks."""
+    local = auxiliary_loss_of(experts).to(device())
+    dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
+    return _mean_over_data_parallel(local).item()
 
 
 def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
@@ -162,7 +167,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         engine.lr_scheduler.seq_length = seq_length  # its token count
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
-        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True)
+        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True,
+                                          moe=max(args.num_experts) > 1)
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size

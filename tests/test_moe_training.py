@@ -1,7 +1,8 @@
-"""Mixture of Experts through pretrain.py on 4 real ranks (DP 4): top-2 routing without token dropping or
-second-expert sampling is the same computation at every expert-parallel size, so EP 1, 2 and 4 give the same
-lm and moe losses; bf16 (DeepSpeed's BF16_Optimizer with its expert parameter groups) tracks fp32; a run
-saved at EP 2 resumes bitwise, and another layout is refused by name."""
+"""Mixture of Experts through pretrain.py on 4 real ranks: top-2 routing without token dropping or second-expert
+sampling is the same computation at every expert-parallel size and pipeline split, so EP 1, 2 and 4 at DP 4, and
+EP 1 and 2 at PP 2 x DP 2 (MoE layers inside DeepSpeed's pipeline stages) give the same lm and moe losses;
+bf16 (DeepSpeed's BF16_Optimizer with its expert parameter groups) tracks fp32; a run saved at PP 2 x DP 2 x EP 2
+resumes bitwise, and another layout is refused by name."""
 import re
 
 import pytest
@@ -43,6 +44,18 @@ def test_expert_parallel_sizes_train_the_same_model(ep):
     assert f"expert-parallel groups: {[list(range(i, i + ep)) for i in range(0, 4, ep)]}" in _run(ep)
 
 
+PIPELINE = ("--pipeline-model-parallel-size", "2")
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_layers_in_pipeline_stages_train_the_same_model(ep):
+    expected_lm, expected_moe = _losses(_run(1))
+    lm, moe = _losses(_run(ep, *PIPELINE))
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-5, abs=0), (iteration, lm, expected_lm)
+        assert moe[iteration] == pytest.approx(expected_moe[iteration], rel=1e-5, abs=0), (iteration, moe)
+
+
 def test_bf16_tracks_fp32():
     expected, _ = _losses(_run(2))
     observed, _ = _losses(_run(2, "--bf16"))
@@ -50,18 +63,18 @@ def test_bf16_tracks_fp32():
         assert observed[iteration] == pytest.approx(loss, rel=2e-2), (iteration, observed, expected)
 
 
-def test_resume_at_ep2_is_bitwise_and_another_layout_is_refused(tmp_path):
-    save = ["--save", str(tmp_path), "--save-interval", "5"]
+def test_resume_at_pp2_ep2_is_bitwise_and_another_layout_is_refused(tmp_path):
+    save = ["--save", str(tmp_path), "--save-interval", "5", *PIPELINE]
     first = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--exit-interval", "5", *save])
     assert first.returncode == 0, first.stdout[-4000:]
     resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path), *save])
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "resuming at iteration 5" in resumed.stdout, resumed.stdout[-4000:]
-    straight_lm, straight_moe = _losses(_run(2))
+    straight_lm, straight_moe = _losses(_run(2, *PIPELINE))
     lm, moe = losses(first.stdout), {int(i): float(x) for i, x in MOE_LOSS.findall(first.stdout + resumed.stdout)}
     lm.update(losses(resumed.stdout))
     assert lm == straight_lm and moe == straight_moe
-    other = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "4", "--load", str(tmp_path)])
+    other = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "1", "--load", str(tmp_path), *PIPELINE])
     assert other.returncode != 0
-    assert "holds a Mixture of Experts saved with expert_parallel_size 2 (this run: 4)" in other.stdout, \
+    assert "holds a Mixture of Experts saved with expert_parallel_size 2 (this run: 1)" in other.stdout, \
         other.stdout[-4000:]

@@ -9,7 +9,7 @@ import os
 import torch
 
 from megatron_ds.batch_schedule import rampup_errors
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, stages_without_experts
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
@@ -340,11 +340,25 @@ def moe_errors(args):
                       f"({min(count for count in counts if count > 1)})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
-    not_yet = [(tp > 1, f"--tensor-model-parallel-size {tp}"), (pp > 1, f"--pipeline-model-parallel-size {pp}"),
+    not_yet = [(tp > 1, f"--tensor-model-parallel-size {tp}"),
                (args.enable_expert_tensor_parallelism, "--enable-expert-tensor-parallelism")]
-    errors += [f"--num-experts {' '.join(map(str, counts))} with {flag}: Mixture of Experts runs at TP 1 and PP 1 "
-               f"so far (DP, expert parallelism, ZeRO-0/1/2); use TP 1 and PP 1" for asked, flag in not_yet if asked]
-    return errors
+    errors += [f"--num-experts {' '.join(map(str, counts))} with {flag}: Mixture of Experts runs at TP 1 so far "
+               f"(with PP, DP, expert parallelism, ZeRO-0/1/2); use TP 1" for asked, flag in not_yet if asked]
+    return errors + _stages_without_experts(args)
+
+
+def _stages_without_experts(args):
+    """Every pipeline stage must hold an MoE layer: DeepSpeed reduces the experts' gradient norm over the
+    pipeline group on the stages that have experts only, so a stage without would leave the others waiting."""
+    pp, interval = args.pipeline_model_parallel_size, args.expert_interval
+    if pp == 1 or interval < 1 or args.num_layers % pp:
+        return []
+    empty = stages_without_experts(args.num_layers, pp, interval)
+    if not empty:
+        return []
+    return [f"--pipeline-model-parallel-size {pp} with --expert-interval {interval}: pipeline stage(s) "
+            f"{', '.join(map(str, empty))} ({args.num_layers // pp} of --num-layers {args.num_layers} each) would "
+            f"hold no MoE layer; every stage needs one (a smaller --expert-interval, or fewer stages)"]
 
 
 def unbuilt_feature_errors(args):

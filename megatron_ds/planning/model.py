@@ -6,6 +6,7 @@ import torch
 
 from megatron_ds.arguments import padded_vocab_size
 from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.core.transformer.transformer_config import stages_without_experts
 from megatron_ds.planning.devices import DeviceSpec
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -122,8 +123,11 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
         (moe and layout.dp % ep, "expert parallel size does not divide DP",
          f"EP {ep} over DP {layout.dp} (expert-parallel groups lie inside the data-parallel group)"),
         # training refuses these (megatron_ds/arguments/checks.py, moe_errors); the formulas are general
-        (moe and (tp > 1 or pp > 1), "MoE with TP or PP > 1 (not built yet)",
-         f"MoE runs at TP 1 and PP 1 so far, not TP {tp} x PP {pp}"),
+        (moe and tp > 1, "MoE with TP > 1 (not built yet)", f"MoE runs at TP 1 so far, not TP {tp}"),
         (moe and layout.zero_stage == 3, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts"),
+        (moe and pp > 1 and config.num_layers % pp == 0
+         and stages_without_experts(config.num_layers, pp, config.expert_interval),
+         "a pipeline stage without MoE layers", f"PP {pp} with an MoE layer every {config.expert_interval} of "
+                                                f"{config.num_layers} layers"),
     ]
     return [(reason, detail) for broken, reason, detail in checks if broken]

@@ -336,7 +336,10 @@ def test_moe_layout_rules():
     assert [reason for reason, _ in layout_errors(model, Layout(1, 1, 6, 1, 6))] == [
         "expert parallel size does not divide DP"]
     assert [reason for reason, _ in layout_errors(model, Layout(2, 1, 4, 1, 4))] == [
-        "MoE with TP or PP > 1 (not built yet)"]
+        "MoE with TP > 1 (not built yet)"]
+    assert layout_errors(model, Layout(1, 2, 4, 1, 4)) == []  # MoE layers in both stages
+    assert [reason for reason, _ in layout_errors(model, Layout(1, model.config.num_layers, 4, 1, 4))] == [
+        "a pipeline stage without MoE layers"]
     assert [reason for reason, _ in layout_errors(model, Layout(1, 1, 4, 1, 4, zero_stage=3))] == [
         "ZeRO-3 with MoE"]
 
@@ -402,5 +405,5 @@ def test_search_keeps_moe_layouts_training_builds(capsys):
     status = cli.main(MOE_FLAGS + ["--search", "--json", "--top", "100"])
     search = json.loads(capsys.readouterr().out)["search"]
     assert status == 0 and search["ranked"]
-    assert all((row["tp"], row["pp"]) == (1, 1) and row["dp"] % 2 == 0 for row in search["ranked"])
-    assert "MoE with TP or PP > 1 (not built yet)" in search["infeasible_by_reason"]
+    assert all(row["tp"] == 1 and row["dp"] % 2 == 0 for row in search["ranked"])
+    assert "MoE with TP > 1 (not built yet)" in search["infeasible_by_reason"]

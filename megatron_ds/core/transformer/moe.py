@@ -61,7 +61,7 @@ class MoEMLP(deepspeed.moe.layer.MoE):
                          use_residual=config.moe_residual, drop_tokens=config.moe_token_dropping,
                          top2_2nd_expert_sampling=config.moe_top2_2nd_expert_sampling)
         self.loss_coeff = config.moe_loss_coeff
-        self.auxiliary_loss = None  # coeff x l_aux of the last forward, detached (for the log)
+        self.auxiliary_losses = []  # coeff x l_aux of each forward since forget_auxiliary_losses(), detached
         self._name_experts(config, f"decoder.layers.{layer_number - 1}.mlp")
         init = init_method_normal(config.init_method_std)
         set_init_method(self.deepspeed_moe.gate.wg.weight, init)
@@ -84,7 +84,7 @@ class MoEMLP(deepspeed.moe.layer.MoE):
     def forward(self, hidden_states):
         output, auxiliary_loss, _ = super().forward(hidden_states)
         auxiliary_loss = auxiliary_loss * self.loss_coeff
-        self.auxiliary_loss = auxiliary_loss.detach()
+        self.auxiliary_losses.append(auxiliary_loss.detach())
         if self.training and torch.is_grad_enabled():
             output = AuxiliaryLossGradient.apply(output, auxiliary_loss)
         return output, None
@@ -94,7 +94,14 @@ def moe_layers(model):
     return [module for module in model.modules() if isinstance(module, MoEMLP)]
 
 
+def forget_auxiliary_losses(layers):
+    for layer in layers:
+        layer.auxiliary_losses = []
+
+
 def auxiliary_loss_of(layers):
-    """The sum of the MoE layers' coeff x l_aux from their last forward: the `moe loss` Megatron-DeepSpeed logs
-    beside the lm loss."""
-    return torch.stack([layer.auxiliary_loss for layer in layers]).sum()
+    """The sum over the MoE layers of their mean coeff x l_aux since forget_auxiliary_losses(): the `moe loss`
+    Megatron-DeepSpeed logs beside the lm loss (0 without layers). A recomputed layer records each micro-batch
+    twice, with the same value, which leaves its mean unchanged."""
+    means = [torch.stack(layer.auxiliary_losses).mean() for layer in layers if layer.auxiliary_losses]
+    return torch.stack(means).sum() if means else torch.zeros(())

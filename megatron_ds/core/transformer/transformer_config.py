@@ -16,6 +16,14 @@ def default_ffn_hidden_size(hidden_size, gated_linear_unit):
     return int(8 * hidden_size / 3 / 64) * 64 if gated_linear_unit else 4 * hidden_size
 
 
+def stages_without_experts(num_layers, pipeline_stages, expert_interval):
+    """The pipeline stages (0-based) that would hold no MoE layer (every expert_interval-th layer is one)."""
+    per_stage = num_layers // pipeline_stages
+    return [stage for stage in range(pipeline_stages)
+            if not any(layer % expert_interval == 0
+                       for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
+
+
 @dataclass
 class TransformerConfig:
     num_layers: int

@@ -55,7 +55,7 @@ def _hand_computations(k):
     assert counts.tolist() == expected_counts.tolist()
     output, bias = layer(x)
     assert bias is None and output.shape == x.shape
-    assert layer.auxiliary_loss.item() == pytest.approx(0.5 * expected_aux.item(), rel=1e-6)  # coeff x l_aux
+    assert layer.auxiliary_losses[-1].item() == pytest.approx(0.5 * expected_aux.item(), rel=1e-6)  # coeff x l_aux
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -121,3 +121,33 @@ def test_experts_are_drawn_by_their_global_index():
     """Expert e's weights come from the seed and its global name, whatever the expert-parallel size; DeepSpeed's
     expert tags are kept on the fresh experts."""
     run_distributed(_experts_by_global_index, 1)
+
+
+def _recompute_keeps_the_auxiliary_loss():
+    from megatron_ds.core.models.gpt import GPTModel
+    from megatron_ds.core.transformer.moe import auxiliary_loss_of, forget_auxiliary_losses, moe_layers
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    results = []
+    for recompute in (None, "full"):
+        model_parallel_cuda_manual_seed(3)
+        config = _config(moe_router_topk=2, moe_token_dropping=False, moe_top2_2nd_expert_sampling=False,
+                         recompute_granularity=recompute)
+        model = GPTModel(config, 64, 12)
+        layers = moe_layers(model)
+        forget_auxiliary_losses(layers)
+        for _ in range(2):  # two micro-batches
+            model(tokens, labels=tokens).backward()
+        results.append((auxiliary_loss_of(layers), layers[0].deepspeed_moe.gate.wg.weight.grad.clone(),
+                        len(layers[0].auxiliary_losses)))
+    (plain, plain_grad, plain_count), (recomputed, recomputed_grad, recomputed_count) = results
+    assert (plain_count, recomputed_count) == (2, 4)  # the recompute records each micro-batch again
+    torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+    torch.testing.assert_close(recomputed_grad, plain_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_full_recompute_keeps_the_auxiliary_loss_and_its_gradient():
+    """Under full recompute the router gets the same gradient (the auxiliary loss's included) and the logged
+    moe loss is the same mean over micro-batches."""
+    run_distributed(_recompute_keeps_the_auxiliary_loss, 1)
