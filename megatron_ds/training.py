@@ -28,6 +28,7 @@ from megatron_ds.data.builder import batch_iterator, build_datasets, has_validat
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
+from megatron_ds.glue.moe_token_gather import use_gloo_token_gather
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
@@ -286,6 +287,7 @@ def _pretrain(args, watchdog, start_time=None):
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if max(args.num_experts) > 1:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size)
+        use_gloo_token_gather()
     _log_placement(args)
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)

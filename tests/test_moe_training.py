@@ -1,6 +1,7 @@
 """Mixture of Experts through pretrain.py on 4 real ranks: top-2 routing without token dropping or second-expert
-sampling is the same computation at every expert-parallel size and pipeline split, so EP 1, 2 and 4 at DP 4, and
-EP 1 and 2 at PP 2 x DP 2 (MoE layers inside DeepSpeed's pipeline stages) give the same lm and moe losses;
+sampling is the same computation at every expert-parallel size and pipeline split, so EP 1, 2 and 4 at DP 4,
+EP 1 and 2 at PP 2 x DP 2 (MoE layers inside DeepSpeed's pipeline stages) and EP 1, 2 and 4 at TP 2 x DP 2 give
+the same lm and moe losses;
 bf16 (DeepSpeed's BF16_Optimizer with its expert parameter groups) tracks fp32; a run saved at PP 2 x DP 2 x EP 2
 resumes bitwise, and another layout is refused by name."""
 import re
@@ -45,6 +46,28 @@ def test_expert_parallel_sizes_train_the_same_model(ep):
 
 
 PIPELINE = ("--pipeline-model-parallel-size", "2")
+TENSOR = ("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "128")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_tensor_parallel_ranks_share_the_tokens_of_whole_experts(ep):
+    """TP 2 x DP 2: each TP rank sends its share of the dispatched tokens to the experts (DeepSpeed's MoE, with
+    the gather over gloo done by megatron_ds); EP 2 and EP 4 (runs of ranks across TP) equal EP 1."""
+    expected_lm, expected_moe = _losses(_run(1, *TENSOR))
+    lm, moe = _losses(_run(ep, *TENSOR))
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-5, abs=0), (iteration, lm, expected_lm)
+        assert moe[iteration] == pytest.approx(expected_moe[iteration], rel=1e-5, abs=0), (iteration, moe)
+    data_parallel_lm, _ = _losses(_run(1))  # DP 4: the same micro-batches; only TP's rounding differs
+    for iteration in data_parallel_lm:
+        assert lm[iteration] == pytest.approx(data_parallel_lm[iteration], rel=1e-4), (iteration, lm)
+    # the clipping norm counts each expert once: experts differ between TP ranks (DeepSpeed counts the parameters
+    # it takes for replicated ones on TP rank 0 only)
+    assert _grad_norms(_run(ep, *TENSOR)) == _grad_norms(_run(1))
+
+
+def _grad_norms(output):
+    return re.findall(r" iteration\s+\d+/\s*\d+ \|.*? grad norm: (\S+) \|", output)
 
 
 @pytest.mark.parametrize("ep", [1, 2])

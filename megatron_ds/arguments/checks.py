@@ -4,6 +4,7 @@ Every function here only reads the arguments and returns a list of messages, eac
 the values involved; `megatron_ds.arguments.resolve` decides when each runs.
 """
 import json
+import math
 import os
 
 import torch
@@ -331,20 +332,45 @@ def moe_errors(args):
                          f">= 1"]
     errors += [f"--num-experts {count} is not divisible by --moe-expert-parallel-size {ep} (each expert-parallel "
                f"rank holds the same number of experts)" for count in sorted(set(counts)) if count > 1 and count % ep]
-    if args.world_size % (tp * pp) == 0 and (args.world_size // (tp * pp)) % ep:
-        errors.append(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size "
-                      f"{args.world_size // (tp * pp)} (world size {args.world_size} / TP {tp} / PP {pp}): the "
-                      f"experts are spread over data-parallel ranks")
+    if args.world_size % pp == 0 and (args.world_size // pp) % ep:
+        errors.append(f"--moe-expert-parallel-size {ep} does not divide the {args.world_size // pp} ranks of a "
+                      f"pipeline stage (TP x DP = world size {args.world_size} / PP {pp}): the experts are spread "
+                      f"over consecutive runs of them")
     if not 1 <= args.topk <= min(count for count in counts if count > 1):
         errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer "
                       f"({min(count for count in counts if count > 1)})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
-    not_yet = [(tp > 1, f"--tensor-model-parallel-size {tp}"),
-               (args.enable_expert_tensor_parallelism, "--enable-expert-tensor-parallelism")]
-    errors += [f"--num-experts {' '.join(map(str, counts))} with {flag}: Mixture of Experts runs at TP 1 so far "
-               f"(with PP, DP, expert parallelism, ZeRO-0/1/2); use TP 1" for asked, flag in not_yet if asked]
+    if args.enable_expert_tensor_parallelism:
+        errors.append(f"--num-experts {' '.join(map(str, counts))} with --enable-expert-tensor-parallelism: experts "
+                      f"sharded over TP are not built yet; without the flag each expert is whole on its rank and the "
+                      f"TP ranks share the tokens")
+    if args.sequence_parallel:
+        errors.append(f"--num-experts {' '.join(map(str, counts))} with --sequence-parallel: DeepSpeed's MoE splits "
+                      f"replicated tokens over the TP ranks, and with sequence parallelism each TP rank holds other "
+                      f"tokens; drop --sequence-parallel")
     return errors + _stages_without_experts(args)
+
+
+def moe_capacity_errors(args):
+    """At TP > 1 with token dropping, DeepSpeed splits each expert's capacity (its token slots) over the TP ranks:
+    the capacity must be a multiple of TP. It is max(ceil(tokens / experts x factor x k'), --moe-min-capacity)
+    for a micro-batch's tokens (k' = 1 for top-1, 2 for top-2, k above), DeepSpeed's formula."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1 or not args.moe_token_dropping or max(args.num_experts) <= 1:
+        return []
+    tokens, k = args.micro_batch_size * args.seq_length, max(args.topk, 1)
+    errors = []
+    for count in sorted({count for count in args.num_experts if count > 1}):
+        for flag, factor in (("--moe-train-capacity-factor", args.moe_train_capacity_factor),
+                             ("--moe-eval-capacity-factor", args.moe_eval_capacity_factor)):
+            capacity = max(math.ceil(tokens / count * factor * k), args.moe_min_capacity)
+            if capacity % tp:
+                errors.append(f"{flag} {factor:g} with {count} experts, top-{k}, --micro-batch-size "
+                              f"{args.micro_batch_size} x --seq-length {args.seq_length} = {tokens} tokens: capacity "
+                              f"{capacity} is not a multiple of --tensor-model-parallel-size {tp} (DeepSpeed splits "
+                              f"it over the TP ranks); change the factor, or --disable-moe-token-dropping")
+    return errors
 
 
 def _stages_without_experts(args):

@@ -16,8 +16,8 @@ function named here, and the checks in `checks.py` only read:
   7. numerics_values          parameter dtype, vocabulary padded for TP
      optimizer_values         the JSON's optimizer offload device; whether AdamW is DeepSpeed's CPU Adam
   8. reconciled checks        batch arithmetic (then schedule_values: iterations for --train-samples), ZeRO
-                              stage, DeepSpeed's activation checkpointing, CPU Adam and optimizer offload, the
-                              TransformerConfig (+ fused kernels, fp16, profiler*)
+                              stage, MoE capacity over TP, DeepSpeed's activation checkpointing, CPU Adam and
+                              optimizer offload, the TransformerConfig (+ fused kernels, fp16, profiler*)
   9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize; the warnings
 
 (*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
@@ -80,7 +80,8 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     errors = checks.batch_errors(args) if layout_known else []
     if layout_known and not errors:
         vars(args).update(schedule_values(args))
-    errors += (checks.zero_stage_errors(args) + checks.deepspeed_activation_checkpointing_errors(args)
+    errors += (checks.zero_stage_errors(args) + checks.moe_capacity_errors(args)
+               + checks.deepspeed_activation_checkpointing_errors(args)
                + checks.cpu_optimizer_errors(args, on_gpu=torch.cuda.is_available() if on_this_host else True)
                + transformer_config_errors(args, check_fusions=on_this_host))
     if on_this_host:

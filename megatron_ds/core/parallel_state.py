@@ -207,12 +207,14 @@ def simulated_model_parallel(tensor_model_parallel_size: int = 1, tensor_model_p
 # --- expert parallelism (MoE) -----------------------------------------------------------------------------
 
 def expert_parallel_rank_lists(topology, expert_parallel_size):
-    """(expert-parallel groups, expert-data-parallel groups) as rank lists: each data-parallel group (one per
-    pipeline stage and TP rank) is cut into consecutive runs of expert_parallel_size ranks that split the
-    experts between them; the ranks at the same place in those runs hold the same experts and form an
-    expert-data-parallel group (DeepSpeed's layout, taken along our data axis)."""
+    """(expert-parallel groups, expert-data-parallel groups) as rank lists, DeepSpeed's layout: the ranks of each
+    pipeline stage (TP fastest, then DP) are cut into consecutive runs of expert_parallel_size ranks that split
+    the experts between them; the ranks at the same place in those runs hold the same experts and form an
+    expert-data-parallel group. At TP > 1 a run crosses TP ranks: each TP rank sends its share of the tokens
+    (DeepSpeed's MoE splits the dispatched tokens over TP) to the rank holding the expert."""
     parallel, data = [], []
-    for ranks in topology.get_axis_comm_lists("data"):
+    for stage in range(topology.get_dim("pipe")):
+        ranks = sorted(topology.filter_match(pipe=stage))
         runs = [ranks[start:start + expert_parallel_size] for start in range(0, len(ranks), expert_parallel_size)]
         parallel += runs
         data += [list(column) for column in zip(*runs)]

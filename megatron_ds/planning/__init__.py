@@ -4,7 +4,8 @@ volume and an estimated iteration time for a model on a cluster, with a search o
     devices.py        the one table of device facts (peak FLOP/s, memory, bandwidths)
     model.py          ModelSpec (the model), Layout (tp, pp, dp, batch, SP, recompute), Cluster
     parameters.py     exact parameter counts per stage and device; MoE: total and active, E/EP experts per rank
-    memory.py         weights, gradients, ZeRO-1 optimizer shard (experts' over DP/EP), activations per 1F1B stage
+    memory.py         weights, gradients, ZeRO-1 optimizer shard (experts' over TP x DP / EP), activations
+                      per 1F1B stage
     flops.py          model and hardware FLOPs per iteration
     communication.py  bytes per axis (TP collectives, PP sends, DP reduction, MoE all-to-alls) and their links
     performance.py    the time model and its assumptions

@@ -13,7 +13,7 @@ DP, per iteration: the gradient all-reduce over the data-parallel group, 2 (dp-1
 (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
 updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). With tied embeddings and PP > 1 the
 first and last stages also all-reduce the embedding gradient. With MoE the experts' gradients are reduced
-(and their 16-bit weights all-gathered) over the expert-data-parallel group (DP / EP ranks) instead.
+(and their 16-bit weights all-gathered) over the expert-data-parallel group (TP x DP / EP ranks) instead.
 EP (Mixture of Experts), per MoE layer and micro-batch: DeepSpeed-MoE's dispatch and combine all-to-alls in
 forward and their two conjugates in backward, 4 all-to-alls over the expert-parallel group of the
 [E, C, h] capacity buffer (E experts x C slots each x h elements: E C ~ k x capacity factor x the s b tokens
@@ -90,7 +90,7 @@ def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
 
 def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, expert_parameters: int = 0) -> dict:
     """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather).
-    parameters: the device's; expert_parameters: the MoE experts among them, reduced over DP / EP ranks."""
+    parameters: the device's; expert_parameters: the MoE experts among them, reduced over TP x DP / EP ranks."""
     groups = ((layout.dp, parameters - expert_parameters),
               (expert_data_parallel_size(model, layout), expert_parameters))
     gradient_bytes, weight_bytes = gradient_reduction_element_bytes(model, layout), 2 if model.sixteen_bit else 4
@@ -185,14 +185,14 @@ def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
 def links(layout: Layout, cluster: Cluster, ep: int = 1) -> Links:
     """Ranks are TP fastest, then DP, then PP: a TP group is tp consecutive ranks, a stage's DP groups
     span tp x dp consecutive ranks, a pipeline spans the whole replica; an expert-parallel group is ep
-    consecutive ranks of a DP group (parallel_state.expert_parallel_rank_lists), inside tp x ep consecutive
-    ranks (an expert-data-parallel group spans its DP group: the data link). A group that crosses a node runs
-    at the inter-node bandwidth (its slowest hop)."""
+    consecutive ranks of a stage (parallel_state.expert_parallel_rank_lists; an expert-data-parallel group
+    spans the stage: the data link). A group that crosses a node runs at the inter-node bandwidth (its slowest
+    hop)."""
     g, device = cluster.gpus_per_node, cluster.device
     tensor_spans = not _fits_in_node(layout.tp, g)
     data_spans = layout.dp > 1 and not _fits_in_node(layout.tp * layout.dp, g)
     pipeline_spans = layout.pp > 1 and not _fits_in_node(layout.world_size, g)
-    expert_spans = ep > 1 and not _fits_in_node(layout.tp * ep, g)
+    expert_spans = ep > 1 and not _fits_in_node(ep, g)
 
     def bandwidth(spans):
         return (device.inter_node_gbs if spans else device.intra_node_gbs) * 1e9

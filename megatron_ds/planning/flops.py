@@ -46,8 +46,8 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
                                          first_layer: int = 1) -> float:
     """Hardware FLOPs one device of a stage (`num_layers` layers from global layer `first_layer`) runs for one
     micro-batch (forward + backward + recompute). Each TP rank runs 1/t of the layers' FLOPs; for MoE layers
-    (built at TP 1 only so far) that holds for the experts, replicated over TP but each TP rank's duplicate
-    tokens dropped first (DeepSpeed), not for the router and residual MLP every TP rank runs whole."""
+    that holds for the experts (whole on each rank, but each TP rank gets 1/t of the dispatched tokens from
+    DeepSpeed), not for the router and residual MLP every TP rank runs whole."""
     per_token = forward_flops_per_token(model, layout.tp)
     flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
                                                                                        first_layer)

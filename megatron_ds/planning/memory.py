@@ -10,8 +10,8 @@ Model states, bytes per parameter (Adam):
   the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
 ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only).
 Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
-over the expert-data-parallel group (DP / EP ranks hold the same experts; DeepSpeed's MoE parameter groups),
-everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(dp / ep). ZeRO-3 does not
+over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; DeepSpeed's MoE groups),
+everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
 take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
 
 Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
@@ -155,7 +155,7 @@ class StageMemory:
 
 def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
     """Bytes of each model state one device of the stage holds: the non-expert parameters sharded over DP,
-    the experts over the expert-data-parallel group (DP / EP)."""
+    the experts over the expert-data-parallel group (TP x DP / EP)."""
     state = state_bytes_per_parameter(model.precision, layout.zero_stage)
     dense = sharded_state_bytes(state, layout.zero_stage, layout.dp)
     experts = sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout))

@@ -95,11 +95,12 @@ class Cluster:
 
 
 def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
-    """Ranks holding the same experts (DP / EP): the group expert gradients are reduced and their optimizer
-    states ZeRO-partitioned over (the whole data-parallel group for everything else). DP for a dense model."""
+    """Ranks holding the same experts (TP x DP / EP: the experts are whole on each rank, spread over runs of EP
+    ranks of a stage): the group expert gradients are reduced and their optimizer states ZeRO-partitioned over
+    (the data-parallel group for everything else). DP for a dense model."""
     if not model.config.is_moe:
         return layout.dp
-    return max(layout.dp // model.config.moe_expert_parallel_size, 1)
+    return max(layout.tp * layout.dp // model.config.moe_expert_parallel_size, 1)
 
 
 def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
@@ -120,10 +121,10 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
          f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
         (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
          f"sequence {model.seq_length} over TP {tp}"),
-        (moe and layout.dp % ep, "expert parallel size does not divide DP",
-         f"EP {ep} over DP {layout.dp} (expert-parallel groups lie inside the data-parallel group)"),
-        # training refuses these (megatron_ds/arguments/checks.py, moe_errors); the formulas are general
-        (moe and tp > 1, "MoE with TP > 1 (not built yet)", f"MoE runs at TP 1 so far, not TP {tp}"),
+        (moe and (tp * layout.dp) % ep, "expert parallel size does not divide TP x DP",
+         f"EP {ep} over TP {tp} x DP {layout.dp} (expert-parallel groups are runs of a stage's ranks)"),
+        (moe and layout.sequence_parallel, "MoE with sequence parallelism",
+         "DeepSpeed's MoE splits replicated tokens over TP"),
         (moe and layout.zero_stage == 3, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts"),
         (moe and pp > 1 and config.num_layers % pp == 0
          and stages_without_experts(config.num_layers, pp, config.expert_interval),

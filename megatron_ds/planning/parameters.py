@@ -12,9 +12,9 @@ norms and position embeddings are replicated.
 Mixture of Experts (DeepSpeed-MoE, config.experts_in_layer: every expert_interval-th layer): an MoE layer's
 MLP is a router Linear(h, E, no bias), E experts of the dense MLP's shape and, with PR-MoE's residual
 (config.moe_residual), the dense MLP beside them and a Linear(h, 2) coefficient (with bias). Each
-expert-parallel (EP) rank holds E / EP experts of every MoE layer; router, residual MLP and coefficient are
-on every rank. The experts, router, residual and coefficient are replicated over TP (Megatron-DeepSpeed
-without expert tensor parallelism; megatron_ds builds MoE at TP 1 only so far). The whole model counts all E
+expert-parallel (EP) rank holds E / EP experts of every MoE layer, whole (not split over TP: Megatron-DeepSpeed
+without expert tensor parallelism, the EP groups being runs of a stage's TP x DP ranks); router, residual MLP
+and coefficient are on every rank. The whole model counts all E
 experts (total_parameters); a token uses the router, its top-k experts and the residual (active_parameters).
 """
 from dataclasses import dataclass
@@ -63,7 +63,7 @@ def layer_parameters(config, tp: int = 1, layer_number: Optional[int] = None, ep
 
 def expert_parameters(config, layer_number: int, ep: int = 1) -> int:
     """The experts of layer `layer_number` one rank of EP `ep` holds (0 for a dense layer): the parameters
-    reduced and ZeRO-partitioned over the expert-data-parallel group (DP / EP ranks) instead of DP."""
+    reduced and ZeRO-partitioned over the expert-data-parallel group (TP x DP / EP ranks) instead of DP."""
     experts = config.experts_in_layer(layer_number)
     return 0 if experts == 1 else experts // ep * mlp_parameters(config)
 
@@ -111,7 +111,7 @@ class StageParameters:
     final_norm: int
     output_head: int
     first_layer: int = 1     # the global number (1-based) of the stage's first layer
-    experts: int = 0         # of `layers`, the MoE experts this device holds (reduced over DP / EP ranks)
+    experts: int = 0         # of `layers`, the MoE experts this device holds (reduced over TP x DP / EP ranks)
 
     @property
     def total(self) -> int:

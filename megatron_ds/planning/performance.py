@@ -48,7 +48,7 @@ def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) 
 
 
 def _optimizer_step_bytes(model: ModelSpec, layout: Layout, stage: StageParameters) -> float:
-    """The device's ZeRO shard: non-expert parameters over DP, experts over DP / EP."""
+    """The device's ZeRO shard: non-expert parameters over DP, experts over TP x DP / EP."""
     zero = layout.zero_stage >= 1
     shard = (stage.non_expert / (layout.dp if zero else 1)
              + stage.experts / (expert_data_parallel_size(model, layout) if zero else 1))

@@ -37,7 +37,7 @@ def _parameter_lines(parameters, moe=None):
         lines.append(f"  MoE: {len(moe['moe_layers'])} layers (every {moe['expert_interval']}), "
                      f"{_values(moe['experts'])} experts of {moe['parameters_per_expert']:,} parameters; EP "
                      f"{moe['expert_parallel_size']}: {_values(moe['experts_per_rank'])} experts per rank and "
-                     f"layer; expert states sharded over {moe['expert_data_parallel_size']} (DP / EP) ranks")
+                     f"layer; expert states sharded over {moe['expert_data_parallel_size']} (TP x DP / EP) ranks")
         lines.append("  stages  layers  stage total (all TP/EP ranks) per device     "
                      "(embedding / layers (of which experts) / norm / head)")
     else:

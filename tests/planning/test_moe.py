@@ -325,7 +325,8 @@ def test_expert_parallel_groups_cross_nodes_beyond_a_node():
 
     assert not links(1, 16, 8).expert_spans_nodes and links(1, 16, 8).expert == 20e9
     assert links(1, 16, 16).expert_spans_nodes and links(1, 16, 16).expert == 1.25e9
-    assert links(2, 8, 8).expert_spans_nodes
+    assert not links(2, 8, 8).expert_spans_nodes  # 8 consecutive ranks (across TP) in an 8-device node
+    assert links(2, 8, 16).expert_spans_nodes
 
 
 # ---------------------------------------------------------------- layout rules and the plan
@@ -334,9 +335,10 @@ def test_moe_layout_rules():
     model = case_model("gpt2_top2", ep=4)
     assert layout_errors(model, Layout(1, 1, 8, 1, 8)) == []
     assert [reason for reason, _ in layout_errors(model, Layout(1, 1, 6, 1, 6))] == [
-        "expert parallel size does not divide DP"]
-    assert [reason for reason, _ in layout_errors(model, Layout(2, 1, 4, 1, 4))] == [
-        "MoE with TP > 1 (not built yet)"]
+        "expert parallel size does not divide TP x DP"]
+    assert layout_errors(model, Layout(2, 1, 2, 1, 2)) == []  # EP 4 over TP 2 x DP 2: experts whole per rank
+    assert [reason for reason, _ in layout_errors(model, Layout(2, 1, 4, 1, 4, sequence_parallel=True))] == [
+        "MoE with sequence parallelism"]
     assert layout_errors(model, Layout(1, 2, 4, 1, 4)) == []  # MoE layers in both stages
     assert [reason for reason, _ in layout_errors(model, Layout(1, model.config.num_layers, 4, 1, 4))] == [
         "a pipeline stage without MoE layers"]
@@ -405,5 +407,6 @@ def test_search_keeps_moe_layouts_training_builds(capsys):
     status = cli.main(MOE_FLAGS + ["--search", "--json", "--top", "100"])
     search = json.loads(capsys.readouterr().out)["search"]
     assert status == 0 and search["ranked"]
-    assert all(row["tp"] == 1 and row["dp"] % 2 == 0 for row in search["ranked"])
-    assert "MoE with TP > 1 (not built yet)" in search["infeasible_by_reason"]
+    assert all((row["tp"] * row["dp"]) % 2 == 0 and not row["sequence_parallel"] for row in search["ranked"])
+    assert any(row["tp"] > 1 for row in search["ranked"])
+    assert "MoE with sequence parallelism" in search["infeasible_by_reason"]

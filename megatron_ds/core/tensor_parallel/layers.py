@@ -27,12 +27,12 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
-def _sharded_parameter(shape, dtype, partition_dim, stride=1, init_method=None, fill=None):
+def _sharded_parameter(shape, dtype, partition_dim, stride=1, init_method=None, fill=None, sharded=True):
     param = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
     if fill is not None:
         with torch.no_grad():
             param.fill_(fill)
-    param.tensor_model_parallel = True
+    param.tensor_model_parallel = sharded
     param.partition_dim = partition_dim
     param.partition_stride = stride
     if init_method is not None:
@@ -97,28 +97,33 @@ class ColumnParallelLinear(torch.nn.Module):
     gather_output: all-gather Y so every rank holds the full output; otherwise each rank keeps its
     columns (the input of a RowParallelLinear). With sequence parallelism the input is this rank's
     sequence chunk [s/t, b, h], all-gathered along the sequence first. stride > 1 interleaves several logical matrices
-    (e.g. SwiGLU's gate and up projections) so each rank gets its part of each.
+    (e.g. SwiGLU's gate and up projections) so each rank gets its part of each. tensor_parallel=False: the whole
+    matrix on this rank and no communication (an MoE expert, replicated over TP).
     """
 
     def __init__(self, input_size, output_size, *, config, init_method, bias=True, gather_output=False,
-                 stride=1, skip_bias_add=False):
+                 stride=1, skip_bias_add=False, tensor_parallel=True):
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
+        tp = get_tensor_model_parallel_world_size() if tensor_parallel else 1
         divide(output_size, tp * stride, f"ColumnParallelLinear output size (stride {stride} x TP)")
         self.output_size_per_partition = output_size // tp
-        self.sequence_parallel = getattr(config, "sequence_parallel", False)
+        self.tensor_parallel = tensor_parallel
+        self.sequence_parallel = getattr(config, "sequence_parallel", False) and tensor_parallel
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence parallelism")
         self.gather_output = gather_output
         self.stride = stride
         self.skip_bias_add = skip_bias_add
         self.weight = _sharded_parameter((self.output_size_per_partition, input_size), config.params_dtype,
-                                         partition_dim=0, stride=stride, init_method=init_method)
+                                         partition_dim=0, stride=stride, init_method=init_method,
+                                         sharded=tensor_parallel)
         self.bias = (_sharded_parameter((self.output_size_per_partition,), config.params_dtype, partition_dim=0,
-                                        stride=stride, fill=0.0) if bias else None)
+                                        stride=stride, fill=0.0, sharded=tensor_parallel) if bias else None)
 
     def forward(self, input_):
         added_bias = None if self.skip_bias_add else self.bias
+        if not self.tensor_parallel:
+            return F.linear(input_, self.weight, added_bias), (self.bias if self.skip_bias_add else None)
         output = linear_with_tensor_parallel_input(input_, self.weight, added_bias, self.sequence_parallel)
         if self.gather_output:
             output = self._full_column_order(gather_from_tensor_model_parallel_region(output))
@@ -141,27 +146,32 @@ class RowParallelLinear(torch.nn.Module):
     bias is added.
 
     input_is_parallel: the input is already split along its last dim (output of a ColumnParallelLinear).
+    tensor_parallel=False: the whole matrix on this rank and no communication (an MoE expert, replicated over TP).
     """
 
     def __init__(self, input_size, output_size, *, config, init_method, bias=True, input_is_parallel=False,
-                 skip_bias_add=False):
+                 skip_bias_add=False, tensor_parallel=True):
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
+        tp = get_tensor_model_parallel_world_size() if tensor_parallel else 1
         self.input_size_per_partition = divide(input_size, tp, "RowParallelLinear input size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = getattr(config, "sequence_parallel", False)
+        self.tensor_parallel = tensor_parallel
+        self.sequence_parallel = getattr(config, "sequence_parallel", False) and tensor_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
         self.weight = _sharded_parameter((output_size, self.input_size_per_partition), config.params_dtype,
-                                         partition_dim=1, init_method=init_method)
+                                         partition_dim=1, init_method=init_method, sharded=tensor_parallel)
         self.bias = _replicated_bias(output_size, config.params_dtype, self.sequence_parallel) if bias else None
 
     def forward(self, input_):
-        parallel_input = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        partial = F.linear(parallel_input, self.weight)
-        output = (reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
-                  else reduce_from_tensor_model_parallel_region(partial))
+        if not self.tensor_parallel:
+            output = F.linear(input_, self.weight)
+        else:
+            parallel_input = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
+            partial = F.linear(parallel_input, self.weight)
+            output = (reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
+                      else reduce_from_tensor_model_parallel_region(partial))
         if self.bias is None or self.skip_bias_add:
             return output, self.bias
         return output + self.bias, None

@@ -16,7 +16,11 @@ from megatron_ds.core.transformer.mlp import MLP
 
 
 class ExpertMLP(MLP):
-    """DeepSpeed's Experts keep only the first output of a tuple: fc2's bias is added here."""
+    """An expert: our MLP, whole on each rank (replicated over TP: DeepSpeed's MoE gives each TP rank its share
+    of the dispatched tokens). DeepSpeed's Experts keep only the first output of a tuple: fc2's bias is added."""
+
+    def __init__(self, config):
+        super().__init__(config, tensor_parallel=False)
 
     def forward(self, hidden_states):
         output, bias = super().forward(hidden_states)
@@ -79,6 +83,9 @@ class MoEMLP(deepspeed.moe.layer.MoE):
             for name, param in expert.named_parameters():
                 param.allreduce, param.group_name = False, self.expert_group_name
                 param.init_key = f"{prefix}.experts.{first + local}.{name}"
+                # each TP rank holds other experts (or other tokens' gradients): DeepSpeed's gradient norm must
+                # count them on every TP rank, not on TP rank 0 only as it does for replicated parameters
+                param.model_parallel = True
             experts.deepspeed_experts[local] = expert
 
     def forward(self, hidden_states):
