@@ -25,3 +25,17 @@ def test_train_throughput_prints_rounds_ratio_profile_and_layouts(tmp_path):
                      "pretrain.py TP=2 PP=1 (2 ranks, 1 micro-batches/iter)"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
+
+
+def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
+    command = [sys.executable, "bench/moe.py", "--ranks", "2", "--experts", "4", "--num-layers", "2",
+               "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",
+               "--iterations", "5"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for expected in ("dense  (FFN 64):", "MoE    (4 experts of FFN 32, top-2, every 2nd layer, EP 2):",
+                     "MoE / dense tokens/s:", "all-to-all share of rank 0's time:"):
+        assert expected in result.stdout, f"{expected!r} missing from:\n{result.stdout}"
+    share = float(result.stdout.split("all-to-all share of rank 0's time: ")[1].split("%")[0])
+    assert share > 0  # the profiler saw the all-to-alls
