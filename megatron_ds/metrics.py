@@ -23,6 +23,7 @@ Norms and counts cover the whole model once: parameters that every TP rank holds
 the tied embedding's copy on the last pipeline stage not at all, and pieces of a ZeRO partition on the
 data-parallel rank that owns them.
 """
+import functools
 import math
 import os
 import time
@@ -324,7 +325,9 @@ class MetricsLogger:
 
     def __init__(self, args, config, peak_tflops, engine=None):
         self.args = args
-        self.config = config
+        # model FLOPs of one sample by sequence length (one length, or the curriculum's few)
+        self.flops_per_sample = functools.lru_cache(maxsize=None)(
+            lambda seq_length: model_flops_per_iteration(config, args.padded_vocab_size, 1, seq_length))
         self.peak_tflops = peak_tflops
         self.writing = bool(args.tensorboard_dir or args.wandb_project)  # the same on every rank
         self.writers = ScalarWriters(args) if self.writing and is_logging_rank() else None
@@ -378,7 +381,7 @@ class MetricsLogger:
         if moe_loss is not None:
             self.moe_losses.append(moe_loss)
         self.tokens += batch_size * seq_length
-        self.flops += model_flops_per_iteration(self.config, args.padded_vocab_size, batch_size, seq_length)
+        self.flops += self.flops_per_sample(seq_length) * batch_size
         if iteration % args.log_interval:
             return
         iterations = len(self.losses)

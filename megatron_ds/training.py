@@ -86,16 +86,17 @@ def _mean_over_data_parallel(value):
     return value / parallel_state.get_data_parallel_world_size()
 
 
-def run_global_batch(engine, iterator, accumulation_steps, train, moe=False):
-    """One global batch; returns (lm loss, MoE auxiliary loss or None without MoE (moe: the model has MoE
-    layers)), each the mean over all micro-batches and data-parallel ranks."""
-    # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
-    AuxiliaryLossGradient.scale = loss_scale(engine) / accumulation_steps
-    experts = moe_layers(engine.module)
-    forget_auxiliary_losses(experts)
+def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
+    """One global batch; returns (lm loss, MoE auxiliary loss or None), each the mean over all micro-batches
+    and data-parallel ranks. experts: this rank's MoE layers (moe_layers(engine.module), possibly none on this
+    stage) when the model is an MoE and its auxiliary loss is wanted, else None."""
+    if experts is not None:
+        # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
+        AuxiliaryLossGradient.scale = loss_scale(engine) / accumulation_steps
+        forget_auxiliary_losses(experts)
     if isinstance(engine, deepspeed.PipelineEngine):
         loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
-        return loss.item(), _moe_loss(experts) if moe else None
+        return loss.item(), None if experts is None else _moe_loss(experts)
     total = torch.zeros((), device=device())
     for _ in range(accumulation_steps):
         inputs, labels = next(iterator)
@@ -108,7 +109,7 @@ def run_global_batch(engine, iterator, accumulation_steps, train, moe=False):
             with torch.no_grad():
                 loss = engine(*inputs, labels=labels)
         total += loss.detach()
-    return _mean_over_data_parallel(total / accumulation_steps).item(), _moe_loss(experts) if moe else None
+    return _mean_over_data_parallel(total / accumulation_steps).item(), None if experts is None else _moe_loss(experts)
 
 
 def _moe_loss(experts):
@@ -150,6 +151,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
                                     curriculum)
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
+    experts = moe_layers(engine.module) if args.moe else None
     profiler = IterationProfiler(args, dist.get_rank())
     engine.train()
     if checkpoints is not None:
@@ -168,8 +170,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         engine.lr_scheduler.seq_length = seq_length  # its token count
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
-        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True,
-                                          moe=max(args.num_experts) > 1)
+        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True, experts=experts)
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
@@ -285,7 +286,7 @@ def pretrain(argv=None, start_time=None):
 def _pretrain(args, watchdog, start_time=None):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    if max(args.num_experts) > 1:
+    if args.moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size)
         use_gloo_token_gather()
     _log_placement(args)

@@ -195,7 +195,7 @@ def zero_stage_errors(args):
                 f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports only ZeRO "
                 f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
                 f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"]
-    if args.zero_stage == 3 and max(args.num_experts) > 1:
+    if args.zero_stage == 3 and args.moe:
         return [f"--zero-stage 3 with --num-experts {' '.join(map(str, args.num_experts))}: DeepSpeed's ZeRO-3 does "
                 f"not shard MoE experts; use --zero-stage 0, 1 or 2"]
     return []
@@ -317,18 +317,19 @@ def moe_errors(args):
     """Mixture of Experts (--num-experts > 1): the counts, the expert-parallel size against the experts and
     the data-parallel size, and the layouts not built yet, each by name."""
     counts, ep = args.num_experts, args.moe_expert_parallel_size
-    if max(counts) <= 1:
-        return [f"--num-experts {' '.join(map(str, counts))}: counts must be >= 1"] if min(counts) < 1 else []
+    flag = f"--num-experts {' '.join(map(str, counts))}"
+    if not args.moe:
+        return [f"{flag}: counts must be >= 1"] if min(counts) < 1 else []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     moe_layers = args.num_layers // args.expert_interval if args.expert_interval > 0 else 0
     errors = []
     if args.expert_interval < 1:
         errors.append(f"--expert-interval {args.expert_interval} must be >= 1")
     elif len(counts) not in (1, moe_layers):
-        errors.append(f"--num-experts {' '.join(map(str, counts))}: give one count, or one per MoE layer "
+        errors.append(f"{flag}: give one count, or one per MoE layer "
                       f"({moe_layers}: --num-layers {args.num_layers} / --expert-interval {args.expert_interval})")
     if min(counts) < 1 or ep < 1:
-        return errors + [f"--num-experts {' '.join(map(str, counts))} and --moe-expert-parallel-size {ep} must be "
+        return errors + [f"{flag} and --moe-expert-parallel-size {ep} must be "
                          f">= 1"]
     errors += [f"--num-experts {count} is not divisible by --moe-expert-parallel-size {ep} (each expert-parallel "
                f"rank holds the same number of experts)" for count in sorted(set(counts)) if count > 1 and count % ep]
@@ -336,17 +337,17 @@ def moe_errors(args):
         errors.append(f"--moe-expert-parallel-size {ep} does not divide the {args.world_size // pp} ranks of a "
                       f"pipeline stage (TP x DP = world size {args.world_size} / PP {pp}): the experts are spread "
                       f"over consecutive runs of them")
-    if not 1 <= args.topk <= min(count for count in counts if count > 1):
-        errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer "
-                      f"({min(count for count in counts if count > 1)})")
+    fewest = min(count for count in counts if count > 1)
+    if not 1 <= args.topk <= fewest:
+        errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer ({fewest})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
     if args.enable_expert_tensor_parallelism:
-        errors.append(f"--num-experts {' '.join(map(str, counts))} with --enable-expert-tensor-parallelism: experts "
+        errors.append(f"{flag} with --enable-expert-tensor-parallelism: experts "
                       f"sharded over TP are not built yet; without the flag each expert is whole on its rank and the "
                       f"TP ranks share the tokens")
     if args.sequence_parallel:
-        errors.append(f"--num-experts {' '.join(map(str, counts))} with --sequence-parallel: DeepSpeed's MoE splits "
+        errors.append(f"{flag} with --sequence-parallel: DeepSpeed's MoE splits "
                       f"replicated tokens over the TP ranks, and with sequence parallelism each TP rank holds other "
                       f"tokens; drop --sequence-parallel")
     return errors + _stages_without_experts(args)
@@ -357,7 +358,7 @@ def moe_capacity_errors(args):
     the capacity must be a multiple of TP. It is max(ceil(tokens / experts x factor x k'), --moe-min-capacity)
     for a micro-batch's tokens (k' = 1 for top-1, 2 for top-2, k above), DeepSpeed's formula."""
     tp = args.tensor_model_parallel_size
-    if tp == 1 or not args.moe_token_dropping or max(args.num_experts) <= 1:
+    if tp == 1 or not args.moe_token_dropping or not args.moe:
         return []
     tokens, k = args.micro_batch_size * args.seq_length, max(args.topk, 1)
     errors = []

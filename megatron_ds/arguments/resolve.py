@@ -6,7 +6,7 @@ function named here, and the checks in `checks.py` only read:
   1. size_errors              sizes and counts that must be positive (stop here if any is not);
                               schedule_errors: one of --train-iters / --train-samples, LR flags in its unit
   2. model_defaults           aliases (RoPE, recompute, flash attention, tokenizer names), positions, key/value
-                              heads, FFN width, tokenizer type, LR schedule lengths
+                              heads, FFN width, tokenizer type, LR schedule lengths, whether it is an MoE
   3. flag checks              layout, model, activation memory, optimization, checkpoint,
                               Megatron-DeepSpeed values and features not built here (+ data files*)
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
@@ -119,7 +119,8 @@ def model_defaults(args):
               "ffn_hidden_size": _given(args.ffn_hidden_size, default_ffn_hidden_size(args.hidden_size, args.swiglu)),
               "lr_decay_iters": _given(args.lr_decay_iters, args.train_iters),
               "lr_decay_samples": _given(args.lr_decay_samples, args.train_samples),
-              "tokenizer_type": tokenizer_type(args)}
+              "tokenizer_type": tokenizer_type(args),
+              "moe": max(args.num_experts) > 1}  # a Mixture of Experts (--num-experts above 1)
     if args.use_rotary_position_embeddings:
         values["position_embedding_type"] = "rope"
     if args.recompute_activations and args.recompute_granularity is None:

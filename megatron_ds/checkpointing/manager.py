@@ -198,7 +198,7 @@ class CheckpointManager:
                 "data_parallel_size": args.data_parallel_size, "world_size": args.world_size,
                 "zero_stage": args.zero_stage, "precision": str(args.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain",
-                "expert_parallel_size": args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1,
+                "expert_parallel_size": args.moe_expert_parallel_size if args.moe else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
