@@ -1,4 +1,4 @@
-"""Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage).
+"""Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage), Mixture of Experts included.
 
 The incremental forward reuses the model's own modules (norms, QKV and projection linears, rotary
 embedding, MLP, head): per step only the new tokens go through the layers, their keys and values (per
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ds.checkpointing import layout
@@ -20,6 +21,7 @@ from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
 from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron_ds.core.transformer.moe import forget_auxiliary_losses, moe_layers
 from megatron_ds.core.transformer.rotary import apply_rotary
 
 
@@ -48,10 +50,12 @@ def inference_args(saved_args):
     return args
 
 
-def build_model(full: FullState):
-    """GPTModel for this process's TP rank (PP 1), holding full's weights; eval mode."""
+def build_model(full: FullState, expert_parallel_size=1):
+    """GPTModel for this process's TP rank (PP 1), holding full's weights; eval mode. A Mixture of Experts needs
+    its expert-parallel groups made first (see setup_expert_parallel)."""
     from megatron_ds.arguments import transformer_config_from_args
     args = inference_args(full.args)
+    args.moe_expert_parallel_size = expert_parallel_size
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
     if rows % tp:  # more padding rows so the vocabulary splits (they are masked when sampling)
@@ -62,9 +66,25 @@ def build_model(full: FullState):
     model = GPTModel(config, rows, args.max_position_embeddings, not args.untie_embeddings_and_output_weights)
     shard = rank_state_of(full, tp, 1, parallel_state.get_tensor_model_parallel_rank(), 0)
     with torch.no_grad():
-        for local, param in model.named_parameters():
-            param.copy_(shard.weights[layout.canonical_name(local, config.num_layers, False)].to(param.dtype))
+        for name, param in layout.live_parameter_names(model, config.num_layers, False):
+            param.copy_(shard.weights[name].to(param.dtype))
+    for layer in moe_layers(model):
+        if dist.is_initialized():
+            layer.set_deepspeed_parallelism()  # hands the layer its expert-parallel group
     return model.eval()
+
+
+def setup_expert_parallel(expert_parallel_size):
+    """What pretrain.py's engine does for DeepSpeed's MoE layers, for generation without one: the expert-parallel
+    groups (the data-parallel ranks, all generating the same tokens, exchange them in the all-to-alls), our model
+    parallel unit for the TP token split, and the gloo token gather."""
+    import deepspeed
+
+    from megatron_ds.glue.moe_token_gather import use_gloo_token_gather
+    from megatron_ds.glue.mpu import ModelParallelUnit
+    parallel_state.initialize_expert_parallel(expert_parallel_size)
+    deepspeed.utils.groups.mpu = ModelParallelUnit()
+    use_gloo_token_gather()
 
 
 class KVCache:
@@ -147,7 +167,9 @@ def generate(model: GPTModel, prompt_ids, params: SamplingParams, vocab_size, eo
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generated = []
+    experts = moe_layers(model)
     for _ in range(params.max_new_tokens):
+        forget_auxiliary_losses(experts)  # only training reads them
         if max_length is not None and cache.length + tokens.size(1) > max_length:
             break
         logits = forward_step(model, tokens, cache)[0, -1].cpu()

@@ -3,7 +3,7 @@ sampling is the same computation at every expert-parallel size and pipeline spli
 EP 1 and 2 at PP 2 x DP 2 (MoE layers inside DeepSpeed's pipeline stages) and EP 1, 2 and 4 at TP 2 x DP 2 give
 the same lm and moe losses;
 bf16 (DeepSpeed's BF16_Optimizer with its expert parameter groups) tracks fp32; a run saved at PP 2 x DP 2 x EP 2
-resumes bitwise, and another layout is refused by name."""
+resumes bitwise, and at EP 1 or reshaped to TP 2 it trains on with the same losses."""
 import re
 
 import pytest
@@ -28,9 +28,9 @@ def _run(ep, *flags):
     return _runs[key]
 
 
-def _losses(output):
+def _losses(output, iterations=range(1, ITERATIONS + 1)):
     lm, moe = losses(output), {int(i): float(loss) for i, loss in MOE_LOSS.findall(output)}
-    assert sorted(lm) == sorted(moe) == list(range(1, ITERATIONS + 1)), output[-3000:]
+    assert sorted(lm) == sorted(moe) == list(iterations), output[-3000:]
     return lm, moe
 
 
@@ -86,18 +86,30 @@ def test_bf16_tracks_fp32():
         assert observed[iteration] == pytest.approx(loss, rel=2e-2), (iteration, observed, expected)
 
 
-def test_resume_at_pp2_ep2_is_bitwise_and_another_layout_is_refused(tmp_path):
-    save = ["--save", str(tmp_path), "--save-interval", "5", *PIPELINE]
+def test_resume_at_pp2_ep2_is_bitwise_and_other_layouts_train_on(tmp_path):
+    """Saved at PP 2 x DP 2 x EP 2 (DeepSpeed's expert files): resumed there, bitwise; resumed at EP 1, and
+    reshaped by tools/convert_checkpoint.py to TP 2 x PP 1 then resumed at EP 2, the same losses within 1e-5."""
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5", *PIPELINE]
     first = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--exit-interval", "5", *save])
     assert first.returncode == 0, first.stdout[-4000:]
-    resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path), *save])
+    resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path / "ckpt"), *save])
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "resuming at iteration 5" in resumed.stdout, resumed.stdout[-4000:]
     straight_lm, straight_moe = _losses(_run(2, *PIPELINE))
     lm, moe = losses(first.stdout), {int(i): float(x) for i, x in MOE_LOSS.findall(first.stdout + resumed.stdout)}
     lm.update(losses(resumed.stdout))
     assert lm == straight_lm and moe == straight_moe
-    other = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "1", "--load", str(tmp_path), *PIPELINE])
-    assert other.returncode != 0
-    assert "holds a Mixture of Experts saved with expert_parallel_size 2 (this run: 1)" in other.stdout, \
-        other.stdout[-4000:]
+
+    from megatron_ds.conversion.cli import main as convert
+    assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp2"), "--target-tensor-parallel-size",
+                    "2", "--target-pipeline-model-parallel-size", "1", "--target-expert-parallel-size", "2"]) == 0
+    for flags in (["--moe-expert-parallel-size", "1", "--load", str(tmp_path / "ckpt"), "--load-iteration", "5",
+                   *PIPELINE],
+                  ["--moe-expert-parallel-size", "2", "--load", str(tmp_path / "tp2"), *TENSOR]):
+        other = launch(4, COMMON + MOE + flags)
+        assert other.returncode == 0 and "resuming at iteration 5" in other.stdout, other.stdout[-4000:]
+        other_lm, other_moe = _losses(other.stdout, range(6, ITERATIONS + 1))
+        for iteration in other_lm:
+            assert other_lm[iteration] == pytest.approx(lm[iteration], rel=1e-5, abs=0), (flags, other_lm, lm)
+            assert other_moe[iteration] == pytest.approx(moe[iteration], rel=1e-5, abs=0), (flags, other_moe, moe)
+

@@ -1,10 +1,12 @@
 """Generate text from a megatron_ds checkpoint (any saved layout) or a Hugging Face model folder, with a KV
 cache; greedy unless --temperature > 0. Tensor parallelism: launch it like pretrain.py, TP = the number
-of ranks (one pipeline stage).
+of ranks (one pipeline stage); a Mixture of Experts can also split its experts over
+--moe-expert-parallel-size ranks (TP = ranks / that).
 
     python tools/generate.py --load ckpt --prompt "Once upon a time" --max-new-tokens 32
     torchrun --nproc_per_node 2 tools/generate.py --load ckpt --prompt-ids 5,17,42 --output-format json
     python tools/generate.py --hf hf_model --prompt-file prompts.txt --temperature 0.8 --top-p 0.9 --seed 7
+    torchrun --nproc_per_node 4 tools/generate.py --load moe_ckpt --moe-expert-parallel-size 2 --prompt-ids 5,17
 """
 import argparse
 import json
@@ -24,7 +26,7 @@ from megatron_ds.checkpointing import CheckpointError  # noqa: E402
 from megatron_ds.conversion import convert  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron_ds.generation import SamplingParams, build_model, generate  # noqa: E402
+from megatron_ds.generation import SamplingParams, build_model, generate, setup_expert_parallel  # noqa: E402
 
 
 class _AppendPrompt(argparse.Action):
@@ -39,7 +41,7 @@ def build_parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="our checkpoint folder")
-    source.add_argument("--hf", help="a Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM)")
+    source.add_argument("--hf", help="a Hugging Face model folder (GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM)")
     parser.add_argument("--load-iteration", default=None)
     parser.add_argument("--prompt", action=_AppendPrompt, const="text", dest="prompts", default=[],
                         help="a prompt (repeatable)")
@@ -54,20 +56,39 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--ignore-eod", action="store_true", help="do not stop at the end-of-document token")
     parser.add_argument("--output-format", choices=["text", "json"], default="text")
+    parser.add_argument("--moe-expert-parallel-size", type=int, default=1,
+                        help="Mixture of Experts: split the experts over this many ranks (TP = ranks / this)")
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                         help="set by the deepspeed launcher")
     return parser
 
 
-def _init_parallel():
-    """TP = world size when launched (torchrun, deepspeed, mpirun, srun); a single process needs no process group."""
+def _init_parallel(expert_parallel_size):
+    """TP = world size / expert-parallel size when launched (torchrun, deepspeed, mpirun, srun); a single process
+    needs no process group. Returns TP."""
     from megatron_ds.glue.launcher_env import launcher_world_size
     world = launcher_world_size()
+    if expert_parallel_size < 1 or world % expert_parallel_size:
+        raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size} does not divide the {world} ranks")
     if world > 1:
         from megatron_ds.glue.runtime import init_distributed
         init_distributed()
-        parallel_state.initialize_model_parallel(world, 1)
-    return world
+        parallel_state.initialize_model_parallel(world // expert_parallel_size, 1)
+    return world // expert_parallel_size
+
+
+def _check_experts(full_args, expert_parallel_size):
+    from megatron_ds.checkpointing import files
+    shape = files.model_shape(full_args)
+    if not files.is_moe(shape):
+        if expert_parallel_size != 1:
+            raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size}: the model has no experts")
+        return False
+    uneven = sorted({count for count in shape["num_experts"] if count % expert_parallel_size})
+    if uneven:
+        raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size} does not divide the experts of the "
+                         f"model's MoE layers ({', '.join(map(str, uneven))})")
+    return True
 
 
 def _tokenizer(model_args):
@@ -108,20 +129,23 @@ def _completion(tokenizer, prompt_ids, generated):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    world = _init_parallel()
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
+        tp = _init_parallel(args.moe_expert_parallel_size)
         if args.hf:
-            full = convert.read_hf(args.hf, tp=world)
+            full = convert.read_hf(args.hf, tp=tp)
         else:
             full, _ = convert.load_full(args.load, args.load_iteration, with_optimizer=False)
+        experts = _check_experts(full.args, args.moe_expert_parallel_size)
         tokenizer = _tokenizer(full.args)
         prompts = _prompts(args, tokenizer)
     except (CheckpointError, ValueError) as error:
         print(f"generate: error: {error}", file=sys.stderr, flush=True)
         return 2
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if experts and dist.is_initialized():
+        setup_expert_parallel(args.moe_expert_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
-    model = build_model(full)
+    model = build_model(full, args.moe_expert_parallel_size)
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, not args.ignore_eod)
     vocab_size = full.args["vocab_size"]
     learned_positions = full.args.get("position_embedding_type", "learned_absolute") == "learned_absolute"

@@ -14,10 +14,17 @@ Canonical names follow Megatron-Core's GPTModel:
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                                          [padded vocab, h] (untied head only), rows
 
+Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on each TP rank):
+    decoder.layers.{i}.mlp.experts.{e}.linear_fc1/linear_fc2.{weight,bias}   expert e by its global index
+    decoder.layers.{i}.mlp.deepspeed_moe.gate.wg.weight          the router [experts, h]
+    decoder.layers.{i}.mlp.mlp.*, decoder.layers.{i}.mlp.coefficient.*   PR-MoE's residual MLP and its mix
+
 The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
 `output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,
 1..L transformer layers, L+1 final norm, L+2 untied head) and `tied_modules.embedding.` for the
-embedding shared by the first and last stages.
+embedding shared by the first and last stages. DeepSpeed names an expert
+`...mlp.deepspeed_moe.experts.deepspeed_experts.{index}.`: the local index on the rank, the global one in its
+expert checkpoint files.
 """
 import re
 
@@ -27,14 +34,39 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_DEEPSPEED_EXPERT = re.compile(r"\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
 
 
 class LayoutError(ValueError):
     """A name or shape that does not fit the model; the message is meant for the user."""
 
 
-def canonical_name(local_name, num_layers, pipelined):
-    """The canonical name of a live module's parameter (see the module docstring)."""
+def canonical_name(local_name, num_layers, pipelined, first_expert=0):
+    """The canonical name of a live module's parameter (see the module docstring); an expert's index is
+    DeepSpeed's plus first_expert (the global index of the rank's first local expert in that layer)."""
+    name = _canonical_module_name(local_name, num_layers, pipelined)
+    return _DEEPSPEED_EXPERT.sub(lambda match: f".mlp.experts.{first_expert + int(match.group(1))}.", name)
+
+
+def deepspeed_expert_index(local_name):
+    """DeepSpeed's index of the expert holding this parameter, None for any other parameter."""
+    match = _DEEPSPEED_EXPERT.search(local_name)
+    return int(match.group(1)) if match else None
+
+
+def is_expert_parameter(name):
+    """An expert's parameter, by canonical or DeepSpeed name."""
+    return ".mlp.experts." in name or _DEEPSPEED_EXPERT.search(name) is not None
+
+
+def live_parameter_names(module, num_layers, pipelined):
+    """[(canonical name, parameter)] of a live model. An expert carries its canonical name as `init_key` (see
+    core/transformer/moe.py): only the module knows which experts its expert-parallel rank holds."""
+    return [(getattr(param, "init_key", None) or canonical_name(local, num_layers, pipelined), param)
+            for local, param in module.named_parameters()]
+
+
+def _canonical_module_name(local_name, num_layers, pipelined):
     if not pipelined:
         if local_name.startswith("embedding."):
             return local_name

@@ -9,9 +9,10 @@ DIR/global_stepN and then replaces the pointers `latest_checkpointed_iteration.t
 killed at any point leaves the previous checkpoint published (see files.py).
 
 A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape,
-same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel size,
-ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters,
-fp32 master weights and Adam moments are read in canonical names and placed into the engine directly.
+same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel or
+expert-parallel size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this
+rank's parameters (its experts among them), fp32 master weights and Adam moments are read in canonical names
+and placed into the engine directly.
 The LR schedule is decided before anything loads (a disagreement with the flags stops there; see
 _lr_schedule_to_resume) and set after the optimizer states, which carry the saved LR. The RNG states
 are restored right before the first iteration, so the resumed run repeats the uninterrupted one bit for
@@ -53,6 +54,16 @@ def _print_rank_0(message):
 def _coordinates():
     return {"rank": dist.get_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
             "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank()}
+
+
+def _expert_coordinates(args):
+    """An MoE run's expert-parallel rank ("ep": which experts this rank holds) and expert-data-parallel rank
+    ("edp": its share of their ZeRO partitions), as DeepSpeed's groups have them; {} for a dense model."""
+    if not args.moe:
+        return {}
+    from deepspeed.utils import groups
+    name = parallel_state.expert_group_name(args.moe_expert_parallel_size)
+    return {"ep": groups._get_expert_parallel_rank(name), "edp": groups._get_expert_data_parallel_rank(name)}
 
 
 # --- exit on a signal -------------------------------------------------------------------------------
@@ -208,7 +219,8 @@ class CheckpointManager:
         if parallel_state.get_data_parallel_rank() == 0:
             names = {id(param): name for name, param in self.engine.module.named_parameters()}
             groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
-        entry = {**_coordinates(), "mp_rank": self.engine.checkpoint_mp_rank, "param_groups": groups}
+        entry = {**_coordinates(), **_expert_coordinates(self.args), "mp_rank": self.engine.checkpoint_mp_rank,
+                 "param_groups": groups}
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, entry)
         return entries
@@ -326,7 +338,6 @@ class CheckpointManager:
         if differences:
             raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
                                   + "\n  - ".join(differences))
-        self._check_experts_resume_in_place(path, metadata)
         if (saved_tp, saved_pp) != (tp, pp):
             target = f"{args.load.rstrip('/')}_tp{tp}_pp{pp}"
             raise CheckpointError(
@@ -342,28 +353,13 @@ class CheckpointManager:
         keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size")
         return metadata["format"] == files.FORMAT_DEEPSPEED and all(saved.get(k) == ours[k] for k in keys)
 
-    def _check_experts_resume_in_place(self, path, metadata):
-        """Expert shards are DeepSpeed's own files (one per layer and global expert); only its load_checkpoint
-        reads them, at the layout they were saved at."""
-        if not files.is_moe(files.model_shape(metadata["args"])) or self._same_deepspeed_layout(metadata):
-            return
-        saved, ours = {"expert_parallel_size": 1, **metadata["layout"]}, self._layout()
-        described = ", ".join(f"{key} {saved.get(key)} (this run: {ours[key]})" for key in
-                              ("data_parallel_size", "expert_parallel_size", "zero_stage", "precision", "optimizer")
-                              if saved.get(key) != ours[key])
-        raise CheckpointError(f"checkpoint {path} holds a Mixture of Experts saved with {described}: an MoE "
-                              f"checkpoint resumes only at the layout it was saved at so far (same --tensor-model-"
-                              f"parallel-size, --pipeline-model-parallel-size, data-parallel size, "
-                              f"--moe-expert-parallel-size, ZeRO stage and precision)")
-
     def _place_rank_state(self, state, load_optimizer):
         """Copy this rank's weights (and fp32 master weights and Adam moments) into the engine."""
         num_layers = self.args.num_layers
         names = {}
         problems = []
         with torch.no_grad():
-            for local, param in self.engine.module.named_parameters():
-                name = layout.canonical_name(local, num_layers, self.pipelined)
+            for name, param in layout.live_parameter_names(self.engine.module, num_layers, self.pipelined):
                 names[id(param)] = name
                 tensor = state.weights.get(name)
                 if tensor is None:

@@ -7,6 +7,7 @@ optimizers keep them as flat fp32 partitions, one per data-parallel rank and par
 partitions of a group are concatenated, then cut at the parameter boundaries recorded in
 `param_shapes` (DeepSpeed's own zero_to_fp32 recipe), so any data-parallel size can be read.
 """
+import glob
 import math
 import os
 from dataclasses import dataclass, field
@@ -55,12 +56,6 @@ def _rank_entry(metadata, tp_rank, pp_rank):
 
 def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
     """RankState of (tp_rank, pp_rank) from the checkpoint folder `path`, either format."""
-    shape = files.model_shape(metadata["args"])
-    if files.is_moe(shape):
-        raise CheckpointError(f"checkpoint {path} holds a Mixture of Experts (--num-experts "
-                              f"{' '.join(map(str, shape['num_experts']))}): reading it by canonical names "
-                              f"(another layout, tools/convert_checkpoint.py, --to-hf, tools/generate.py) is not "
-                              f"built yet; resume it with pretrain.py at the layout it was saved at")
     if metadata["format"] == files.FORMAT_SHARDED:
         data = load_file(os.path.join(path, files.sharded_file_name(tp_rank, pp_rank)))
         optimizer = data.get("optimizer") if with_optimizer else None
@@ -74,19 +69,16 @@ def _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer):
     entry = _rank_entry(metadata, tp_rank, pp_rank)
     num_layers = metadata["args"]["num_layers"]
     pipelined = _layout(metadata)["engine"] == "pipeline"
-    local_names = [name for group in entry["param_groups"] for name in group]
-    mp_file = os.path.join(path, f"mp_rank_{entry['mp_rank']:02d}_model_states.pt")
-    mp_state = load_file(mp_file)
-    if pipelined:
-        local_weights = {}
-        indices = sorted({0 if name.startswith("tied_modules.") else int(name.split(".")[0]) for name in local_names})
-        for index in indices:
-            layer_file = os.path.join(path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
-            for key, value in load_file(layer_file).items():
-                local_weights[f"{index}.{key}"] = value
-        weights = {layout.canonical_name(name, num_layers, True): value for name, value in local_weights.items()}
+    moe = files.is_moe(files.model_shape(metadata["args"]))
+    mp_state = load_file(os.path.join(path, f"mp_rank_{entry['mp_rank']:02d}_model_states.pt"))
+    if pipelined and not moe:  # DeepSpeed's MoE save keeps a pipeline's weights in the mp_rank file instead
+        local_weights = _read_pipeline_layer_files(path, entry, tp_rank)
     else:
-        weights = {layout.canonical_name(name, num_layers, False): value for name, value in mp_state["module"].items()}
+        local_weights = mp_state["module"]
+    weights = {layout.canonical_name(name, num_layers, pipelined): value for name, value in local_weights.items()
+               if not layout.is_expert_parameter(name)}
+    if moe:
+        weights.update(_read_expert_files(path, metadata, pp_rank, num_layers, pipelined))
     state = RankState(weights)
     if with_optimizer:
         state.optimizer, state.optimizer_step = _read_deepspeed_optimizer(path, metadata, entry, mp_state,
@@ -94,36 +86,125 @@ def _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer):
     return state
 
 
+def _read_pipeline_layer_files(path, entry, tp_rank):
+    """PipelineModule's layer files: {`{index}.name`: tensor} for the layers of this rank's stage."""
+    local_names = [name for group in entry["param_groups"] for name in group]
+    indices = sorted({0 if name.startswith("tied_modules.") else int(name.split(".")[0]) for name in local_names})
+    weights = {}
+    for index in indices:
+        for key, value in load_file(os.path.join(path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")).items():
+            weights[f"{index}.{key}"] = value
+    return weights
+
+
+def _stage_entries(metadata, pp_rank):
+    return [entry for entry in metadata["ranks"] if entry["pp"] == pp_rank]
+
+
+def _read_expert_files(path, metadata, pp_rank, num_layers, pipelined):
+    """Every expert of the stage's MoE layers by canonical name. DeepSpeed writes one file per MoE layer of the
+    stage and global expert, `layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt`, keyed by the global index;
+    at TP > 1 the TP ranks hold different experts, so the files of every mp_rank of the stage are read."""
+    weights = {}
+    for mp_rank in sorted({entry["mp_rank"] for entry in _stage_entries(metadata, pp_rank)}):
+        for file_path in sorted(glob.glob(os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"))):
+            for name, value in load_file(file_path).items():
+                weights[layout.canonical_name(name, num_layers, pipelined)] = value
+    return weights
+
+
 def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_layers, pipelined):
     lay = _layout(metadata)
     canonical = lambda local: layout.canonical_name(local, num_layers, pipelined)  # noqa: E731
+    moe = files.is_moe(files.model_shape(metadata["args"]))
     if lay["zero_stage"] == 0:
+        if moe:
+            raise CheckpointError("reading the optimizer states of a Mixture of Experts saved without ZeRO (DeepSpeed's "
+                                  "expp_rank_* files) is not supported; save with ZeRO stage 1 or 2, or convert with "
+                                  "--no-optim")
         return _read_plain_optimizer(mp_state, entry, weights, canonical)
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
-    prefix = "bf16_" if lay.get("precision") == "bfloat16" else ""  # DeepSpeed's name for bf16 ZeRO files
-    partitions = []
-    for dp_rank in range(lay["data_parallel_size"]):
-        name = f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{entry['mp_rank']:02d}_optim_states.pt"
-        partitions.append(load_file(os.path.join(path, name))["optimizer_state_dict"])
-    shapes_per_group = mp_state["param_shapes"]
-    alignment = partitions[0].get("param_alignment_paddings")
+    partitions = _ZeroPartitions(path, lay, entry["pp"])
+    data_parallel = [(dp, entry["mp_rank"]) for dp in range(lay["data_parallel_size"])]
     optimizer, step = {}, None
-    for group, shapes in enumerate(shapes_per_group):
+    for group, shapes in enumerate(mp_state["param_shapes"]):
+        if any(layout.is_expert_parameter(name) for name in shapes):
+            owners = _expert_owners(metadata, entry["pp"], shapes, num_layers, pipelined)
+        else:
+            owners = [(data_parallel, canonical)]
+        for ranks, name_of in owners:
+            cut = partitions.cut(group, ranks, shapes)
+            if cut is None:
+                return None, None  # saved before the first optimizer step
+            group_states, step = cut
+            optimizer.update({name_of(local): value for local, value in group_states.items()})
+    return optimizer, step
+
+
+def _expert_owners(metadata, pp_rank, shapes, num_layers, pipelined):
+    """[(ranks, canonical name of a local name)] for an expert parameter group of the stage: per expert-parallel
+    rank, the (dp, mp_rank) of its expert-data-parallel ranks in order (their ZeRO partitions concatenate to
+    the flat of the experts it holds), and the naming of its local experts by their global index."""
+    entries = _stage_entries(metadata, pp_rank)
+    if any("ep" not in entry for entry in entries):
+        raise CheckpointError("the checkpoint's metadata has no expert-parallel ranks (saved before megatron_ds "
+                              "recorded them); convert it with --no-optim")
+    local_experts = {}  # layer -> how many experts each rank holds
+    for name in shapes:
+        index = layout.deepspeed_expert_index(name)
+        if index is not None:
+            layer = layout.layer_index(layout.canonical_name(name, num_layers, pipelined))
+            local_experts[layer] = max(local_experts.get(layer, 0), index + 1)
+
+    def naming(ep_rank):
+        def name_of(local):
+            name = layout.canonical_name(local, num_layers, pipelined)
+            layer = layout.layer_index(name)
+            return layout.canonical_name(local, num_layers, pipelined, first_expert=ep_rank * local_experts[layer]) \
+                if layout.deepspeed_expert_index(local) is not None else name
+        return name_of
+
+    owners = []
+    for ep_rank in sorted({entry["ep"] for entry in entries}):
+        members = sorted((entry for entry in entries if entry["ep"] == ep_rank), key=lambda entry: entry["edp"])
+        owners.append(([(entry["dp"], entry["mp_rank"]) for entry in members], naming(ep_rank)))
+    return owners
+
+
+class _ZeroPartitions:
+    """DeepSpeed's ZeRO-1/2 (or BF16 optimizer) files of one pipeline stage, read once each: a parameter group's
+    flat fp32 partitions and Adam moments concatenated over the ranks that share it, cut at the parameters."""
+
+    def __init__(self, path, lay, pp_rank):
+        self.path, self.pp_rank = path, pp_rank
+        self.prefix = "bf16_" if lay.get("precision") == "bfloat16" else ""  # DeepSpeed's name for bf16 ZeRO files
+        self.loaded = {}
+
+    def _partition(self, dp_rank, mp_rank):
+        key = (dp_rank, mp_rank)
+        if key not in self.loaded:
+            name = f"{self.prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+            self.loaded[key] = load_file(os.path.join(self.path, name))["optimizer_state_dict"]
+        return self.loaded[key]
+
+    def cut(self, group, ranks, shapes):
+        """({local name: {fp32, exp_avg, exp_avg_sq}}, step) of `group` over `ranks` [(dp, mp_rank)] in partition
+        order; None before the first optimizer step."""
+        partitions = [self._partition(dp, mp) for dp, mp in ranks]
         base_states = [p["base_optimizer_state"]["state"].get(group, {}) for p in partitions]
         if not base_states[0]:
-            return None, None  # saved before the first optimizer step
+            return None
         flats = {"fp32": torch.cat([p["single_partition_of_fp32_groups"][group].detach().float() for p in partitions]),
                  "exp_avg": torch.cat([s["exp_avg"] for s in base_states]),
                  "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in base_states])}
-        step = int(base_states[0]["step"])
-        offset = 0
+        alignment = partitions[0].get("param_alignment_paddings")
+        states, offset = {}, 0
         for index, (local, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
-            optimizer[canonical(local)] = {key: flat.narrow(0, offset, numel).view(tuple(shape)).clone()
-                                           for key, flat in flats.items()}
+            states[local] = {key: flat.narrow(0, offset, numel).view(tuple(shape)).clone() for key, flat in flats.items()}
             offset += numel + (alignment[group][index] if alignment else 0)
-    return optimizer, step
+        return states, int(base_states[0]["step"])
 
 
 def _read_plain_optimizer(mp_state, entry, weights, canonical):

@@ -6,7 +6,10 @@ from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.conversion import convert
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
-from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM)."""
+from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, LLaMA
+family with experts in every layer <-> MixtralForCausalLM). A Mixture of Experts checkpoint is read at any expert-parallel
+size and written with every expert in each file (--target-expert-parallel-size checks and records the size to train
+at)."""
 EXAMPLES = """examples:
   convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 --target-tensor-parallel-size 1 \\
       --target-pipeline-model-parallel-size 2
@@ -26,6 +29,9 @@ def build_parser():
     parser.add_argument("--save", required=True, help="output folder")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--target-expert-parallel-size", type=int, default=None,
+                        help="Mixture of Experts: the --moe-expert-parallel-size to train the result with (checked "
+                             "against the experts; the files hold every expert, so any valid size loads them)")
     parser.add_argument("--no-optim", action="store_true", help="reshape: drop the optimizer states")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
@@ -41,7 +47,8 @@ def main(argv=None):
     try:
         if args.from_hf:
             convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
-                            args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by)
+                            args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by,
+                            args.target_expert_parallel_size)
         elif not args.load:
             parser.error("give --load (reshape or --to-hf) or --from-hf")
         elif args.to_hf:
@@ -50,7 +57,8 @@ def main(argv=None):
             if args.target_tensor_parallel_size is None or args.target_pipeline_model_parallel_size is None:
                 parser.error("reshaping needs --target-tensor-parallel-size and --target-pipeline-model-parallel-size")
             convert.reshape(args.load, args.save, args.target_tensor_parallel_size,
-                            args.target_pipeline_model_parallel_size, args.load_iteration, not args.no_optim)
+                            args.target_pipeline_model_parallel_size, args.load_iteration, not args.no_optim,
+                            args.target_expert_parallel_size)
     except CheckpointError as error:
         print(f"convert_checkpoint: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -29,9 +29,9 @@ def load_full(load_dir, iteration=None, with_optimizer=True):
     return full, path
 
 
-def _check_target(args, tp, pp):
+def _check_target(args, tp, pp, ep=None):
     shape = files.model_shape(args)
-    problems = []
+    problems = _expert_layout_problems(shape, pp, ep)
     for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
                         ("--num-key-value-heads", shape["num_key_value_heads"]),
                         ("--ffn-hidden-size", shape["ffn_hidden_size"])):
@@ -44,6 +44,19 @@ def _check_target(args, tp, pp):
         problems.append("target sizes must be positive")
     if problems:
         raise CheckpointError("cannot reshape to this layout:\n  - " + "\n  - ".join(problems))
+
+
+def _expert_layout_problems(shape, pp, ep):
+    from megatron_ds.core.transformer.transformer_config import stages_without_experts
+    if not files.is_moe(shape):
+        return [f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []
+    problems = [f"--num-experts {count} is not divisible by --target-expert-parallel-size {ep}"
+                for count in sorted(set(shape["num_experts"])) if ep and count % ep]
+    empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"])
+    if shape["num_layers"] % pp == 0 and empty:
+        problems.append(f"pipeline stage(s) {empty} of --target-pipeline-model-parallel-size {pp} would hold no MoE "
+                        f"layer (--expert-interval {shape['expert_interval']})")
+    return problems
 
 
 def _retarget(full, tp, pp, divisible_by=None):
@@ -68,17 +81,33 @@ def _retarget(full, tp, pp, divisible_by=None):
 
 
 def _training_hint(args, tp, pp):
-    return (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
-            f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']} (any data-parallel size)")
+    hint = (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+            f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}")
+    if not files.is_moe(files.model_shape(args)):
+        return hint + " (any data-parallel size)"
+    return (hint + f" --moe-expert-parallel-size {args.get('moe_expert_parallel_size') or 1} (each file holds every "
+            f"expert: any data-parallel size and any expert-parallel size that divides the experts and the "
+            f"data-parallel size)")
 
 
-def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True):
+def _set_expert_parallel_size(args, ep):
+    """Record the expert-parallel size the checkpoint is meant for (the files hold every expert either way)."""
+    if ep is not None:
+        args["moe_expert_parallel_size"] = ep
+
+
+def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None):
     full, path = load_full(load_dir, iteration, with_optimizer)
-    _check_target(full.args, tp, pp)
-    source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"])
+    _check_target(full.args, tp, pp, ep)
+    source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"],
+              full.args.get("moe_expert_parallel_size") or 1)
+    _set_expert_parallel_size(full.args, ep)
     _retarget(full, tp, pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path)
-    _log(f"reshaped {path} (TP {source[0]} x PP {source[1]}) to {folder} (TP {tp} x PP {pp}), iteration "
+    experts = files.is_moe(files.model_shape(full.args))
+    source_text = f"TP {source[0]} x PP {source[1]}" + (f" x EP {source[2]}" if experts else "")
+    target_text = f"TP {tp} x PP {pp}" + (f" x EP {full.args.get('moe_expert_parallel_size') or 1}" if experts else "")
+    _log(f"reshaped {path} ({source_text}) to {folder} ({target_text}), iteration "
          f"{full.iteration}, {'with' if full.optimizer is not None else 'without'} optimizer states; "
          + _training_hint(full.args, tp, pp))
     return folder
@@ -205,14 +234,17 @@ def _hf_tokenizer_args(hf_dir, base):
     return {key: base[key] for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if key in base}
 
 
-def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None):
+def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None):
     full = read_hf(hf_dir, divisible_by, tp)
-    _check_target(full.args, tp, pp)
+    _check_target(full.args, tp, pp, ep)
+    _set_expert_parallel_size(full.args, ep)
     full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
                                             source=os.path.abspath(hf_dir))
     shape = files.model_shape(full.args)
-    _log(f"wrote {folder} ({files.model_family(shape)} family, TP {tp} x PP {pp}, weights only) from {hf_dir}; "
+    layout_text = f"TP {tp} x PP {pp}" + (f" x EP {ep or 1}, {shape['num_experts'][0]} experts per layer"
+                                          if files.is_moe(shape) else "")
+    _log(f"wrote {folder} ({files.model_family(shape)} family, {layout_text}, weights only) from {hf_dir}; "
          f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
          f"{model_flags(full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
     return folder
@@ -242,4 +274,22 @@ def model_flags(args):
     if not shape["tied_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
+    if files.is_moe(shape):
+        flags.append(moe_flags(args))
+    return " ".join(flags)
+
+
+def moe_flags(args):
+    """The pretrain.py flags of args' Mixture of Experts (routing included)."""
+    shape, defaults = files.model_shape(args), flag_defaults()
+    value = lambda name: args.get(name, defaults[name])  # noqa: E731
+    flags = [f"--num-experts {' '.join(map(str, shape['num_experts']))}",
+             f"--expert-interval {shape['expert_interval']}", f"--topk {value('topk')}",
+             f"--moe-loss-coeff {value('moe_loss_coeff'):g}", f"--moe-min-capacity {value('moe_min_capacity')}"]
+    if shape["mlp_type"] != "standard":
+        flags.append(f"--mlp-type {shape['mlp_type']}")
+    if not value("moe_token_dropping"):
+        flags.append("--disable-moe-token-dropping")
+    if not value("moe_top2_2nd_expert_sampling"):
+        flags.append("--disable-moe-top2-2nd-expert-sampling")
     return " ".join(flags)

@@ -4,7 +4,8 @@ GPT-2 family (LayerNorm, GeLU, learned positions, biases) <-> GPT2LMHeadModel:
   - HF's Conv1D stores weights as [in, out]: every linear is transposed;
   - c_attn's output columns are [all q heads; all k heads; all v heads], ours per head [q, k, v]: rows reordered;
   - activation_function "gelu" (exact erf, as ours; GPT-2's own default "gelu_new" is the tanh approximation).
-LLaMA family (RMSNorm, SwiGLU, RoPE, no biases) <-> LlamaForCausalLM:
+LLaMA family (RMSNorm, SwiGLU, RoPE, no biases) <-> LlamaForCausalLM, and with experts in every layer
+<-> MixtralForCausalLM (each expert our SwiGLU MLP, the router DeepSpeed's gate):
   - our QKV rows per query group [q heads of the group, k, v] split into q_proj, k_proj, v_proj (GQA kept:
     query head n uses key/value head n // (heads / kv heads) in both);
   - our fc1 [gate; up] split into gate_proj and up_proj; RoPE is rotate-half in both, so no permutation.
@@ -15,7 +16,7 @@ tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
 import torch
 
 from megatron_ds.arguments import flag_defaults
-from megatron_ds.checkpointing.files import CheckpointError, model_family, model_shape
+from megatron_ds.checkpointing.files import CheckpointError, is_moe, model_family, model_shape
 from megatron_ds.checkpointing.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
 SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
@@ -33,8 +34,10 @@ def to_hf_state(args, weights, vocab_rows):
     family = model_family(shape)
     if family == "gpt2":
         return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)
+    if family == "llama" and is_moe(shape):
+        return _mixtral_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _mixtral_mlp_to_hf)
     if family == "llama":
-        return _llama_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows)
+        return _llama_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _llama_mlp_to_hf)
     raise CheckpointError(
         f"Hugging Face export supports the GPT-2 family (LayerNorm, GeLU, learned positions, biases) and the LLaMA "
         f"family (RMSNorm, SwiGLU, RoPE, no biases); this model has normalization {shape['normalization']}, "
@@ -95,7 +98,7 @@ def _to_gpt2(weights, shape, vocab_rows):
     return {name: tensor.contiguous() for name, tensor in state.items()}
 
 
-def _llama_config(args, shape, vocab_rows):
+def _llama_config(args, shape, vocab_rows, config_class=None, **extra):
     from transformers import LlamaConfig
     if shape["rotary_percent"] != 1.0:
         rotated = int(shape["kv_channels"] * shape["rotary_percent"])
@@ -103,26 +106,63 @@ def _llama_config(args, shape, vocab_rows):
                               f"{shape['rotary_percent']:g} (--rotary-percent: RoPE on {rotated} of each head's "
                               f"{shape['kv_channels']} channels), which a Hugging Face LLaMA would rotate in full; "
                               f"export needs rotary_percent 1.0")
-    return LlamaConfig(vocab_size=vocab_rows, hidden_size=shape["hidden_size"],
-                       intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
-                       num_attention_heads=shape["num_attention_heads"],
-                       num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["kv_channels"],
-                       max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"),
-                       rms_norm_eps=_saved(args, "norm_epsilon"), rope_theta=float(_saved(args, "rotary_base")),
-                       tie_word_embeddings=shape["tied_embeddings"], attention_bias=False, mlp_bias=False,
-                       hidden_act="silu", attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args))
+    return (config_class or LlamaConfig)(
+        vocab_size=vocab_rows, hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
+        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["kv_channels"],
+        max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"),
+        rms_norm_eps=_saved(args, "norm_epsilon"), rope_theta=float(_saved(args, "rotary_base")),
+        tie_word_embeddings=shape["tied_embeddings"], hidden_act="silu",
+        attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args), **extra)
 
 
-def _to_llama(weights, shape, vocab_rows):
+def _mixtral_config(args, shape, vocab_rows):
+    """MixtralForCausalLM: every layer an MoE of the same number of SwiGLU experts, top-k routing renormalized
+    over the chosen experts (as DeepSpeed's gate for k >= 2)."""
+    from transformers import MixtralConfig
+    experts, topk = shape["num_experts"], _saved(args, "topk")
+    problems = []
+    if shape["expert_interval"] != 1 or len(set(experts)) != 1:
+        problems.append(f"every layer must be an MoE layer with the same number of experts (--expert-interval 1, "
+                        f"one --num-experts value); the model has --expert-interval {shape['expert_interval']} and "
+                        f"--num-experts {' '.join(map(str, experts))}")
+    if shape["mlp_type"] != "standard":
+        problems.append(f"--mlp-type {shape['mlp_type']} (PR-MoE's residual expert has no Mixtral counterpart)")
+    if topk < 2:
+        problems.append(f"--topk {topk}: DeepSpeed's top-1 gate scales the expert's output by its softmax "
+                        f"probability, Mixtral's renormalizes it to 1")
+    if problems:
+        raise CheckpointError("MixtralForCausalLM cannot hold this Mixture of Experts: " + "; ".join(problems))
+    return _llama_config(args, shape, vocab_rows, MixtralConfig, num_local_experts=experts[0],
+                         num_experts_per_tok=topk, router_aux_loss_coef=_saved(args, "moe_loss_coeff"),
+                         router_jitter_noise=0.0, sliding_window=None)
+
+
+def _llama_mlp_to_hf(weights, i, shape):
+    fc1, ffn = weights[_layer(i, "mlp.linear_fc1.weight")], shape["ffn_hidden_size"]
+    return {"mlp.gate_proj.weight": fc1[:ffn], "mlp.up_proj.weight": fc1[ffn:],
+            "mlp.down_proj.weight": weights[_layer(i, "mlp.linear_fc2.weight")]}
+
+
+def _mixtral_mlp_to_hf(weights, i, shape):
+    """transformers 5's MixtralExperts: gate_up_proj [experts, 2 ffn, h] (our fc1 [gate; up]), down_proj
+    [experts, h, ffn] (our fc2); the router is the gate's weight."""
+    experts = range(shape["num_experts"][0])
+    return {"mlp.gate.weight": weights[_layer(i, "mlp.deepspeed_moe.gate.wg.weight")],
+            "mlp.experts.gate_up_proj": torch.stack([weights[_layer(i, f"mlp.experts.{e}.linear_fc1.weight")]
+                                                     for e in experts]),
+            "mlp.experts.down_proj": torch.stack([weights[_layer(i, f"mlp.experts.{e}.linear_fc2.weight")]
+                                                  for e in experts])}
+
+
+def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
     groups, d, h = shape["num_key_value_heads"], shape["kv_channels"], shape["hidden_size"]
     per_group = shape["num_attention_heads"] // groups
-    ffn = shape["ffn_hidden_size"]
     word = weights[WORD_EMBEDDINGS][:vocab_rows]
     state = {"model.embed_tokens.weight": word}
     for i in range(shape["num_layers"]):
         hf = f"model.layers.{i}."
         qkv = weights[_layer(i, "self_attention.linear_qkv.weight")].view(groups, per_group + 2, d, h)
-        fc1 = weights[_layer(i, "mlp.linear_fc1.weight")]
         state.update({
             hf + "input_layernorm.weight": weights[_layer(i, "input_layernorm.weight")],
             hf + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * d, h),
@@ -130,10 +170,8 @@ def _to_llama(weights, shape, vocab_rows):
             hf + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * d, h),
             hf + "self_attn.o_proj.weight": weights[_layer(i, "self_attention.linear_proj.weight")],
             hf + "post_attention_layernorm.weight": weights[_layer(i, "pre_mlp_layernorm.weight")],
-            hf + "mlp.gate_proj.weight": fc1[:ffn],
-            hf + "mlp.up_proj.weight": fc1[ffn:],
-            hf + "mlp.down_proj.weight": weights[_layer(i, "mlp.linear_fc2.weight")],
         })
+        state.update({hf + name: tensor for name, tensor in mlp_to_hf(weights, i, shape).items()})
     state["model.norm.weight"] = weights["decoder.final_layernorm.weight"]
     state["lm_head.weight"] = word if shape["tied_embeddings"] else weights[OUTPUT_LAYER][:vocab_rows]
     return {name: tensor.contiguous() for name, tensor in state.items()}
@@ -142,13 +180,15 @@ def _to_llama(weights, shape, vocab_rows):
 # --- Hugging Face -> ours -----------------------------------------------------------------------------
 
 def from_hf_state(config, state):
-    """(model arguments, canonical full weights) of a GPT2LMHeadModel or LlamaForCausalLM."""
+    """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM."""
     if config.model_type == "gpt2":
         return _from_gpt2(config, state)
     if config.model_type == "llama":
-        return _from_llama(config, state)
-    raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM); "
-                          f"config.json says {config.model_type!r}")
+        return _from_llama(config, state, _llama_mlp_from_hf)
+    if config.model_type == "mixtral":
+        return _from_mixtral(config, state)
+    raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and "
+                          f"mixtral (MixtralForCausalLM); config.json says {config.model_type!r}")
 
 
 def _from_gpt2(config, state):
@@ -199,7 +239,41 @@ def _from_gpt2(config, state):
     return args, _contiguous(weights)
 
 
-def _from_llama(config, state):
+def _llama_mlp_from_hf(state, hf, i):
+    return {_layer(i, "mlp.linear_fc1.weight"): torch.cat([state[hf + "mlp.gate_proj.weight"],
+                                                           state[hf + "mlp.up_proj.weight"]], dim=0),
+            _layer(i, "mlp.linear_fc2.weight"): state[hf + "mlp.down_proj.weight"]}
+
+
+def _mixtral_mlp_from_hf(state, hf, i):
+    if hf + "mlp.experts.gate_up_proj" not in state:
+        raise CheckpointError("this transformers version keeps Mixtral's experts under other names than "
+                              "transformers 5's mlp.experts.gate_up_proj / down_proj; install transformers >= 5")
+    gate_up, down = state[hf + "mlp.experts.gate_up_proj"], state[hf + "mlp.experts.down_proj"]
+    weights = {_layer(i, "mlp.deepspeed_moe.gate.wg.weight"): state[hf + "mlp.gate.weight"]}
+    for expert in range(gate_up.size(0)):
+        weights[_layer(i, f"mlp.experts.{expert}.linear_fc1.weight")] = gate_up[expert]
+        weights[_layer(i, f"mlp.experts.{expert}.linear_fc2.weight")] = down[expert]
+    return weights
+
+
+def _from_mixtral(config, state):
+    problems = []
+    if getattr(config, "router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise {config.router_jitter_noise} (DeepSpeed's gate has no jitter)")
+    if getattr(config, "sliding_window", None):
+        problems.append(f"sliding_window {config.sliding_window} (attention here is full causal)")
+    if problems:
+        raise CheckpointError("cannot convert this Mixtral model: " + "; ".join(problems))
+    args, weights = _from_llama(config, state, _mixtral_mlp_from_hf)
+    # Mixtral never drops a token nor samples the second expert: the same routing as these flags
+    args.update(num_experts=[config.num_local_experts], expert_interval=1, topk=config.num_experts_per_tok,
+                moe_loss_coeff=config.router_aux_loss_coef, mlp_type="standard", moe_token_dropping=False,
+                moe_top2_2nd_expert_sampling=False, moe_min_capacity=0)
+    return args, weights
+
+
+def _from_llama(config, state, mlp_from_hf):
     # transformers >= 5: config.rope_parameters; before: config.rope_theta and config.rope_scaling
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -233,9 +307,7 @@ def _from_llama(config, state):
             _layer(i, "self_attention.linear_qkv.weight"): torch.cat([q, k, v], dim=1).reshape(-1, h),
             _layer(i, "self_attention.linear_proj.weight"): state[hf + "self_attn.o_proj.weight"],
             _layer(i, "pre_mlp_layernorm.weight"): state[hf + "post_attention_layernorm.weight"],
-            _layer(i, "mlp.linear_fc1.weight"): torch.cat([state[hf + "mlp.gate_proj.weight"],
-                                                          state[hf + "mlp.up_proj.weight"]], dim=0),
-            _layer(i, "mlp.linear_fc2.weight"): state[hf + "mlp.down_proj.weight"],
+            **mlp_from_hf(state, hf, i),
         })
     weights["decoder.final_layernorm.weight"] = state["model.norm.weight"]
     if not tied:

@@ -221,11 +221,16 @@ def expert_parallel_rank_lists(topology, expert_parallel_size):
     return parallel, data
 
 
+def expert_group_name(expert_parallel_size):
+    """DeepSpeed's name of the expert-parallel (and expert-data-parallel) groups of this size."""
+    return f"ep_size_{expert_parallel_size}"
+
+
 def initialize_expert_parallel(expert_parallel_size):
     """Create the expert-parallel and expert-data-parallel groups from the topology (every rank, same order) and
     hand them to DeepSpeed under its name for them, so its MoE layers and engine use exactly these groups."""
     from deepspeed.utils import groups as deepspeed_groups
-    name = f"ep_size_{expert_parallel_size}"
+    name = expert_group_name(expert_parallel_size)
     parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size)
     me = dist.get_rank()
     for lists, groups, ranks_of in ((parallel, deepspeed_groups._EXPERT_PARALLEL_GROUP,

@@ -18,7 +18,7 @@ EP (Mixture of Experts), per MoE layer and micro-batch: DeepSpeed-MoE's dispatch
 forward and their two conjugates in backward, 4 all-to-alls over the expert-parallel group of the
 [E, C, h] capacity buffer (E experts x C slots each x h elements: E C ~ k x capacity factor x the s b tokens
 of the micro-batch), of which (EP - 1)/EP leaves the rank; full recompute repeats the forward's 2 for each
-recomputed MoE layer. At TP > 1 (not built yet) DeepSpeed first drops each TP rank's duplicate tokens (C / t
+recomputed MoE layer. At TP > 1 DeepSpeed first drops each TP rank's duplicate tokens (C / t
 each) and all-gathers them over TP after the combine (that all-gather not counted here).
 """
 import math

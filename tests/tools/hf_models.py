@@ -35,6 +35,25 @@ def tiny_llama(path, seed=0):
     return model
 
 
+def tiny_mixtral(path, seed=0):
+    """MixtralForCausalLM: the tiny LLaMA's attention, 4 SwiGLU experts per layer, top-2 routing; router weights
+    scaled up so each token's choice of experts is clear-cut (no near-ties for rounding to flip); saved to path."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False, num_local_experts=4,
+                           num_experts_per_tok=2, router_jitter_noise=0.0, bos_token_id=VOCAB - 1,
+                           eos_token_id=VOCAB - 1)
+    model = MixtralForCausalLM(config).eval()
+    _perturb(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(50.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def _perturb(model):
     """Norm weights and biases away from 1 and 0, so a swapped or dropped one shows in the logits."""
     generator = torch.Generator().manual_seed(1)

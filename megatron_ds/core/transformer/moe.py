@@ -11,6 +11,7 @@ What is ours:
 import deepspeed
 import torch
 
+from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel.random import init_method_normal, set_init_method
 from megatron_ds.core.transformer.mlp import MLP
 
@@ -45,7 +46,7 @@ class AuxiliaryLossGradient(torch.autograd.Function):
 
 def expert_group_name(config):
     """DeepSpeed's name of the expert-parallel (and expert-data-parallel) group of every MoE layer."""
-    return f"ep_size_{config.moe_expert_parallel_size}"
+    return parallel_state.expert_group_name(config.moe_expert_parallel_size)
 
 
 def expert_parallel_rank(config):
