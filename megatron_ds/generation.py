@@ -74,17 +74,17 @@ def build_model(full: FullState, expert_parallel_size=1):
     return model.eval()
 
 
-def setup_expert_parallel(expert_parallel_size):
+def setup_expert_parallel(expert_parallel_size, expert_tensor_parallel=False):
     """What pretrain.py's engine does for DeepSpeed's MoE layers, for generation without one: the expert-parallel
     groups (the data-parallel ranks, all generating the same tokens, exchange them in the all-to-alls), our model
-    parallel unit for the TP token split, and the gloo token gather."""
+    parallel unit for the TP token split, and its mends (glue/moe_token_gather.py)."""
     import deepspeed
 
-    from megatron_ds.glue.moe_token_gather import use_gloo_token_gather
+    from megatron_ds.glue.moe_token_gather import mend_token_split
     from megatron_ds.glue.mpu import ModelParallelUnit
-    parallel_state.initialize_expert_parallel(expert_parallel_size)
+    parallel_state.initialize_expert_parallel(expert_parallel_size, expert_tensor_parallel)
     deepspeed.utils.groups.mpu = ModelParallelUnit()
-    use_gloo_token_gather()
+    mend_token_split()
 
 
 class KVCache:

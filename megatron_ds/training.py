@@ -28,7 +28,7 @@ from megatron_ds.data.builder import batch_iterator, build_datasets, has_validat
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
-from megatron_ds.glue.moe_token_gather import use_gloo_token_gather
+from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
@@ -215,7 +215,8 @@ def log_startup(args, config, engine, peak, peak_source):
     for axis, groups in parallel_state.all_groups_by_axis().items():
         print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
     if config.is_moe:
-        for axis, groups in parallel_state.expert_groups_by_axis(config.moe_expert_parallel_size).items():
+        for axis, groups in parallel_state.expert_groups_by_axis(config.moe_expert_parallel_size,
+                                                                 config.moe_expert_tensor_parallel).items():
             print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
     if config.is_moe:
@@ -248,7 +249,9 @@ def _log_experts(args, config):
                  f"{active_parameters(spec):,} active per token (top-{config.moe_router_topk} of "
                  f"{'/'.join(map(str, counts))} experts every {config.expert_interval} layers); "
                  f"{'/'.join(str(count // config.moe_expert_parallel_size) for count in counts)} experts per "
-                 f"rank (EP {config.moe_expert_parallel_size})")
+                 f"rank (EP {config.moe_expert_parallel_size})"
+                 + (f", each split over TP {args.tensor_model_parallel_size} (--enable-expert-tensor-parallelism)"
+                    if config.moe_expert_tensor_parallel else ""))
 
 
 def _configure_logging():
@@ -287,8 +290,8 @@ def _pretrain(args, watchdog, start_time=None):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if args.moe:
-        parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size)
-        use_gloo_token_gather()
+        parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
+        mend_token_split()
     _log_placement(args)
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)

@@ -66,6 +66,22 @@ def test_tensor_parallel_ranks_share_the_tokens_of_whole_experts(ep):
     assert _grad_norms(_run(ep, *TENSOR)) == _grad_norms(_run(1))
 
 
+def test_token_dropping_with_a_capacity_that_tp_does_not_divide():
+    """Top-2 of 4 experts over 64 tokens at capacity factor 1.03125: 33 slots per expert, a few tokens dropped.
+    DeepSpeed splits the slots over the TP ranks and fails when TP does not divide them; megatron_ds pads them,
+    so TP 2 x DP 2 drops the same tokens as DP 4 and gives its losses."""
+    dropping = [flag for flag in MOE if flag != "--disable-moe-token-dropping"] + [
+        "--moe-train-capacity-factor", "1.03125", "--moe-eval-capacity-factor", "1.03125"]
+    expected = launch(4, COMMON + dropping)
+    observed = launch(4, COMMON + dropping + list(TENSOR))
+    assert expected.returncode == 0 and observed.returncode == 0, expected.stdout[-3000:] + observed.stdout[-3000:]
+    expected_lm, _ = _losses(expected.stdout)
+    lm, _ = _losses(observed.stdout)
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-4), (iteration, lm, expected_lm)
+    assert expected_lm != _losses(_run(1))[0]  # tokens were dropped: not the no-drop run's losses
+
+
 def _grad_norms(output):
     return re.findall(r" iteration\s+\d+/\s*\d+ \|.*? grad norm: (\S+) \|", output)
 
@@ -113,3 +129,37 @@ def test_resume_at_pp2_ep2_is_bitwise_and_other_layouts_train_on(tmp_path):
             assert other_lm[iteration] == pytest.approx(lm[iteration], rel=1e-5, abs=0), (flags, other_lm, lm)
             assert other_moe[iteration] == pytest.approx(moe[iteration], rel=1e-5, abs=0), (flags, other_moe, moe)
 
+
+
+def test_experts_split_over_tensor_parallel_ranks_train_the_same_model_and_reshape(tmp_path):
+    """--enable-expert-tensor-parallelism at TP 2 x DP 2, EP 2 (runs of DP ranks): each expert split over TP like
+    the dense MLP gives DP 4's losses and gradient norms (DeepSpeed counts the sharded experts on every TP rank,
+    fc2's replicated bias once). Without token dropping DeepSpeed does not round the capacity to a multiple of TP
+    for sharded experts; megatron_ds pads the token slots for the TP split. Saved at iteration 5 (expert shards in
+    DeepSpeed's files), reshaped to TP 1 and resumed at DP 4 x EP 2, it trains on with the same losses; loading
+    it at TP 2 without the flag is refused with the converter command that makes it fit."""
+    sharded = MOE + [*TENSOR, "--enable-expert-tensor-parallelism", "--moe-expert-parallel-size", "2"]
+    result = launch(4, COMMON + sharded + ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "expert-parallel groups: [[0, 2], [1, 3]]" in result.stdout, result.stdout[-4000:]
+    lm, moe = _losses(result.stdout)
+    expected_lm, expected_moe = _losses(_run(1))
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-5, abs=0), (iteration, lm, expected_lm)
+        assert moe[iteration] == pytest.approx(expected_moe[iteration], rel=1e-5, abs=0), (iteration, moe)
+    assert _grad_norms(result.stdout) == _grad_norms(_run(1))
+
+    whole = launch(4, COMMON + MOE + [*TENSOR, "--moe-expert-parallel-size", "2", "--load", str(tmp_path / "ckpt")])
+    assert whole.returncode != 0
+    assert "was saved with --enable-expert-tensor-parallelism (experts split over the 2 TP ranks); this run lacks " \
+           "the flag" in whole.stdout and "--target-expert-tensor-parallelism off" in whole.stdout, whole.stdout[-4000:]
+
+    from megatron_ds.conversion.cli import main as convert
+    assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp1"),
+                    "--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0
+    resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path / "tp1")])
+    assert resumed.returncode == 0 and "resuming at iteration 5" in resumed.stdout, resumed.stdout[-4000:]
+    resumed_lm, resumed_moe = _losses(resumed.stdout, range(6, ITERATIONS + 1))
+    for iteration in resumed_lm:
+        assert resumed_lm[iteration] == pytest.approx(lm[iteration], rel=1e-5, abs=0), (resumed_lm, lm)
+        assert resumed_moe[iteration] == pytest.approx(moe[iteration], rel=1e-5, abs=0), (resumed_moe, moe)

@@ -143,7 +143,7 @@ def main(argv=None):
         return 2
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if experts and dist.is_initialized():
-        setup_expert_parallel(args.moe_expert_parallel_size)
+        setup_expert_parallel(args.moe_expert_parallel_size, bool(full.args.get("enable_expert_tensor_parallelism")))
     model_parallel_cuda_manual_seed(args.seed)
     model = build_model(full, args.moe_expert_parallel_size)
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, not args.ignore_eod)

@@ -4,7 +4,6 @@ Every function here only reads the arguments and returns a list of messages, eac
 the values involved; `megatron_ds.arguments.resolve` decides when each runs.
 """
 import json
-import math
 import os
 
 import torch
@@ -315,7 +314,7 @@ _UNBUILT_FEATURES = (
 
 def moe_errors(args):
     """Mixture of Experts (--num-experts > 1): the counts, the expert-parallel size against the experts and
-    the data-parallel size, and the layouts not built yet, each by name."""
+    the ranks it spreads them over, and the layouts not built, each by name."""
     counts, ep = args.num_experts, args.moe_expert_parallel_size
     flag = f"--num-experts {' '.join(map(str, counts))}"
     if not args.moe:
@@ -333,8 +332,15 @@ def moe_errors(args):
                          f">= 1"]
     errors += [f"--num-experts {count} is not divisible by --moe-expert-parallel-size {ep} (each expert-parallel "
                f"rank holds the same number of experts)" for count in sorted(set(counts)) if count > 1 and count % ep]
-    if args.world_size % pp == 0 and (args.world_size // pp) % ep:
-        errors.append(f"--moe-expert-parallel-size {ep} does not divide the {args.world_size // pp} ranks of a "
+    stage_ranks = args.world_size // pp if args.world_size % pp == 0 else None
+    if args.enable_expert_tensor_parallelism:
+        if stage_ranks and stage_ranks % tp == 0 and (stage_ranks // tp) % ep:
+            errors.append(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size "
+                          f"{stage_ranks // tp} (world size {args.world_size} / TP {tp} / PP {pp}): with "
+                          f"--enable-expert-tensor-parallelism the experts are spread over the data-parallel ranks "
+                          f"of each TP rank")
+    elif stage_ranks and stage_ranks % ep:
+        errors.append(f"--moe-expert-parallel-size {ep} does not divide the {stage_ranks} ranks of a "
                       f"pipeline stage (TP x DP = world size {args.world_size} / PP {pp}): the experts are spread "
                       f"over consecutive runs of them")
     fewest = min(count for count in counts if count > 1)
@@ -342,36 +348,11 @@ def moe_errors(args):
         errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer ({fewest})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
-    if args.enable_expert_tensor_parallelism:
-        errors.append(f"{flag} with --enable-expert-tensor-parallelism: experts "
-                      f"sharded over TP are not built yet; without the flag each expert is whole on its rank and the "
-                      f"TP ranks share the tokens")
     if args.sequence_parallel:
         errors.append(f"{flag} with --sequence-parallel: DeepSpeed's MoE splits "
                       f"replicated tokens over the TP ranks, and with sequence parallelism each TP rank holds other "
                       f"tokens; drop --sequence-parallel")
     return errors + _stages_without_experts(args)
-
-
-def moe_capacity_errors(args):
-    """At TP > 1 with token dropping, DeepSpeed splits each expert's capacity (its token slots) over the TP ranks:
-    the capacity must be a multiple of TP. It is max(ceil(tokens / experts x factor x k'), --moe-min-capacity)
-    for a micro-batch's tokens (k' = 1 for top-1, 2 for top-2, k above), DeepSpeed's formula."""
-    tp = args.tensor_model_parallel_size
-    if tp == 1 or not args.moe_token_dropping or not args.moe:
-        return []
-    tokens, k = args.micro_batch_size * args.seq_length, max(args.topk, 1)
-    errors = []
-    for count in sorted({count for count in args.num_experts if count > 1}):
-        for flag, factor in (("--moe-train-capacity-factor", args.moe_train_capacity_factor),
-                             ("--moe-eval-capacity-factor", args.moe_eval_capacity_factor)):
-            capacity = max(math.ceil(tokens / count * factor * k), args.moe_min_capacity)
-            if capacity % tp:
-                errors.append(f"{flag} {factor:g} with {count} experts, top-{k}, --micro-batch-size "
-                              f"{args.micro_batch_size} x --seq-length {args.seq_length} = {tokens} tokens: capacity "
-                              f"{capacity} is not a multiple of --tensor-model-parallel-size {tp} (DeepSpeed splits "
-                              f"it over the TP ranks); change the factor, or --disable-moe-token-dropping")
-    return errors
 
 
 def _stages_without_experts(args):

@@ -80,7 +80,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     errors = checks.batch_errors(args) if layout_known else []
     if layout_known and not errors:
         vars(args).update(schedule_values(args))
-    errors += (checks.zero_stage_errors(args) + checks.moe_capacity_errors(args)
+    errors += (checks.zero_stage_errors(args)
                + checks.deepspeed_activation_checkpointing_errors(args)
                + checks.cpu_optimizer_errors(args, on_gpu=torch.cuda.is_available() if on_this_host else True)
                + transformer_config_errors(args, check_fusions=on_this_host))
@@ -248,4 +248,5 @@ def transformer_config_from_args(args) -> TransformerConfig:
         moe_train_capacity_factor=args.moe_train_capacity_factor,
         moe_eval_capacity_factor=args.moe_eval_capacity_factor, moe_min_capacity=args.moe_min_capacity,
         moe_token_dropping=args.moe_token_dropping, moe_top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
-        moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff)
+        moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff,
+        moe_expert_tensor_parallel=args.enable_expert_tensor_parallelism)

@@ -14,7 +14,8 @@ Canonical names follow Megatron-Core's GPTModel:
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                                          [padded vocab, h] (untied head only), rows
 
-Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on each TP rank):
+Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on each TP rank, but with
+--enable-expert-tensor-parallelism the experts split over TP as the dense MLP does):
     decoder.layers.{i}.mlp.experts.{e}.linear_fc1/linear_fc2.{weight,bias}   expert e by its global index
     decoder.layers.{i}.mlp.deepspeed_moe.gate.wg.weight          the router [experts, h]
     decoder.layers.{i}.mlp.mlp.*, decoder.layers.{i}.mlp.coefficient.*   PR-MoE's residual MLP and its mix
@@ -106,14 +107,20 @@ def _strip_wrapper(index, num_layers, rest):
     return rest
 
 
-def partition_rule(name, swiglu):
-    """(dim, stride) of a TP-split canonical parameter, or None when every TP rank holds all of it."""
+_EXPERT_REST = re.compile(r"^mlp\.experts\.\d+\.")
+
+
+def partition_rule(name, swiglu, sharded_experts=False):
+    """(dim, stride) of a TP-split canonical parameter, or None when every TP rank holds all of it. An expert is
+    whole on each TP rank, or split like the dense MLP with sharded_experts (--enable-expert-tensor-parallelism)."""
     if name in (WORD_EMBEDDINGS, OUTPUT_LAYER):
         return 0, 1
     match = _LAYER.match(name)
     if not match:
         return None
     rest = match.group(2)
+    if _EXPERT_REST.match(rest):
+        rest = "mlp." + _EXPERT_REST.sub("", rest) if sharded_experts else None
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         return 0, 1
     if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):

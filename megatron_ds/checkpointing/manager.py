@@ -338,6 +338,17 @@ class CheckpointManager:
         if differences:
             raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
                                   + "\n  - ".join(differences))
+        saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
+        if args.moe and (saved_tp, saved_pp) == (tp, pp) and tp > 1 and saved_sharded != \
+                args.enable_expert_tensor_parallelism:
+            setting = "on" if args.enable_expert_tensor_parallelism else "off"
+            raise CheckpointError(
+                f"checkpoint {path} was saved {'with' if saved_sharded else 'without'} "
+                f"--enable-expert-tensor-parallelism (experts {'split over' if saved_sharded else 'whole on each of'} "
+                f"the {tp} TP ranks); this run {'has' if not saved_sharded else 'lacks'} the flag. Convert it:\n"
+                f"  python tools/convert_checkpoint.py --load {args.load} --save {args.load.rstrip('/')}_experts_"
+                f"{setting} --target-tensor-parallel-size {tp} --target-pipeline-model-parallel-size {pp} "
+                f"--target-expert-tensor-parallelism {setting}")
         if (saved_tp, saved_pp) != (tp, pp):
             target = f"{args.load.rstrip('/')}_tp{tp}_pp{pp}"
             raise CheckpointError(

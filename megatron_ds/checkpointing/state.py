@@ -78,7 +78,8 @@ def _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer):
     weights = {layout.canonical_name(name, num_layers, pipelined): value for name, value in local_weights.items()
                if not layout.is_expert_parameter(name)}
     if moe:
-        weights.update(_read_expert_files(path, metadata, pp_rank, num_layers, pipelined))
+        weights.update(_read_expert_files(path, metadata, pp_rank, _expert_shard(metadata, tp_rank), num_layers,
+                                          pipelined))
     state = RankState(weights)
     if with_optimizer:
         state.optimizer, state.optimizer_step = _read_deepspeed_optimizer(path, metadata, entry, mp_state,
@@ -97,16 +98,24 @@ def _read_pipeline_layer_files(path, entry, tp_rank):
     return weights
 
 
-def _stage_entries(metadata, pp_rank):
-    return [entry for entry in metadata["ranks"] if entry["pp"] == pp_rank]
+def _expert_shard(metadata, tp_rank):
+    """The TP rank whose expert shards to read (--enable-expert-tensor-parallelism), None for whole experts."""
+    return tp_rank if metadata["args"].get("enable_expert_tensor_parallelism") else None
 
 
-def _read_expert_files(path, metadata, pp_rank, num_layers, pipelined):
-    """Every expert of the stage's MoE layers by canonical name. DeepSpeed writes one file per MoE layer of the
-    stage and global expert, `layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt`, keyed by the global index;
-    at TP > 1 the TP ranks hold different experts, so the files of every mp_rank of the stage are read."""
+def _stage_entries(metadata, pp_rank, tp_rank=None):
+    """The ranks of a pipeline stage (of one TP rank of it when tp_rank is given)."""
+    return [entry for entry in metadata["ranks"]
+            if entry["pp"] == pp_rank and (tp_rank is None or entry["tp"] == tp_rank)]
+
+
+def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
+    """Every expert of the stage's MoE layers by canonical name (tp_rank's shards of them with expert tensor
+    parallelism). DeepSpeed writes one file per MoE layer of the stage, global expert and mp_rank,
+    `layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt`, keyed by the global index; with whole experts at TP > 1
+    the TP ranks hold different experts, so the files of every mp_rank of the stage are read."""
     weights = {}
-    for mp_rank in sorted({entry["mp_rank"] for entry in _stage_entries(metadata, pp_rank)}):
+    for mp_rank in sorted({entry["mp_rank"] for entry in _stage_entries(metadata, pp_rank, tp_rank)}):
         for file_path in sorted(glob.glob(os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"))):
             for name, value in load_file(file_path).items():
                 weights[layout.canonical_name(name, num_layers, pipelined)] = value
@@ -130,7 +139,8 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     optimizer, step = {}, None
     for group, shapes in enumerate(mp_state["param_shapes"]):
         if any(layout.is_expert_parameter(name) for name in shapes):
-            owners = _expert_owners(metadata, entry["pp"], shapes, num_layers, pipelined)
+            owners = _expert_owners(metadata, entry["pp"], _expert_shard(metadata, entry["tp"]), shapes, num_layers,
+                                    pipelined)
         else:
             owners = [(data_parallel, canonical)]
         for ranks, name_of in owners:
@@ -142,11 +152,12 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     return optimizer, step
 
 
-def _expert_owners(metadata, pp_rank, shapes, num_layers, pipelined):
-    """[(ranks, canonical name of a local name)] for an expert parameter group of the stage: per expert-parallel
-    rank, the (dp, mp_rank) of its expert-data-parallel ranks in order (their ZeRO partitions concatenate to
-    the flat of the experts it holds), and the naming of its local experts by their global index."""
-    entries = _stage_entries(metadata, pp_rank)
+def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
+    """[(ranks, canonical name of a local name)] for an expert parameter group of the stage (of tp_rank's expert
+    shards, with expert tensor parallelism): per expert-parallel rank, the (dp, mp_rank) of its
+    expert-data-parallel ranks in order (their ZeRO partitions concatenate to the flat of the experts it holds),
+    and the naming of its local experts by their global index."""
+    entries = _stage_entries(metadata, pp_rank, tp_rank)
     if any("ep" not in entry for entry in entries):
         raise CheckpointError("the checkpoint's metadata has no expert-parallel ranks (saved before megatron_ds "
                               "recorded them); convert it with --no-optim")
@@ -235,7 +246,7 @@ def read_full_state(path, metadata, with_optimizer=True):
     pp_size = metadata["layout"]["pipeline_model_parallel_size"]
     per_tp = [[read_rank_state(path, metadata, tp, pp, with_optimizer) for pp in range(pp_size)]
               for tp in range(tp_size)]
-    swiglu = bool(args.get("swiglu"))
+    swiglu, sharded_experts = bool(args.get("swiglu")), bool(args.get("enable_expert_tensor_parallelism"))
     weights, optimizer = {}, {} if with_optimizer else None
     steps = set()
     names = []
@@ -243,7 +254,7 @@ def read_full_state(path, metadata, with_optimizer=True):
         names += [name for name in stage.weights if name not in names]
     for name in names:
         stage = next(pp for pp in range(pp_size) if name in per_tp[0][pp].weights)  # tied copies: first stage
-        rule = layout.partition_rule(name, swiglu)
+        rule = layout.partition_rule(name, swiglu, sharded_experts)
         weights[name] = layout.merge_tensors([per_tp[tp][stage].weights[name] for tp in range(tp_size)], rule)
         if optimizer is not None:
             states = [per_tp[tp][stage].optimizer for tp in range(tp_size)]
@@ -266,6 +277,7 @@ def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
     """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size)."""
     args = full.args
     num_layers, swiglu = args["num_layers"], bool(args.get("swiglu"))
+    sharded_experts = bool(args.get("enable_expert_tensor_parallelism"))
     tied = not args.get("untie_embeddings_and_output_weights")
     if num_layers % pp_size:
         raise CheckpointError(f"{num_layers} layers do not split into {pp_size} pipeline stages")
@@ -273,7 +285,7 @@ def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
     for name, tensor in full.weights.items():
         if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied):
             continue
-        rule = layout.partition_rule(name, swiglu)
+        rule = layout.partition_rule(name, swiglu, sharded_experts)
         weights[name] = layout.split_tensor(tensor, rule, tp_size, tp_rank)
         if optimizer is not None:
             optimizer[name] = {key: layout.split_tensor(value, rule, tp_size, tp_rank)

@@ -32,6 +32,9 @@ def build_parser():
     parser.add_argument("--target-expert-parallel-size", type=int, default=None,
                         help="Mixture of Experts: the --moe-expert-parallel-size to train the result with (checked "
                              "against the experts; the files hold every expert, so any valid size loads them)")
+    parser.add_argument("--target-expert-tensor-parallelism", choices=["on", "off"], default=None,
+                        help="Mixture of Experts: split the experts over TP in the files (train with "
+                             "--enable-expert-tensor-parallelism) or keep them whole (default: as the source)")
     parser.add_argument("--no-optim", action="store_true", help="reshape: drop the optimizer states")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
@@ -48,7 +51,7 @@ def main(argv=None):
         if args.from_hf:
             convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
                             args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by,
-                            args.target_expert_parallel_size)
+                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism)
         elif not args.load:
             parser.error("give --load (reshape or --to-hf) or --from-hf")
         elif args.to_hf:
@@ -58,7 +61,7 @@ def main(argv=None):
                 parser.error("reshaping needs --target-tensor-parallel-size and --target-pipeline-model-parallel-size")
             convert.reshape(args.load, args.save, args.target_tensor_parallel_size,
                             args.target_pipeline_model_parallel_size, args.load_iteration, not args.no_optim,
-                            args.target_expert_parallel_size)
+                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism)
     except CheckpointError as error:
         print(f"convert_checkpoint: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -29,9 +29,9 @@ def load_full(load_dir, iteration=None, with_optimizer=True):
     return full, path
 
 
-def _check_target(args, tp, pp, ep=None):
+def _check_target(args, tp, pp, ep=None, expert_tensor_parallelism=None):
     shape = files.model_shape(args)
-    problems = _expert_layout_problems(shape, pp, ep)
+    problems = _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism)
     for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
                         ("--num-key-value-heads", shape["num_key_value_heads"]),
                         ("--ffn-hidden-size", shape["ffn_hidden_size"])):
@@ -46,10 +46,12 @@ def _check_target(args, tp, pp, ep=None):
         raise CheckpointError("cannot reshape to this layout:\n  - " + "\n  - ".join(problems))
 
 
-def _expert_layout_problems(shape, pp, ep):
+def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
     from megatron_ds.core.transformer.transformer_config import stages_without_experts
     if not files.is_moe(shape):
-        return [f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []
+        return ([f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []) + \
+            ([f"--target-expert-tensor-parallelism {expert_tensor_parallelism}: the model has no experts"]
+             if expert_tensor_parallelism else [])
     problems = [f"--num-experts {count} is not divisible by --target-expert-parallel-size {ep}"
                 for count in sorted(set(shape["num_experts"])) if ep and count % ep]
     empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"])
@@ -85,23 +87,28 @@ def _training_hint(args, tp, pp):
             f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}")
     if not files.is_moe(files.model_shape(args)):
         return hint + " (any data-parallel size)"
+    if args.get("enable_expert_tensor_parallelism"):
+        hint += " --enable-expert-tensor-parallelism"
     return (hint + f" --moe-expert-parallel-size {args.get('moe_expert_parallel_size') or 1} (each file holds every "
             f"expert: any data-parallel size and any expert-parallel size that divides the experts and the "
             f"data-parallel size)")
 
 
-def _set_expert_parallel_size(args, ep):
-    """Record the expert-parallel size the checkpoint is meant for (the files hold every expert either way)."""
+def _set_expert_layout(args, ep, expert_tensor_parallelism):
+    """Record the expert-parallel size the checkpoint is meant for (the files hold every expert either way), and
+    whether its experts are split over TP ("on") or whole ("off"; None: as they are)."""
     if ep is not None:
         args["moe_expert_parallel_size"] = ep
+    if expert_tensor_parallelism is not None:
+        args["enable_expert_tensor_parallelism"] = expert_tensor_parallelism == "on"
 
 
-def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None):
+def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None, expert_tensor_parallelism=None):
     full, path = load_full(load_dir, iteration, with_optimizer)
-    _check_target(full.args, tp, pp, ep)
+    _check_target(full.args, tp, pp, ep, expert_tensor_parallelism)
     source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"],
               full.args.get("moe_expert_parallel_size") or 1)
-    _set_expert_parallel_size(full.args, ep)
+    _set_expert_layout(full.args, ep, expert_tensor_parallelism)
     _retarget(full, tp, pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path)
     experts = files.is_moe(files.model_shape(full.args))
@@ -234,10 +241,10 @@ def _hf_tokenizer_args(hf_dir, base):
     return {key: base[key] for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if key in base}
 
 
-def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None):
+def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None):
     full = read_hf(hf_dir, divisible_by, tp)
-    _check_target(full.args, tp, pp, ep)
-    _set_expert_parallel_size(full.args, ep)
+    _check_target(full.args, tp, pp, ep, expert_tensor_parallelism)
+    _set_expert_layout(full.args, ep, expert_tensor_parallelism)
     full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
                                             source=os.path.abspath(hf_dir))

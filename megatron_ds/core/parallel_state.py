@@ -206,18 +206,22 @@ def simulated_model_parallel(tensor_model_parallel_size: int = 1, tensor_model_p
 
 # --- expert parallelism (MoE) -----------------------------------------------------------------------------
 
-def expert_parallel_rank_lists(topology, expert_parallel_size):
+def expert_parallel_rank_lists(topology, expert_parallel_size, expert_tensor_parallel=False):
     """(expert-parallel groups, expert-data-parallel groups) as rank lists, DeepSpeed's layout: the ranks of each
     pipeline stage (TP fastest, then DP) are cut into consecutive runs of expert_parallel_size ranks that split
     the experts between them; the ranks at the same place in those runs hold the same experts and form an
     expert-data-parallel group. At TP > 1 a run crosses TP ranks: each TP rank sends its share of the tokens
-    (DeepSpeed's MoE splits the dispatched tokens over TP) to the rank holding the expert."""
+    (DeepSpeed's MoE splits the dispatched tokens over TP) to the rank holding the expert.
+    expert_tensor_parallel (experts sharded over TP): the same cut among the data-parallel ranks of each TP rank,
+    since the TP ranks of a stage hold shards of the same experts (DeepSpeed's expert-model-parallel layout)."""
     parallel, data = [], []
     for stage in range(topology.get_dim("pipe")):
-        ranks = sorted(topology.filter_match(pipe=stage))
-        runs = [ranks[start:start + expert_parallel_size] for start in range(0, len(ranks), expert_parallel_size)]
-        parallel += runs
-        data += [list(column) for column in zip(*runs)]
+        slices = ([topology.filter_match(pipe=stage, model=tp) for tp in range(topology.get_dim("model"))]
+                  if expert_tensor_parallel else [topology.filter_match(pipe=stage)])
+        for ranks in map(sorted, slices):
+            runs = [ranks[start:start + expert_parallel_size] for start in range(0, len(ranks), expert_parallel_size)]
+            parallel += runs
+            data += [list(column) for column in zip(*runs)]
     return parallel, data
 
 
@@ -226,12 +230,16 @@ def expert_group_name(expert_parallel_size):
     return f"ep_size_{expert_parallel_size}"
 
 
-def initialize_expert_parallel(expert_parallel_size):
+def initialize_expert_parallel(expert_parallel_size, expert_tensor_parallel=False):
     """Create the expert-parallel and expert-data-parallel groups from the topology (every rank, same order) and
-    hand them to DeepSpeed under its name for them, so its MoE layers and engine use exactly these groups."""
+    hand them to DeepSpeed under its name for them, so its MoE layers and engine use exactly these groups; with
+    expert_tensor_parallel also DeepSpeed's expert TP size (its MoE then gathers each TP rank's tokens for the
+    sharded experts, and its gradient norm sums the expert shards over TP)."""
     from deepspeed.utils import groups as deepspeed_groups
     name = expert_group_name(expert_parallel_size)
-    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size)
+    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size, expert_tensor_parallel)
+    deepspeed_groups.expert_tensor_parallel_world_size = \
+        get_tensor_model_parallel_world_size() if expert_tensor_parallel else 1
     me = dist.get_rank()
     for lists, groups, ranks_of in ((parallel, deepspeed_groups._EXPERT_PARALLEL_GROUP,
                                      deepspeed_groups._EXPERT_PARALLEL_GROUP_RANKS),
@@ -243,7 +251,7 @@ def initialize_expert_parallel(expert_parallel_size):
                 groups[name], ranks_of[name] = group, ranks
 
 
-def expert_groups_by_axis(expert_parallel_size):
+def expert_groups_by_axis(expert_parallel_size, expert_tensor_parallel=False):
     """{'expert': [...], 'expert-data': [...]}: every expert group's ranks, for start-up logs."""
-    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size)
+    parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size, expert_tensor_parallel)
     return {"expert": parallel, "expert-data": data}

@@ -96,11 +96,14 @@ class Cluster:
 
 def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
     """Ranks holding the same experts (TP x DP / EP: the experts are whole on each rank, spread over runs of EP
-    ranks of a stage): the group expert gradients are reduced and their optimizer states ZeRO-partitioned over
-    (the data-parallel group for everything else). DP for a dense model."""
-    if not model.config.is_moe:
+    ranks of a stage; DP / EP with expert tensor parallelism, the TP ranks holding different shards): the group
+    expert gradients are reduced and their optimizer states ZeRO-partitioned over (the data-parallel group for
+    everything else). DP for a dense model."""
+    config = model.config
+    if not config.is_moe:
         return layout.dp
-    return max(layout.tp * layout.dp // model.config.moe_expert_parallel_size, 1)
+    sharing = layout.dp if config.moe_expert_tensor_parallel else layout.tp * layout.dp
+    return max(sharing // config.moe_expert_parallel_size, 1)
 
 
 def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
@@ -121,8 +124,11 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
          f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
         (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
          f"sequence {model.seq_length} over TP {tp}"),
-        (moe and (tp * layout.dp) % ep, "expert parallel size does not divide TP x DP",
+        (moe and not config.moe_expert_tensor_parallel and (tp * layout.dp) % ep,
+         "expert parallel size does not divide TP x DP",
          f"EP {ep} over TP {tp} x DP {layout.dp} (expert-parallel groups are runs of a stage's ranks)"),
+        (moe and config.moe_expert_tensor_parallel and layout.dp % ep, "expert parallel size does not divide DP",
+         f"EP {ep} over DP {layout.dp} (experts split over TP: expert-parallel groups are runs of DP ranks)"),
         (moe and layout.sequence_parallel, "MoE with sequence parallelism",
          "DeepSpeed's MoE splits replicated tokens over TP"),
         (moe and layout.zero_stage == 3, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts"),

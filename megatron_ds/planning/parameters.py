@@ -12,9 +12,10 @@ norms and position embeddings are replicated.
 Mixture of Experts (DeepSpeed-MoE, config.experts_in_layer: every expert_interval-th layer): an MoE layer's
 MLP is a router Linear(h, E, no bias), E experts of the dense MLP's shape and, with PR-MoE's residual
 (config.moe_residual), the dense MLP beside them and a Linear(h, 2) coefficient (with bias). Each
-expert-parallel (EP) rank holds E / EP experts of every MoE layer, whole (not split over TP: Megatron-DeepSpeed
-without expert tensor parallelism, the EP groups being runs of a stage's TP x DP ranks); router, residual MLP
-and coefficient are on every rank. The whole model counts all E
+expert-parallel (EP) rank holds E / EP experts of every MoE layer, whole (Megatron-DeepSpeed without expert
+tensor parallelism, the EP groups being runs of a stage's TP x DP ranks) or split over TP like the dense MLP
+(--enable-expert-tensor-parallelism, the EP groups being runs of DP ranks); router, residual MLP and coefficient
+are on every rank. The whole model counts all E
 experts (total_parameters); a token uses the router, its top-k experts and the residual (active_parameters).
 """
 from dataclasses import dataclass
@@ -45,27 +46,33 @@ def mlp_parameters(config, tp: int = 1) -> int:
     return sharded // tp + (h if config.bias else 0)
 
 
-def moe_mlp_parameters(config, num_experts: int, ep: int = 1) -> int:
-    """An MoE layer's MLP on one rank of EP `ep` (ep=1: all experts): router h E, E / ep experts, and with
-    PR-MoE's residual the dense MLP and its Linear(h, 2) coefficient (2h + 2). Replicated over TP."""
+def one_expert_parameters(config, tp: int = 1) -> int:
+    """One expert on one TP rank: whole, or split like the dense MLP with expert tensor parallelism."""
+    return mlp_parameters(config, tp if config.moe_expert_tensor_parallel else 1)
+
+
+def moe_mlp_parameters(config, num_experts: int, ep: int = 1, tp: int = 1) -> int:
+    """An MoE layer's MLP on one rank of EP `ep` and TP `tp` (1, 1: all experts): router h E, E / ep experts, and
+    with PR-MoE's residual the dense MLP and its Linear(h, 2) coefficient (2h + 2); all but sharded experts
+    replicated over TP."""
     h = config.hidden_size
     residual = mlp_parameters(config) + 2 * h + 2 if config.moe_residual else 0
-    return h * num_experts + num_experts // ep * mlp_parameters(config) + residual
+    return h * num_experts + num_experts // ep * one_expert_parameters(config, tp) + residual
 
 
 def layer_parameters(config, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
     """Layer `layer_number` (1-based, global; None: a dense layer) on one rank of TP `tp` and EP `ep`
     (tp=1, ep=1: the whole layer)."""
     experts = 1 if layer_number is None else config.experts_in_layer(layer_number)
-    mlp = mlp_parameters(config, tp) if experts == 1 else moe_mlp_parameters(config, experts, ep)
+    mlp = mlp_parameters(config, tp) if experts == 1 else moe_mlp_parameters(config, experts, ep, tp)
     return attention_parameters(config, tp) + mlp + 2 * norm_parameters(config)
 
 
-def expert_parameters(config, layer_number: int, ep: int = 1) -> int:
-    """The experts of layer `layer_number` one rank of EP `ep` holds (0 for a dense layer): the parameters
-    reduced and ZeRO-partitioned over the expert-data-parallel group (TP x DP / EP ranks) instead of DP."""
+def expert_parameters(config, layer_number: int, ep: int = 1, tp: int = 1) -> int:
+    """The experts of layer `layer_number` one rank of EP `ep` and TP `tp` holds (0 for a dense layer): the
+    parameters reduced and ZeRO-partitioned over the expert-data-parallel group instead of DP."""
     experts = config.experts_in_layer(layer_number)
-    return 0 if experts == 1 else experts // ep * mlp_parameters(config)
+    return 0 if experts == 1 else experts // ep * one_expert_parameters(config, tp)
 
 
 def embedding_parameters(model: ModelSpec, tp: int = 1) -> int:
@@ -143,6 +150,6 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = Non
             layers=sum(layer_parameters(config, tp, n, ep) for n in numbers),
             final_norm=norm_parameters(config) if last else 0,
             output_head=output_head_parameters(model, tp, pp) if last else 0,
-            first_layer=first, experts=sum(expert_parameters(config, n, ep) for n in numbers)))
+            first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers)))
         first += count
     return stages

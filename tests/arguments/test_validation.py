@@ -66,14 +66,10 @@ CASES = dict([
     case("moe-topk", "--num-experts", "2", "--topk", "3",
          expect=["--topk 3 must be between 1 and the experts of a layer (2)"]),
     case("moe-expert-tp-and-sp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
-         "--enable-expert-tensor-parallelism", "--sequence-parallel", world=2,
-         expect=["--num-experts 4 with --enable-expert-tensor-parallelism: experts sharded over TP are not built",
+         "--enable-expert-tensor-parallelism", "--sequence-parallel", "--disable-moe-token-dropping",
+         "--moe-expert-parallel-size", "2", world=2,
+         expect=["--moe-expert-parallel-size 2 does not divide the data-parallel size 1 (world size 2 / TP 2 / PP 1)",
                  "--num-experts 4 with --sequence-parallel: DeepSpeed's MoE splits replicated tokens"]),
-    case("moe-capacity-vs-tp", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
-         "--seq-length", "12", "--max-position-embeddings", "12", "--moe-min-capacity", "0", world=2,
-         expect=["--moe-train-capacity-factor 1 with 4 experts, top-1, --micro-batch-size 1 x --seq-length 12 = 12 "
-                 "tokens: capacity 3 is not a multiple of --tensor-model-parallel-size 2",
-                 "--moe-eval-capacity-factor 1 with 4 experts, top-1"]),
     case("moe-stage-without-experts", "--num-experts", "4", "--pipeline-model-parallel-size", "4",
          "--num-layers", "4", world=4,
          expect=["--pipeline-model-parallel-size 4 with --expert-interval 2: pipeline stage(s) 0, 2 (1 of "

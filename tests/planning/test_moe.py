@@ -346,6 +346,23 @@ def test_moe_layout_rules():
         "ZeRO-3 with MoE"]
 
 
+def test_experts_split_over_tp_count_per_rank_and_shard_over_dp_over_ep():
+    """--enable-expert-tensor-parallelism, TP 2: each expert's fc1 weight and bias and fc2 weight halve on a TP
+    rank, fc2's bias (32) stays whole; the EP groups are runs of DP ranks, so EP must divide DP, and the expert
+    states shard over DP / EP ranks."""
+    model = case_model("gpt2_top2", ep=2, moe_expert_tensor_parallel=True)
+    (whole,) = stage_parameters(case_model("gpt2_top2", ep=2), tp=2, pp=1)
+    (split,) = stage_parameters(model, tp=2, pp=1)
+    per_expert = (GPT2_MLP - 32) // 2 + 32
+    assert split.experts == 2 * 2 * per_expert and whole.experts == 2 * 2 * GPT2_MLP
+    assert split.total == whole.total - whole.experts + split.experts
+    assert expert_data_parallel_size(model, Layout(2, 1, 4, 1, 8)) == 2  # DP 4 / EP 2 (whole: TP 2 x DP 4 / 2)
+    assert expert_data_parallel_size(case_model("gpt2_top2", ep=2), Layout(2, 1, 4, 1, 8)) == 4
+    assert layout_errors(model, Layout(2, 1, 2, 1, 2)) == []
+    assert [reason for reason, _ in layout_errors(case_model("gpt2_top2", ep=4, moe_expert_tensor_parallel=True),
+                                                  Layout(2, 1, 2, 1, 2))] == ["expert parallel size does not divide DP"]
+
+
 def test_plan_reports_total_active_experts_per_rank_and_all_to_all():
     model = case_model("llama_pyramid_residual", ep=2, params_dtype=torch.bfloat16)
     plan = make_plan(model, Layout(1, 1, 8, 2, 16), cpu_cluster(8))

@@ -33,13 +33,17 @@ def _our_logits(folder, ids):
 
 
 @pytest.mark.e2e
-def test_mixtral_imported_at_tp2_ep2_generates_like_transformers(tmp_path):
+@pytest.mark.parametrize("expert_tensor_parallelism", ["off", "on"])
+def test_mixtral_imported_at_tp2_ep2_generates_like_transformers(tmp_path, expert_tensor_parallelism):
+    """Experts whole on each TP rank, or split over the 2 TP ranks (--target-expert-tensor-parallelism on)."""
     hf_model = tiny_mixtral(tmp_path / "hf", seed=2)
     _convert("--from-hf", tmp_path / "hf", "--save", tmp_path / "ckpt", "--target-tensor-parallel-size", 2,
-             "--target-expert-parallel-size", 2)
+             "--target-expert-parallel-size", 2, "--target-expert-tensor-parallelism", expert_tensor_parallelism)
     folder = tmp_path / "ckpt" / files.RELEASE_TAG
     metadata = files.read_metadata(str(folder))
     assert metadata["model"]["num_experts"] == [4] and metadata["model"]["expert_interval"] == 1
+    shard = torch.load(folder / files.sharded_file_name(1, 0))["model"]["decoder.layers.0.mlp.experts.3.linear_fc2.weight"]
+    assert tuple(shard.shape) == ((32, 24) if expert_tensor_parallelism == "on" else (32, 48))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(hf_logits(hf_model, ids), _our_logits(folder, ids)[..., :VOCAB], rtol=1e-4, atol=1e-4)
 

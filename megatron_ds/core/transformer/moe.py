@@ -17,11 +17,13 @@ from megatron_ds.core.transformer.mlp import MLP
 
 
 class ExpertMLP(MLP):
-    """An expert: our MLP, whole on each rank (replicated over TP: DeepSpeed's MoE gives each TP rank its share
-    of the dispatched tokens). DeepSpeed's Experts keep only the first output of a tuple: fc2's bias is added."""
+    """An expert: our MLP, whole on each rank (DeepSpeed's MoE gives each TP rank its share of the dispatched
+    tokens), or sharded over TP like the dense MLP with --enable-expert-tensor-parallelism (DeepSpeed's MoE then
+    gathers every TP rank's tokens before the experts). DeepSpeed's Experts keep only the first output of a
+    tuple: fc2's bias is added."""
 
     def __init__(self, config):
-        super().__init__(config, tensor_parallel=False)
+        super().__init__(config, tensor_parallel=config.moe_expert_tensor_parallel)
 
     def forward(self, hidden_states):
         output, bias = super().forward(hidden_states)
@@ -64,7 +66,8 @@ class MoEMLP(deepspeed.moe.layer.MoE):
                          k=config.moe_router_topk, capacity_factor=config.moe_train_capacity_factor,
                          eval_capacity_factor=config.moe_eval_capacity_factor, min_capacity=config.moe_min_capacity,
                          use_residual=config.moe_residual, drop_tokens=config.moe_token_dropping,
-                         top2_2nd_expert_sampling=config.moe_top2_2nd_expert_sampling)
+                         top2_2nd_expert_sampling=config.moe_top2_2nd_expert_sampling,
+                         enable_expert_tensor_parallelism=config.moe_expert_tensor_parallel)
         self.loss_coeff = config.moe_loss_coeff
         self.auxiliary_losses = []  # coeff x l_aux of each forward since forget_auxiliary_losses(), detached
         self._name_experts(config, f"decoder.layers.{layer_number - 1}.mlp")
@@ -84,9 +87,11 @@ class MoEMLP(deepspeed.moe.layer.MoE):
             for name, param in expert.named_parameters():
                 param.allreduce, param.group_name = False, self.expert_group_name
                 param.init_key = f"{prefix}.experts.{first + local}.{name}"
-                # each TP rank holds other experts (or other tokens' gradients): DeepSpeed's gradient norm must
-                # count them on every TP rank, not on TP rank 0 only as it does for replicated parameters
-                param.model_parallel = True
+                # whole experts: each TP rank holds other experts (or other tokens' gradients), so DeepSpeed's
+                # gradient norm must count them on every TP rank, not on TP rank 0 only as it does for replicated
+                # parameters. Sharded experts: the shards count on every TP rank anyway (tensor_model_parallel),
+                # and fc2's bias, the same on every TP rank, on TP rank 0 only.
+                param.model_parallel = not config.moe_expert_tensor_parallel
             experts.deepspeed_experts[local] = expert
 
     def forward(self, hidden_states):

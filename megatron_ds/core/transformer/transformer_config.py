@@ -71,6 +71,7 @@ class TransformerConfig:
     moe_top2_2nd_expert_sampling: bool = True
     moe_residual: bool = False                   # PR-MoE's residual: a dense MLP beside the experts
     moe_loss_coeff: float = 0.1                  # the auxiliary load-balancing loss's weight
+    moe_expert_tensor_parallel: bool = False     # experts sharded over TP (else each whole on its rank)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
