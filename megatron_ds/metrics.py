@@ -43,7 +43,7 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 def is_logging_rank():
     """The first rank of the last pipeline stage: it holds the loss."""
-    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
+    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_sequence_data_parallel_rank() == 0
             and parallel_state.get_tensor_model_parallel_rank() == 0)
 
 
@@ -164,7 +164,7 @@ def _counted_parameters(engine):
 
 def params_norm(engine):
     """L2 norm of the whole model's parameters (Megatron's params norm). Every rank calls it."""
-    dp_first = parallel_state.get_data_parallel_rank() == 0
+    dp_first = parallel_state.get_sequence_data_parallel_rank() == 0  # one of the replicas (SP x DP)
     total = torch.zeros((), dtype=torch.float64, device=_device())
     for param in _counted_parameters(engine):
         partitioned = hasattr(param, "ds_tensor")  # ZeRO-3: each data-parallel rank holds a partition
@@ -196,7 +196,8 @@ def optimizer_pieces(engine):
     if isinstance(optimizer, torch.optim.Optimizer) and not any(hasattr(p, "ds_id") for p in params):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if all(id(p) in stepped for p in params):
-            return [(param, None, None) for param in params] if parallel_state.get_data_parallel_rank() == 0 else []
+            replica_first = parallel_state.get_sequence_data_parallel_rank() == 0
+            return [(param, None, None) for param in params] if replica_first else []
     return None
 
 

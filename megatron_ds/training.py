@@ -27,6 +27,7 @@ from megatron_ds.core.transformer.transformer_layer import TransformerLayer, ass
 from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
+from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
@@ -53,7 +54,7 @@ def build_model(args, config):
         return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
-        model = deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.get_topology(),
+        model = deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.deepspeed_topology(),
                                               loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
     assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
     return model
@@ -76,14 +77,16 @@ def setup_engine(args, config):
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
-    install_flat_gradient_reduction(engine, parallel_state.get_data_parallel_group())
+    install_flat_gradient_reduction(engine, parallel_state.get_sequence_data_parallel_group())
     return engine
 
 
 def _mean_over_data_parallel(value):
+    """The mean over the ranks holding the same weights (SP x DP: each Ulysses rank's loss is its share of the
+    sample's, times SP; core/models/gpt/gpt_model.py)."""
     value = value.detach().float().clone()
-    dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    return value / parallel_state.get_data_parallel_world_size()
+    dist.all_reduce(value, group=parallel_state.get_sequence_data_parallel_group())
+    return value / parallel_state.get_sequence_data_parallel_world_size()
 
 
 def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
@@ -162,8 +165,9 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         if watchdog is not None:
             watchdog.activity = f"iteration {iteration}"
         batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
-        if batch_size != engine.train_batch_size():
-            engine.set_train_batch_size(batch_size)  # ramp-up: more micro-batches, same micro-batch size
+        if deepspeed_train_batch_size(args, batch_size) != engine.train_batch_size():
+            # ramp-up: more micro-batches, same micro-batch size
+            engine.set_train_batch_size(deepspeed_train_batch_size(args, batch_size))
         engine.lr_scheduler.global_batch_size = batch_size  # what its step counts in samples and tokens
         accumulation_steps = engine.gradient_accumulation_steps()
         seq_length = _sequence_length(engine, curriculum, iteration, args.seq_length)
@@ -206,7 +210,8 @@ def _train_tokens_reached(args, progress):
 
 
 def log_startup(args, config, engine, peak, peak_source):
-    print_rank_0(f"megatron_ds: world size {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+    sequence = f"SP {args.ds_sequence_parallel_size} x " if args.ds_sequence_parallel_size > 1 else ""
+    print_rank_0(f"megatron_ds: world size {args.world_size} = TP {args.tensor_model_parallel_size} x {sequence}PP "
                  f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; global batch "
                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
                  f"gradient accumulation {engine.gradient_accumulation_steps()}; padded vocab "
@@ -230,7 +235,8 @@ def log_startup(args, config, engine, peak, peak_source):
 
 def _log_parameters_per_stage(engine):
     local = sum(p.numel() for p in engine.module.parameters())
-    entry = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(), local)
+    entry = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_sequence_data_parallel_rank(),
+             local)
     entries = [None] * dist.get_world_size()
     dist.all_gather_object(entries, entry)
     per_stage = {}
@@ -288,7 +294,8 @@ def pretrain(argv=None, start_time=None):
 
 def _pretrain(args, watchdog, start_time=None):
     _configure_logging()
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                             sequence_parallel_size=args.ds_sequence_parallel_size)
     if args.moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
         mend_token_split()

@@ -1,6 +1,7 @@
 """The training-throughput benchmark runs end to end on a tiny model and prints every figure it promises
 (the figures themselves are measured, never asserted)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,21 @@ def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
         assert expected in result.stdout, f"{expected!r} missing from:\n{result.stdout}"
     share = float(result.stdout.split("all-to-all share of rank 0's time: ")[1].split("%")[0])
     assert share > 0  # the profiler saw the all-to-alls
+
+
+def test_long_context_bench_finds_the_longest_sequence_per_sequence_parallel_size():
+    """A tiny search (one length each) with a budget that fits: a row per SP size with the length, the peak
+    memory per rank and the rate; a budget below the Python runtime fits nothing."""
+    command = [sys.executable, "bench/long_context.py", "--ranks", "2", "--sp-sizes", "1", "2", "--start-seq", "128",
+               "--max-seq", "128", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+               "--vocab-size", "256"]
+    result = subprocess.run(command + ["--budget-gib", "64"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {int(sp): (int(length), float(peak), float(rate)) for sp, length, peak, rate in
+            re.findall(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)}
+    assert sorted(rows) == [1, 2] and all(length == 128 and 0 < peak < 64 and rate > 0
+                                          for length, peak, rate in rows.values()), result.stdout
+    tight = subprocess.run(command + ["--sp-sizes", "1", "--budget-gib", "0.01"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert tight.returncode == 0 and "none fits" in tight.stdout, tight.stdout[-2000:]

@@ -3,16 +3,24 @@
     python tools/activation_memory.py --hidden-size 256 --num-attention-heads 8 --seq-length 256 \\
         --micro-batch-size 2 --tensor-model-parallel-size 2
 
-Each scheme runs a real TransformerLayer on real TP ranks (gloo processes started here) in 16-bit
+Each scheme runs a real TransformerLayer on real TP or Ulysses ranks (gloo processes started here) in 16-bit
 activations; every tensor saved for backward is seen by torch.autograd.graph.saved_tensors_hooks, each
-storage counted once, parameters excluded. Formulas (Korthikanti et al. 2022, arXiv 2205.05198), s b h
-bytes: no parallelism 34 + 5as/h; TP 10 + 24/t + 5as/(ht); TP+SP (34 + 5as/h)/t; TP+SP+selective 34/t;
-full recompute 2 (the layer input); DeepSpeed's checkpoint (--deepspeed-activation-checkpointing) the
-same 2, and 2/t with --partition-activations (each TP rank keeps 1/t of the input). The sdpa backend keeps
-no s x s tensor: its formula drops the 5as/h term. Attention dropout is 0 for sdpa rows: on CPU only the
+storage counted once, parameters excluded; a scheme's figure is its busiest rank's. Formulas (Korthikanti et
+al. 2022, arXiv 2205.05198), s b h bytes: no parallelism 34 + 5as/h; TP 10 + 24/t + 5as/(ht); TP+SP
+(34 + 5as/h)/t; TP+SP+selective 34/t; full recompute 2 (the layer input); DeepSpeed's checkpoint
+(--deepspeed-activation-checkpointing) the same 2, and 2/t with --partition-activations (each TP rank keeps
+1/t of the input). DeepSpeed-Ulysses SP U (TP 1; U ranks each holding s/U tokens of the layer's input,
+DeepSpeed's DistributedAttention in between, parallel_state's sequence-parallel group): (34 + 5as/h) / U,
+the no-parallelism row over U. Outside attention every tensor holds s/U tokens; after the all-to-all a rank's
+q, k, v cover the whole sequence for a/U heads (as many elements as s/U tokens of all heads) and its scores,
+softmax and dropout are a/U heads x s x s (5as/h x s b h / U). The all-to-alls save nothing for backward
+(DeepSpeed's _SeqAllToAll keeps only its group and dimensions; its backward is the reverse all-to-all). What
+they change is which tensors hold q, k, v: attention saves the all-to-alls' outputs instead of views of the
+QKV output, which nothing keeps then, so the count stays the paper's 6 s b h / U for q, k, v. The sdpa backend
+keeps no s x s tensor: its formula drops the 5as/h term. Attention dropout is 0 for sdpa rows: on CPU only the
 math kernel implements dropout, and it stores the s x s probabilities (GPU flash kernels regenerate the
 mask instead). DeepSpeed's checkpoint keeps its inputs on the autograd node, not through
-save_for_backward: those are counted from the graph (measured per rank, on rank 0).
+save_for_backward: those are counted from the graph (on each rank).
 """
 import argparse
 import os
@@ -45,19 +53,23 @@ class Scheme:
     backend: str = "local"
     deepspeed: bool = False  # full recompute by DeepSpeed's activation checkpointing
     partition: bool = False  # ... with partition_activations
+    ulysses: int = 1         # DeepSpeed-Ulysses ranks (TP 1)
 
 
+ULYSSES_SIZES = (2, 4)
 SCHEMES = [Scheme("no parallelism"), Scheme("TP", tp=True), Scheme("TP + SP", tp=True, sequence_parallel=True),
            Scheme("TP + SP + selective", tp=True, sequence_parallel=True, recompute="selective"),
            Scheme("full recompute", tp=True, recompute="full"),
            Scheme("DeepSpeed recompute", tp=True, recompute="full", deepspeed=True),
            Scheme("DeepSpeed + partition", tp=True, recompute="full", deepspeed=True, partition=True),
+           *(Scheme(f"Ulysses SP {size}", ulysses=size) for size in ULYSSES_SIZES),
            Scheme("no parallelism", backend="sdpa"), Scheme("TP", tp=True, backend="sdpa"),
            Scheme("TP + SP", tp=True, sequence_parallel=True, backend="sdpa")]
 
 
 def paper_bytes(scheme, s, b, h, a, t, with_attention_scores=True):
-    """The paper's bytes per layer for this scheme (16-bit activations, 1-byte dropout masks)."""
+    """The paper's bytes per layer for this scheme (16-bit activations, 1-byte dropout masks); Ulysses divides
+    every term by U."""
     t = t if scheme.tp else 1
     scores = 5 * a * s / h if with_attention_scores else 0.0
     if scheme.recompute == "full":
@@ -68,7 +80,7 @@ def paper_bytes(scheme, s, b, h, a, t, with_attention_scores=True):
         per_sbh = (34.0 + scores) / t
     else:
         per_sbh = 10.0 + 24.0 / t + scores / t if t > 1 else 34.0 + scores
-    return s * b * h * per_sbh
+    return s * b * h * per_sbh / scheme.ulysses
 
 
 def _storage_key(tensor):
@@ -120,7 +132,7 @@ def _layer_bytes(args, scheme):
                                params_dtype=torch.bfloat16, attention_backend=scheme.backend,
                                sequence_parallel=scheme.sequence_parallel, recompute_granularity=scheme.recompute)
     layer = TransformerLayer(config, layer_number=1)
-    seq = args.seq_length // tp if scheme.sequence_parallel else args.seq_length
+    seq = args.seq_length // scheme.ulysses // (tp if scheme.sequence_parallel else 1)
     hidden_states = torch.randn(seq, args.micro_batch_size, args.hidden_size, dtype=torch.bfloat16,
                                 requires_grad=True)
     return measure_saved_bytes(layer, hidden_states)
@@ -130,27 +142,42 @@ def _rank_main(rank, world_size, port, args, scheme, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    if scheme.deepspeed:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size // scheme.ulysses,
+                                             sequence_parallel_size=scheme.ulysses)
+    if scheme.deepspeed or scheme.ulysses > 1:  # DeepSpeed's checkpointing and all-to-alls run on deepspeed.comm
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         init_distributed("gloo")  # deepspeed.comm on the process group above
+    if scheme.deepspeed:
         deepspeed.checkpointing.configure(ModelParallelUnit(), partition_activations=scheme.partition)
         use_deepspeed_checkpointing()
     model_parallel_cuda_manual_seed(1234)
-    measured = _layer_bytes(args, scheme)
-    if rank == 0:
-        results.put(measured)
+    results.put(_layer_bytes(args, scheme))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def scheme_ranks(args, scheme):
+    """Processes a scheme runs on: its TP ranks, or its Ulysses ranks (1 for neither)."""
+    return args.tensor_model_parallel_size if scheme.tp else scheme.ulysses
+
+
+def _split_errors(args, schemes):
+    """The sequence and the heads must split over each scheme's ranks."""
+    s, a = args.seq_length, args.num_attention_heads
+    splits = {(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}" if scheme.tp else
+               f"{scheme.ulysses} ({scheme.name})"): scheme_ranks(args, scheme) for scheme in schemes}
+    return [f"--seq-length {s} and --num-attention-heads {a} must be divisible by {name}"
+            for name, ranks in splits.items() if s % ranks or a % ranks]
+
+
 def run_scheme(args, scheme):
-    world = args.tensor_model_parallel_size if scheme.tp else 1
+    """The bytes the busiest rank of the scheme saves."""
+    world = scheme_ranks(args, scheme)
     context = mp.get_context("fork")
     results = context.Queue()
     mp.start_processes(_rank_main, args=(world, free_port(), args, scheme, results), nprocs=world,
                        start_method="fork")
-    return results.get(timeout=10)
+    return max(results.get(timeout=10) for _ in range(world))
 
 
 def main(argv=None):
@@ -160,16 +187,19 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    parser.add_argument("--scheme", action="append", choices=sorted({scheme.name for scheme in SCHEMES}),
+                        help="measure only these schemes (repeatable; default: all)")
     args = parser.parse_args(argv)
     s, b, h, a, t = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
                      args.tensor_model_parallel_size)
-    if s % t or a % t:
-        parser.error(f"--seq-length {s} and --num-attention-heads {a} must be divisible by "
-                     f"--tensor-model-parallel-size {t}")
-    print(f"activation bytes saved for backward by one transformer layer: s={s} b={b} h={h} a={a} t={t}, "
-          f"bf16 activations, hidden dropout 0.1 (1-byte masks)")
+    schemes = [scheme for scheme in SCHEMES if args.scheme is None or scheme.name in args.scheme]
+    errors = _split_errors(args, schemes)
+    if errors:
+        parser.error("; ".join(errors))
+    print(f"activation bytes saved for backward by one transformer layer: s={s} b={b} h={h} a={a} t={t} (Ulysses "
+          f"SP at TP 1), bf16 activations, hidden dropout 0.1 (1-byte masks), per rank (the largest)")
     print(f"{'scheme':<22} {'backend':<8} {'measured':>12} {'paper':>12} {'ratio':>7}  paper formula")
-    for scheme in SCHEMES:
+    for scheme in schemes:
         measured = run_scheme(args, scheme)
         expected = paper_bytes(scheme, s, b, h, a, t, with_attention_scores=scheme.backend == "local")
         note = "" if scheme.backend == "local" else " without the 5as/h term (no s x s tensor)"

@@ -38,12 +38,14 @@ def size_errors(args):
 
 
 def layout_errors(args):
-    """TP and PP against the world size and the model's heads, layers and widths."""
+    """TP, Ulysses SP and PP against the world size and the model's heads, layers and widths."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    sp = args.ds_sequence_parallel_size
     errors = []
-    if world % (tp * pp):
-        errors.append(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
-                      f"does not divide the world size {world} (the number of launched ranks)")
+    if world % (tp * sp * pp):
+        sizes = f"--tensor-model-parallel-size {tp} x " + (f"--ds-sequence-parallel-size {sp} x " if sp > 1 else "")
+        errors.append(f"{sizes}--pipeline-model-parallel-size {pp} = {tp * sp * pp} does not divide the world size "
+                      f"{world} (the number of launched ranks)")
     for name in ("num_attention_heads", "num_key_value_heads"):
         if getattr(args, name) % tp:
             errors.append(f"{_flag(name)} {getattr(args, name)} is not divisible by --tensor-model-parallel-size {tp}")
@@ -116,6 +118,31 @@ def activation_memory_errors(args):
     if args.recompute_activations and args.recompute_granularity != "selective":
         errors.append(f"--recompute-activations (selective) conflicts with --recompute-granularity "
                       f"{args.recompute_granularity}")
+    return errors
+
+
+def ulysses_errors(args):
+    """DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): each rank holds seq-length / SP tokens (split again
+    over TP with --sequence-parallel), and attention swaps them for heads: the heads of a TP rank split over
+    SP. What the split cannot carry yet is refused by name."""
+    sp, tp = args.ds_sequence_parallel_size, args.tensor_model_parallel_size
+    if sp == 1:
+        return []
+    flag = f"--ds-sequence-parallel-size {sp}"
+    tokens_split = sp * tp if args.sequence_parallel else sp
+    errors = []
+    if args.seq_length % tokens_split:
+        errors.append(f"{flag}: --seq-length {args.seq_length} is not divisible by "
+                      + (f"SP {sp} x --tensor-model-parallel-size {tp} (--sequence-parallel)"
+                         if args.sequence_parallel else f"SP {sp}"))
+    if args.num_attention_heads % tp == 0 and (args.num_attention_heads // tp) % sp:
+        errors.append(f"{flag}: the {args.num_attention_heads // tp} attention heads of a TP rank "
+                      f"(--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size {tp}) do "
+                      f"not split over SP {sp}")
+    refused = (("reset_attention_mask", "--reset-attention-mask", "each rank would need the document boundaries "
+                "of the whole sequence"),
+               ("moe", "--num-experts above 1", "the MoE layers would route each rank's slice on its own"))
+    errors += [f"{flag} with {what}: not built ({why})" for name, what, why in refused if getattr(args, name, None)]
     return errors
 
 
@@ -290,9 +317,6 @@ def compatibility_errors(args):
 
 # flag (as argparse stores it) -> (is it asked for, what the feature is, what to do instead)
 _UNBUILT_FEATURES = (
-    (lambda a: a.ds_sequence_parallel_size != 1, "--ds-sequence-parallel-size {ds_sequence_parallel_size}",
-     "DeepSpeed-Ulysses sequence parallelism", "use --ds-sequence-parallel-size 1, or Megatron's "
-     "--sequence-parallel with TP"),
     (lambda a: a.ds_sequence_parallel_fpdt or a.ds_sequence_parallel_fpdt_offloading, "--ds-sequence-parallel-fpdt",
      "FPDT long-context attention", "drop the FPDT flags"),
     (lambda a: a.universal_checkpoint, "--universal-checkpoint", "DeepSpeed universal checkpoints",

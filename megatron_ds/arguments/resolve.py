@@ -106,7 +106,8 @@ def _freeze(args):
 def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
-              + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args))
+              + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
+              + checks.ulysses_errors(args))
     return errors + (checks.data_source_errors(args) if on_this_host else [])
 
 
@@ -163,7 +164,8 @@ def tokenizer_values(args):
 
 
 def _model_parallel_size(args):
-    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    """Ranks of one model replica: TP x Ulysses SP x PP (the SP ranks of a replica read the same samples)."""
+    return args.tensor_model_parallel_size * args.ds_sequence_parallel_size * args.pipeline_model_parallel_size
 
 
 def layout_values(args):

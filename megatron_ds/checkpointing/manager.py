@@ -53,7 +53,8 @@ def _print_rank_0(message):
 
 def _coordinates():
     return {"rank": dist.get_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
-            "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank()}
+            "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank(),
+            "sp": parallel_state.get_sequence_parallel_rank()}
 
 
 def _expert_coordinates(args):
@@ -207,16 +208,18 @@ class CheckpointManager:
         return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                 "data_parallel_size": args.data_parallel_size, "world_size": args.world_size,
+                "sequence_parallel_size": args.ds_sequence_parallel_size,
                 "zero_stage": args.zero_stage, "precision": str(args.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain",
                 "expert_parallel_size": args.moe_expert_parallel_size if args.moe else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
-        """Every rank's coordinates and DeepSpeed checkpoint rank; the first data-parallel rank of each model
-        shard adds its optimizer's parameter names per group (the order DeepSpeed flattens them in)."""
+        """Every rank's coordinates and DeepSpeed checkpoint rank; the first replica (data- and sequence-parallel
+        rank 0) of each model shard adds its optimizer's parameter names per group (the order DeepSpeed flattens
+        them in)."""
         groups = None
-        if parallel_state.get_data_parallel_rank() == 0:
+        if parallel_state.get_sequence_data_parallel_rank() == 0:
             names = {id(param): name for name, param in self.engine.module.named_parameters()}
             groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
         entry = {**_coordinates(), **_expert_coordinates(self.args), "mp_rank": self.engine.checkpoint_mp_rank,
@@ -360,8 +363,9 @@ class CheckpointManager:
                 f"  ... pretrain.py --load {target} ...")
 
     def _same_deepspeed_layout(self, metadata):
-        saved, ours = {"expert_parallel_size": 1, **metadata["layout"]}, self._layout()
-        keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size")
+        saved, ours = {"expert_parallel_size": 1, "sequence_parallel_size": 1, **metadata["layout"]}, self._layout()
+        keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
+                "sequence_parallel_size")
         return metadata["format"] == files.FORMAT_DEEPSPEED and all(saved.get(k) == ours[k] for k in keys)
 
     def _place_rank_state(self, state, load_optimizer):
@@ -393,13 +397,16 @@ class CheckpointManager:
             return "not in the checkpoint (converted): seeded from --seed"
         me = _coordinates()
         saved_dp = metadata["layout"]["data_parallel_size"]
-        # data-parallel ranks draw the same numbers (same seed per pipeline stage), so another DP size maps over
+        saved_sp = metadata["layout"].get("sequence_parallel_size", 1)
+        # data- and sequence-parallel ranks draw the same numbers (same seed per pipeline stage), so another DP or
+        # SP size maps over
         candidates = [entry for entry in metadata["ranks"] if entry["tp"] == me["tp"] and entry["pp"] == me["pp"]
-                      and entry["dp"] == me["dp"] % saved_dp]
+                      and entry["dp"] == me["dp"] % saved_dp and entry.get("sp", 0) == me["sp"] % saved_sp]
         if not candidates:
             return "not found for this rank: seeded from --seed"
         self.rng_state_to_restore = files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
-        return "restored" if candidates[0]["dp"] == me["dp"] else "restored (mapped across data-parallel ranks)"
+        same = (candidates[0]["dp"], candidates[0].get("sp", 0)) == (me["dp"], me["sp"])
+        return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
 
 
 def _place_optimizer_state(optimizer, names, state):

@@ -49,7 +49,7 @@ def _layout(metadata):
 
 def _rank_entry(metadata, tp_rank, pp_rank):
     for entry in metadata["ranks"]:
-        if entry["tp"] == tp_rank and entry["pp"] == pp_rank and entry["dp"] == 0:
+        if entry["tp"] == tp_rank and entry["pp"] == pp_rank and entry["dp"] == 0 and entry.get("sp", 0) == 0:
             return entry
     raise CheckpointError(f"checkpoint metadata has no rank with TP rank {tp_rank}, PP rank {pp_rank}")
 
@@ -135,7 +135,9 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
     partitions = _ZeroPartitions(path, lay, entry["pp"])
-    data_parallel = [(dp, entry["mp_rank"]) for dp in range(lay["data_parallel_size"])]
+    # DeepSpeed's data-parallel ranks (its ZeRO partitions) are the sequence-data-parallel ones: SP x DP
+    replicas = lay["data_parallel_size"] * lay.get("sequence_parallel_size", 1)
+    data_parallel = [(dp, entry["mp_rank"]) for dp in range(replicas)]
     optimizer, step = {}, None
     for group, shapes in enumerate(mp_state["param_shapes"]):
         if any(layout.is_expert_parameter(name) for name in shapes):

@@ -1,70 +1,99 @@
-"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+"""Process groups for tensor (TP), DeepSpeed-Ulysses sequence (SP), pipeline (PP) and data (DP) parallelism.
 
-One topology object is the single source of truth for rank placement: DeepSpeed's
-`PipeModelDataParallelTopology` (axes pipe, data, model; TP fastest, then DP, then PP slowest).
-The same object is handed to DeepSpeed's `PipelineModule`, so Megatron's groups and DeepSpeed's
-pipeline grid are the same groups; `assert_matches_deepspeed_grid` checks that at start-up.
+One topology object is the single source of truth for rank placement: axes pipe, data, seq, model (TP
+fastest, then SP, then DP, then PP slowest). DeepSpeed's pipeline grid is handed the same placement with
+SP and DP folded into its data axis (`deepspeed_topology`: DeepSpeed's data-parallel ranks are our
+sequence-data-parallel ranks, over which the gradients of the replicated weights are reduced), so
+Megatron's groups and DeepSpeed's grid are the same groups; `assert_matches_deepspeed_grid` checks that at
+start-up. Without Ulysses (SP 1) the sequence-data-parallel group is the data-parallel group.
 """
 import contextlib
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch.distributed as dist
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
+
+AXES = ("pipe", "data", "seq", "model")
 
 
 @dataclass
 class _ParallelGroups:
-    topology: PipeModelDataParallelTopology
+    topology: ProcessTopology
     tensor_ranks: List[int]
     pipeline_ranks: List[int]
     data_ranks: List[int]
+    sequence_ranks: List[int]
+    sequence_data_ranks: List[int]
     tensor_group: object
     pipeline_group: object
     data_group: object
+    sequence_group: object
+    sequence_data_group: object
 
 
 _GROUPS: Optional[_ParallelGroups] = None
 
 
-def _new_groups_along(topology, axis):
-    """Create one process group per list along `axis` (every rank must call this in the same order);
-    return (ranks, group) of the list holding this rank."""
+def _new_groups(rank_lists):
+    """Create one process group per rank list (every rank must call this in the same order); return (ranks,
+    group) of the list holding this rank."""
     me = dist.get_rank()
     mine = None
-    for ranks in topology.get_axis_comm_lists(axis):
+    for ranks in rank_lists:
         group = dist.new_group(ranks=ranks)
         if me in ranks:
             mine = (ranks, group)
     return mine
 
 
-def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size):
-    """The (pipe, data, model) topology for a world; raises ValueError when the sizes do not divide it."""
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-    if tensor_model_parallel_size < 1 or pipeline_model_parallel_size < 1 or world_size % model_parallel:
+def sequence_data_parallel_lists(topology):
+    """The ranks that differ only in their data and sequence coordinates, in rank order (DeepSpeed's
+    data-parallel groups under deepspeed_topology)."""
+    return [sorted(topology.filter_match(pipe=pipe, model=model))
+            for pipe in range(topology.get_dim("pipe")) for model in range(topology.get_dim("model"))]
+
+
+def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size,
+                   sequence_parallel_size=1):
+    """The (pipe, data, seq, model) topology for a world; raises ValueError when the sizes do not divide it."""
+    model_parallel = tensor_model_parallel_size * sequence_parallel_size * pipeline_model_parallel_size
+    if min(tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size) < 1 or \
+            world_size % model_parallel:
         raise ValueError(
-            f"tensor_model_parallel_size ({tensor_model_parallel_size}) x pipeline_model_parallel_size "
-            f"({pipeline_model_parallel_size}) = {model_parallel} must be positive and divide the world "
-            f"size ({world_size})")
-    return PipeModelDataParallelTopology(num_pp=pipeline_model_parallel_size,
-                                         num_mp=tensor_model_parallel_size,
-                                         num_dp=world_size // model_parallel)
+            f"tensor_model_parallel_size ({tensor_model_parallel_size}) x sequence_parallel_size "
+            f"({sequence_parallel_size}) x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = "
+            f"{model_parallel} must be positive and divide the world size ({world_size})")
+    return ProcessTopology(axes=list(AXES), dims=[pipeline_model_parallel_size, world_size // model_parallel,
+                                                  sequence_parallel_size, tensor_model_parallel_size])
+
+
+def deepspeed_topology():
+    """The topology DeepSpeed's PipelineModule gets: ours with SP folded into the data axis (seq sits between data
+    and model, so every rank keeps its number)."""
+    topology = get_topology()
+    return PipeModelDataParallelTopology(num_pp=topology.get_dim("pipe"), num_mp=topology.get_dim("model"),
+                                         num_dp=topology.get_dim("data") * topology.get_dim("seq"))
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              topology: Optional[PipeModelDataParallelTopology] = None):
-    """Create the TP, PP and DP groups for this rank. torch.distributed must be initialized."""
+                              topology: Optional[ProcessTopology] = None, sequence_parallel_size: int = 1):
+    """Create the TP, SP, PP, DP and sequence-data-parallel groups for this rank. torch.distributed must be
+    initialized."""
     global _GROUPS
     if _GROUPS is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     if topology is None:
-        topology = build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size())
-    tensor_ranks, tensor_group = _new_groups_along(topology, "model")
-    data_ranks, data_group = _new_groups_along(topology, "data")
-    pipeline_ranks, pipeline_group = _new_groups_along(topology, "pipe")
-    _GROUPS = _ParallelGroups(topology, tensor_ranks, pipeline_ranks, data_ranks,
-                              tensor_group, pipeline_group, data_group)
+        topology = build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(),
+                                  sequence_parallel_size)
+    tensor_ranks, tensor_group = _new_groups(topology.get_axis_comm_lists("model"))
+    data_ranks, data_group = _new_groups(topology.get_axis_comm_lists("data"))
+    pipeline_ranks, pipeline_group = _new_groups(topology.get_axis_comm_lists("pipe"))
+    sequence_ranks, sequence_group = _new_groups(topology.get_axis_comm_lists("seq"))
+    sequence_data_ranks, sequence_data_group = _new_groups(sequence_data_parallel_lists(topology))
+    _GROUPS = _ParallelGroups(topology, tensor_ranks, pipeline_ranks, data_ranks, sequence_ranks,
+                              sequence_data_ranks, tensor_group, pipeline_group, data_group, sequence_group,
+                              sequence_data_group)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -84,7 +113,7 @@ def _groups() -> _ParallelGroups:
     return _GROUPS
 
 
-def get_topology() -> PipeModelDataParallelTopology:
+def get_topology() -> ProcessTopology:
     return _groups().topology
 
 
@@ -144,6 +173,40 @@ def get_data_parallel_rank() -> int:
     return _groups().data_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
 
 
+def get_sequence_parallel_group():
+    return _groups().sequence_group
+
+
+def get_sequence_parallel_ranks() -> List[int]:
+    return list(_groups().sequence_ranks)
+
+
+def get_sequence_parallel_world_size() -> int:
+    """Ulysses SP: the ranks that split each sample's tokens (1 without, and when planning)."""
+    return len(_groups().sequence_ranks) if _GROUPS is not None and _SIMULATED is None else 1
+
+
+def get_sequence_parallel_rank() -> int:
+    return _groups().sequence_ranks.index(dist.get_rank()) if _GROUPS is not None and _SIMULATED is None else 0
+
+
+def get_sequence_data_parallel_group():
+    """The ranks holding the same weights: SP x DP (DeepSpeed's data-parallel group)."""
+    return _groups().sequence_data_group
+
+
+def get_sequence_data_parallel_ranks() -> List[int]:
+    return list(_groups().sequence_data_ranks)
+
+
+def get_sequence_data_parallel_world_size() -> int:
+    return len(_groups().sequence_data_ranks) if _GROUPS is not None else 1
+
+
+def get_sequence_data_parallel_rank() -> int:
+    return _groups().sequence_data_ranks.index(dist.get_rank()) if _GROUPS is not None else 0
+
+
 def is_pipeline_first_stage() -> bool:
     return get_pipeline_model_parallel_rank() == 0
 
@@ -153,18 +216,24 @@ def is_pipeline_last_stage() -> bool:
 
 
 def all_groups_by_axis():
-    """{'tensor': [...], 'data': [...], 'pipeline': [...]}: every group's ranks, for start-up logs."""
+    """{'tensor': [...], 'data': [...], 'pipeline': [...]} (with Ulysses also 'sequence' and
+    'sequence-data'): every group's ranks, for start-up logs."""
     topology = get_topology()
-    return {"tensor": topology.get_axis_comm_lists("model"),
-            "data": topology.get_axis_comm_lists("data"),
-            "pipeline": topology.get_axis_comm_lists("pipe")}
+    groups = {"tensor": topology.get_axis_comm_lists("model"),
+              "data": topology.get_axis_comm_lists("data"),
+              "pipeline": topology.get_axis_comm_lists("pipe")}
+    if topology.get_dim("seq") > 1:
+        groups.update({"sequence": topology.get_axis_comm_lists("seq"),
+                       "sequence-data": sequence_data_parallel_lists(topology)})
+    return groups
 
 
 def assert_matches_deepspeed_grid(grid):
-    """DeepSpeed's PipelineParallelGrid must hold exactly our groups (it was built from our topology)."""
+    """DeepSpeed's PipelineParallelGrid must hold exactly our groups (it was built from deepspeed_topology):
+    its data-parallel group is our sequence-data-parallel group."""
     ours = _groups()
     theirs = {"data": list(grid.dp_group), "pipeline": list(grid.pp_group), "tensor": list(grid.slice_group)}
-    mine = {"data": ours.data_ranks, "pipeline": ours.pipeline_ranks, "tensor": ours.tensor_ranks}
+    mine = {"data": ours.sequence_data_ranks, "pipeline": ours.pipeline_ranks, "tensor": ours.tensor_ranks}
     if theirs != mine:
         raise AssertionError(f"rank {dist.get_rank()}: DeepSpeed's pipeline grid groups {theirs} differ from "
                              f"megatron_ds parallel_state groups {mine}")

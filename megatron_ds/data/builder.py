@@ -102,16 +102,29 @@ def build_datasets(args):
 
 
 def _model_batch(tokens, args, device):
-    """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes."""
+    """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes. With Ulysses each
+    sequence-parallel rank keeps its slice of the tokens, labels, loss mask and (global) position ids."""
     tokens = tokens.to(device)
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    if not (args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss):
+    sliced = parallel_state.get_sequence_parallel_world_size() > 1
+    if not (args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss or sliced):
         return input_ids, labels
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        input_ids, args.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
-    inputs = pack_model_inputs(input_ids, position_ids if args.reset_position_ids else None,
+        input_ids, args.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss,
+        with_attention_mask=args.reset_attention_mask)
+    if sliced:  # (--reset-attention-mask is refused with Ulysses)
+        input_ids, labels, loss_mask, position_ids = (_sequence_slice(t) for t in
+                                                      (input_ids, labels, loss_mask, position_ids))
+    inputs = pack_model_inputs(input_ids, position_ids if args.reset_position_ids or sliced else None,
                                attention_mask if args.reset_attention_mask else None)
     return inputs, ((labels, loss_mask) if args.eod_mask_loss else labels)
+
+
+def _sequence_slice(tensor):
+    """This Ulysses rank's contiguous slice of a [b, s] tensor."""
+    ranks, rank = parallel_state.get_sequence_parallel_world_size(), parallel_state.get_sequence_parallel_rank()
+    length = tensor.size(1) // ranks
+    return tensor[:, rank * length:(rank + 1) * length].contiguous()
 
 
 def batch_iterator(dataset, args, consumed_samples, device, curriculum=None):

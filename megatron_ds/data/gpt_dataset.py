@@ -216,19 +216,22 @@ def split_documents(num_documents, split_string):
 # ---------------------------------------------------------------------------------------- masks
 
 
-def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
-    """For a [b, s] batch of left-to-right tokens: (attention_mask [b or 1, 1, s, s] bool, True = masked;
-    loss_mask [b, s] float; position_ids [b, s] long). A document ends at (and includes) each eod token;
-    reset_position_ids restarts positions at 0 after it, reset_attention_mask stops attention across it,
-    eod_mask_loss gives the eod tokens zero loss."""
+def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss,
+                                    with_attention_mask=True):
+    """For a [b, s] batch of left-to-right tokens: (attention_mask [b or 1, 1, s, s] bool, True = masked, or None
+    when not with_attention_mask (it costs s^2 per sample); loss_mask [b, s] float; position_ids [b, s] long).
+    A document ends at (and includes) each eod token; reset_position_ids restarts positions at 0 after it,
+    reset_attention_mask stops attention across it, eod_mask_loss gives the eod tokens zero loss."""
     batch, seq = tokens.shape
     is_eod = tokens == eod
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
-    blocked = ~torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device))
-    if reset_attention_mask:
-        document = torch.cumsum(is_eod, dim=1) - is_eod.long()  # eods strictly before each token
-        blocked = blocked | (document.unsqueeze(2) != document.unsqueeze(1))
-    attention_mask = blocked.view(-1, 1, seq, seq)
+    attention_mask = None
+    if with_attention_mask:
+        blocked = ~torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device))
+        if reset_attention_mask:
+            document = torch.cumsum(is_eod, dim=1) - is_eod.long()  # eods strictly before each token
+            blocked = blocked | (document.unsqueeze(2) != document.unsqueeze(1))
+        attention_mask = blocked.view(-1, 1, seq, seq)
 
     loss_mask = torch.ones(batch, seq, dtype=torch.float, device=tokens.device)
     if eod_mask_loss:

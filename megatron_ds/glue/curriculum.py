@@ -27,7 +27,7 @@ def _positive_int(value):
 
 def curriculum_errors(block, path, seq_length, length_divisor):
     """Everything wrong with an enabled block, all at once. length_divisor: what every sequence length must
-    be a multiple of (the TP size with --sequence-parallel, else 1)."""
+    be a multiple of (the ranks that split the sequence: TP with --sequence-parallel, times Ulysses SP)."""
     key = f'"{BLOCK}"'
     errors = []
     if block.get("curriculum_type", "seqlen") != "seqlen":

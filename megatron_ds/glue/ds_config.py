@@ -183,7 +183,7 @@ def _curriculum(args, config, path, errors):
     """The enabled legacy curriculum block (validated), or None."""
     block = curriculum.enabled_block(config)
     if block is not None:
-        divisor = args.tensor_model_parallel_size if args.sequence_parallel else 1
+        divisor = (args.tensor_model_parallel_size if args.sequence_parallel else 1) * args.ds_sequence_parallel_size
         errors += curriculum.curriculum_errors(block, path, args.seq_length, divisor)
     return block
 
@@ -236,12 +236,18 @@ def _fp16_block(args, user_block):
     return block
 
 
+def deepspeed_train_batch_size(args, global_batch_size):
+    """DeepSpeed's train_batch_size for a global batch: its data-parallel ranks are the sequence-data-parallel
+    ones (glue/mpu.py), so it counts each Ulysses rank's slice of a micro-batch as a micro-batch of its own."""
+    return global_batch_size * args.ds_sequence_parallel_size
+
+
 def build_deepspeed_config(args):
     """The effective DeepSpeed config: the user's JSON with every reconciled value written in."""
     config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
               if key not in _BLOCKS_KEPT_FROM_DEEPSPEED}
     accumulation = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    config.update({"train_batch_size": args.global_batch_size,
+    config.update({"train_batch_size": deepspeed_train_batch_size(args, args.global_batch_size),
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,
                    "gradient_accumulation_steps": accumulation,
                    "gradient_clipping": args.clip_grad})

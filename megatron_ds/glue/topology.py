@@ -22,10 +22,12 @@ def tensor_parallel_placement_warning(tensor_parallel_size, ranks_per_node):
 def describe_ranks():
     """One line per rank: host, coordinates and group members (gathered from every rank)."""
     topology = parallel_state.get_topology()
+    sequence = (f" | SP group {parallel_state.get_sequence_parallel_ranks()}"
+                if parallel_state.get_sequence_parallel_world_size() > 1 else "")
     mine = (dist.get_rank(), socket.gethostname(), str(topology.get_coord(dist.get_rank())),
             parallel_state.get_tensor_model_parallel_ranks(), parallel_state.get_pipeline_model_parallel_ranks(),
-            parallel_state.get_data_parallel_ranks())
+            parallel_state.get_data_parallel_ranks(), sequence)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return [f"rank {rank:>5} on {host}: {coord} | TP group {tp} | PP group {pp} | DP group {dp}"
-            for rank, host, coord, tp, pp, dp in everyone]
+    return [f"rank {rank:>5} on {host}: {coord} | TP group {tp} | PP group {pp} | DP group {dp}{sp}"
+            for rank, host, coord, tp, pp, dp, sp in everyone]

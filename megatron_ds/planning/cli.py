@@ -33,7 +33,9 @@ def build_plan_parser():
     group.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
     group.add_argument("--gpus-per-node", type=int, default=8)
     group.add_argument("--device", choices=list(DEVICES), default="a100-80gb")
-    group.add_argument("--search", action="store_true", help="rank every (tp, pp, dp, micro batch, recompute, SP)")
+    group.add_argument("--search", action="store_true",
+                       help="rank every (tp, Ulysses SP, pp, dp, micro batch, recompute, SP); Ulysses only where "
+                            "a layout needs it (megatron_ds/planning/search.py)")
     group.add_argument("--top", type=int, default=20, help="layouts shown by --search")
     group.add_argument("--instantiate", action="store_true",
                        help="build every pipeline stage of TP rank 0 on the meta device and check the counts")
@@ -70,8 +72,8 @@ def validated_args(args):
     flags.vocab_size, flags.tokenizer_type = _vocab_size(args), "NullTokenizer"
     if flags.train_iters is None and flags.train_samples is None:  # planning needs no schedule
         flags.train_iters = 1
-    if args.search:   # the layout is searched: resolve the model alone, at TP = PP = 1
-        flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = 1
+    if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1
+        flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
         vars(flags).update(_WITHOUT_MEMORY_CHOICES)
     return resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
 
@@ -86,13 +88,16 @@ def model_spec(args) -> ModelSpec:
 
 
 def layout_from_args(args) -> Layout:
+    """pretrain.py's layout: --ds-sequence-parallel-size is Ulysses, --sequence-parallel Megatron's SP; DP is
+    what the world leaves (world / (TP x Ulysses x PP), as resolved)."""
     return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, sequence_parallel=bool(args.sequence_parallel),
                   recompute=args.recompute_granularity, zero_stage=args.zero_stage,
                   recompute_method=args.recompute_method or "uniform",
                   recompute_num_layers=args.recompute_num_layers or 1,
-                  distribute_saved_activations=args.distribute_saved_activations)
+                  distribute_saved_activations=args.distribute_saved_activations,
+                  ulysses=args.ds_sequence_parallel_size)
 
 
 def model_summary(model: ModelSpec) -> dict:

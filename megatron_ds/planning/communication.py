@@ -2,14 +2,22 @@
 an all-reduce of P bytes over n ranks sends 2 (n-1)/n P per rank, an all-gather or reduce-scatter
 (n-1)/n P), and which links each axis uses.
 
-TP, per transformer layer and micro-batch (payload P = s b h activation bytes): without SP, 2 all-reduces in
+TP, per transformer layer and micro-batch (payload P = s b h activation bytes, s/U tokens with Ulysses): without
+SP, 2 all-reduces in
 forward (attention projection, fc2) and 2 in backward (the inputs of QKV and fc1); with SP, 2 all-gathers
 + 2 reduce-scatters in forward, and in backward their conjugates plus 2 all-gathers of the saved input
 shards for the weight gradients (megatron_ds keeps only the [s/t, b, h] shard). Full recompute repeats
 the forward's collectives for each recomputed layer; selective recompute repeats none.
 PP, per micro-batch and stage boundary: the activation forward and its gradient backward, s b h each
-(s/t b h with SP), sent by every TP rank (DeepSpeed's pipeline sends whole tensors).
-DP, per iteration: the gradient all-reduce over the data-parallel group, 2 (dp-1)/dp x gradient bytes
+(s/t b h with SP, / U with Ulysses), sent by every TP and Ulysses rank (DeepSpeed's pipeline sends whole tensors).
+Ulysses (DeepSpeed's DistributedAttention, --ds-sequence-parallel-size U), per transformer layer and
+micro-batch: 4 all-to-alls over the Ulysses group in forward (q, k and v, k and v already expanded to every
+query head, from the sequence split to the head split, and the context back) and their 4 conjugates in
+backward, each of this rank's s/U x b x (a/t) x d elements (d = kv_channels), of which (U - 1)/U leaves the
+rank: per direction 4 (U - 1)/U x s/U b (a d / t) x bytes. Full recompute repeats the forward's 4 for each
+recomputed layer; selective recompute reruns only the core attention, between the all-to-alls.
+DP, per iteration: the gradient all-reduce over the data-parallel group (U x DP ranks with Ulysses: the weights
+are replicated on a sample's U ranks, which DeepSpeed counts as data-parallel), 2 (dp-1)/dp x gradient bytes
 (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
 updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). With tied embeddings and PP > 1 the
 first and last stages also all-reduce the embedding gradient. With MoE the experts' gradients are reduced
@@ -51,9 +59,16 @@ class TensorParallelTraffic:
     collectives: str
 
 
+def layers_bytes_per_micro_batch(traffic, layout: Layout, num_layers: int) -> float:
+    """Bytes of a stage with `num_layers` layers per micro-batch from one layer's traffic: every layer's forward
+    and backward, and the recomputed layers' forward again."""
+    return num_layers * (traffic.forward + traffic.backward) + layout.recomputed_layers(num_layers) * traffic.recompute
+
+
 def tensor_parallel_traffic_per_layer(model: ModelSpec, layout: Layout) -> TensorParallelTraffic:
     t = layout.tp
-    payload = model.seq_length * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
     if layout.sequence_parallel:
         forward, backward = 4 * all_gather_bytes(t, payload), 6 * all_gather_bytes(t, payload)
         collectives = ("2 all-gather + 2 reduce-scatter in forward; backward 2 reduce-scatter + 2 all-gather "
@@ -71,15 +86,39 @@ def tensor_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_
     """TP bytes one device of a stage with `num_layers` layers sends per micro-batch."""
     if layout.tp == 1:
         return 0.0
-    per_layer = tensor_parallel_traffic_per_layer(model, layout)
-    recomputed = layout.recomputed_layers(num_layers)
-    return num_layers * (per_layer.forward + per_layer.backward) + recomputed * per_layer.recompute
+    return layers_bytes_per_micro_batch(tensor_parallel_traffic_per_layer(model, layout), layout, num_layers)
+
+
+@dataclass(frozen=True)
+class UlyssesTraffic:
+    """One transformer layer, one micro-batch: bytes one device sends over its Ulysses group."""
+    payload: float          # one all-to-all's tensor on this rank: s/U x b x (a/t) x d elements, bytes
+    per_all_to_all: float   # (U - 1)/U of it
+    forward: float          # q, k, v and the context
+    backward: float         # their 4 conjugates
+    recompute: float        # per recomputed layer (full recompute): the forward's 4 again
+
+
+def ulysses_traffic_per_layer(model: ModelSpec, layout: Layout) -> UlyssesTraffic:
+    config = model.config
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    payload = (tokens * layout.micro_batch_size * config.num_attention_heads / layout.tp * config.kv_channels
+               * activation_element_bytes(model))
+    one = all_to_all_bytes(layout.ulysses, payload)
+    return UlyssesTraffic(payload, one, 4 * one, 4 * one, 4 * one if layout.recompute == "full" else 0.0)
+
+
+def ulysses_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int) -> float:
+    """Ulysses all-to-all bytes one device of a stage with `num_layers` layers sends per micro-batch."""
+    if layout.ulysses == 1:
+        return 0.0
+    return layers_bytes_per_micro_batch(ulysses_traffic_per_layer(model, layout), layout, num_layers)
 
 
 def pipeline_payload_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
-    """Bytes of one activation (= one activation gradient) crossing a stage boundary, per TP rank."""
-    s = model.seq_length / (layout.tp if layout.sequence_parallel else 1)
-    return s * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
+    """Bytes of one activation (= one activation gradient) crossing a stage boundary, per TP and Ulysses rank."""
+    tokens = layout.tokens_per_rank(model.seq_length)
+    return tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
 
 
 def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
@@ -89,15 +128,25 @@ def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
 
 
 def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, expert_parameters: int = 0) -> dict:
-    """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather).
-    parameters: the device's; expert_parameters: the MoE experts among them, reduced over TP x DP / EP ranks."""
-    groups = ((layout.dp, parameters - expert_parameters),
+    """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather) over U x DP
+    ranks. parameters: the device's; expert_parameters: the MoE experts among them, reduced over TP x DP / EP
+    ranks."""
+    groups = ((layout.sequence_data_parallel, parameters - expert_parameters),
               (expert_data_parallel_size(model, layout), expert_parameters))
     gradient_bytes, weight_bytes = gradient_reduction_element_bytes(model, layout), 2 if model.sixteen_bit else 4
     gradients = sum(all_reduce_bytes(ranks, count * gradient_bytes) for ranks, count in groups)
     weights = (sum(all_gather_bytes(ranks, count * weight_bytes) for ranks, count in groups)
                if layout.zero_stage >= 1 else 0.0)
     return {"gradient_all_reduce": gradients, "weight_all_gather": weights}
+
+
+def largest_stage_data_parallel_traffic(model: ModelSpec, layout: Layout, stages) -> dict:
+    """data_parallel_traffic of the stage with the most parameters per device (the reduction that takes
+    longest); {} when no rank shares its weights (U x DP = 1)."""
+    if layout.sequence_data_parallel == 1:
+        return {}
+    largest = max(stages, key=lambda stage: stage.total)
+    return data_parallel_traffic(model, layout, largest.total, largest.experts)
 
 
 def tied_embedding_traffic(model: ModelSpec, layout: Layout) -> float:
@@ -175,6 +224,8 @@ class Links:
     data_spans_nodes: bool
     expert: float = 0.0                # MoE all-to-alls over the expert-parallel group
     expert_spans_nodes: bool = False
+    ulysses: float = 0.0               # Ulysses all-to-alls over the sequence-parallel group
+    ulysses_spans_nodes: bool = False
 
 
 def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
@@ -183,19 +234,22 @@ def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
 
 
 def links(layout: Layout, cluster: Cluster, ep: int = 1) -> Links:
-    """Ranks are TP fastest, then DP, then PP: a TP group is tp consecutive ranks, a stage's DP groups
-    span tp x dp consecutive ranks, a pipeline spans the whole replica; an expert-parallel group is ep
+    """Ranks are TP fastest, then Ulysses, then DP, then PP: a TP group is tp consecutive ranks, a Ulysses
+    group every tp-th of tp x U consecutive ranks, a stage's gradient-reduction (U x DP) groups span
+    tp x U x dp consecutive ranks, a pipeline spans the whole replica; an expert-parallel group is ep
     consecutive ranks of a stage (parallel_state.expert_parallel_rank_lists; an expert-data-parallel group
     spans the stage: the data link). A group that crosses a node runs at the inter-node bandwidth (its slowest
     hop)."""
     g, device = cluster.gpus_per_node, cluster.device
     tensor_spans = not _fits_in_node(layout.tp, g)
-    data_spans = layout.dp > 1 and not _fits_in_node(layout.tp * layout.dp, g)
+    data_spans = layout.sequence_data_parallel > 1 and not _fits_in_node(layout.tp * layout.sequence_data_parallel, g)
     pipeline_spans = layout.pp > 1 and not _fits_in_node(layout.world_size, g)
     expert_spans = ep > 1 and not _fits_in_node(ep, g)
+    ulysses_spans = layout.ulysses > 1 and not _fits_in_node(layout.tp * layout.ulysses, g)
 
     def bandwidth(spans):
         return (device.inter_node_gbs if spans else device.intra_node_gbs) * 1e9
 
     return Links(bandwidth(tensor_spans), bandwidth(pipeline_spans), bandwidth(data_spans),
-                 tensor_spans, pipeline_spans, data_spans, bandwidth(expert_spans), expert_spans)
+                 tensor_spans, pipeline_spans, data_spans, bandwidth(expert_spans), expert_spans,
+                 bandwidth(ulysses_spans), ulysses_spans)

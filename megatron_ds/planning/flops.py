@@ -47,10 +47,12 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
     """Hardware FLOPs one device of a stage (`num_layers` layers from global layer `first_layer`) runs for one
     micro-batch (forward + backward + recompute). Each TP rank runs 1/t of the layers' FLOPs; for MoE layers
     that holds for the experts (whole on each rank, but each TP rank gets 1/t of the dispatched tokens from
-    DeepSpeed), not for the router and residual MLP every TP rank runs whole."""
+    DeepSpeed), not for the router and residual MLP every TP rank runs whole. Each Ulysses rank runs those of
+    its s/U tokens: the attention scores of its a/(tU) heads over the whole s cost as much as s/U tokens' share
+    of a/t heads (4 s a d / t per token), so the FLOPs per rank are the micro-batch's / (t U)."""
     per_token = forward_flops_per_token(model, layout.tp)
     flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
                                                                                        first_layer)
     if last:
         flops += 3 * per_token.head
-    return flops * layout.micro_batch_size * model.seq_length / layout.tp
+    return flops * layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False) / layout.tp

@@ -8,27 +8,37 @@ Model states, bytes per parameter (Adam):
 - fp16: 2 + 2 + 12/dp (DeepSpeed's ZeRO-1 optimizer: fp32 master, m, v sharded).
 - fp32: 4 + 4 + 12/dp with ZeRO-1 (DeepSpeed's ZeRO optimizer keeps an fp32 copy of its partition even when
   the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
-ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only).
+ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only). With DeepSpeed-Ulysses (U ranks per sample)
+every "dp" here is U x DP: the weights are replicated on a sample's U ranks, which DeepSpeed counts as
+data-parallel, so the gradient reduction and the ZeRO partitions span them (Layout.sequence_data_parallel).
 Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
 over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; DeepSpeed's MoE groups),
 everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
 take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
 
 Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
-sequence, b micro batch, h hidden, a heads, t TP:
-  no recompute, TP:       s b h (10 + 24/t + 5 a s / (h t))       (t = 1: s b h (34 + 5 a s / h))
-  no recompute, TP + SP:  s b h / t (34 + 5 a s / h)
+sequence, b micro batch, h hidden, a heads, t TP, U Ulysses SP:
+  no recompute, TP:       s b h / U (10 + 24/t + 5 a s / (h t))   (t = U = 1: s b h (34 + 5 a s / h))
+  no recompute, TP + SP:  s b h / (t U) (34 + 5 a s / h)
   selective recompute:    the same without the 5 a s / h attention-score term
-  full recompute:         2 s b h (the layer input), / t with SP or --distribute-saved-activations
+  full recompute:         2 s b h / U (the layer input), / t with SP or --distribute-saved-activations
+The paper's rows are U = 1. Ulysses (--ds-sequence-parallel-size U) divides each by U: outside attention a rank
+holds s/U tokens, so every s-proportional term (10 + 24/t, 34/t, the layer input) takes s/U. Inside attention
+the all-to-all trades the sequence split for a head split: a rank holds q, k, v (k and v expanded to every query
+head) of a/(tU) heads over the whole s, as many elements as s/U tokens of a/t heads, so their share of the 24/t
+stays 6 s b h / (t U); the score term, 5 s^2 b bytes per head (softmax output 2, dropout mask 1, dropout output
+2), over a/(tU) heads is 5 a s^2 b / (t U) = s b h / U x 5 a s / (h t). The all-to-alls keep nothing for backward
+(DeepSpeed's _SeqAllToAll saves no tensor): attention saves their outputs as q, k, v instead of views of the
+QKV output, which nothing keeps then; tools/activation_memory.py measures this on real Ulysses ranks.
 fp32 activations count twice. These are the paper's GPT-2-shape counts; SwiGLU and GQA layers differ
 somewhat. With flash attention (the sdpa backend on GPUs) the s x s scores are not stored at all, so the
 no-recompute figures are upper bounds there.
 A 1F1B stage i of p holds min(p - i, m) micro-batches in flight. Added terms: the first stage keeps the
 embedding-dropout mask (s b h bytes, / t with SP) per micro-batch in flight; the last stage keeps the final
 norm and head inputs (4 s b h, / t with SP) and the fp32 softmax of the vocabulary-parallel cross entropy
-(4 s b V / t) for its one micro-batch. Full recompute (Megatron's methods): "uniform" with N layers per
-chunk keeps one input per chunk and needs one chunk's whole activations while it runs backward; "block"
-recomputes only the first N layers of each stage and keeps the others' whole activations.
+(4 s b V / t) for its one micro-batch; all of them / U with Ulysses. Full recompute (Megatron's methods):
+"uniform" with N layers per chunk keeps one input per chunk and needs one chunk's whole activations while it
+runs backward; "block" recomputes only the first N layers of each stage and keeps the others' whole activations.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -73,13 +83,15 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float:
-    """As activation_bytes_per_layer, for recompute None, "selective" or "full"."""
+    """As activation_bytes_per_layer, for recompute None, "selective" or "full": the module docstring's rows,
+    s/U tokens per rank and the score term over the whole s (a/(tU) heads of it)."""
     config, t, sp = model.config, layout.tp, layout.sequence_parallel
     s, b, h, a = model.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
     scores = 0.0 if recompute == "selective" else 5 * a * s / h
-    per_layer = s * b * h / t * (34 + scores) if sp else s * b * h * (10 + 24 / t + scores / t)
+    tokens = layout.tokens_per_rank(s, split_over_tp=False)
+    per_layer = tokens * b * h / t * (34 + scores) if sp else tokens * b * h * (10 + 24 / t + scores / t)
     return per_layer * (1 if model.sixteen_bit else 2)
 
 
@@ -89,22 +101,22 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> int:
 
 
 def _first_stage_extra_bytes(model, layout):
-    s, b, h = model.seq_length, layout.micro_batch_size, model.config.hidden_size
-    return s * b * h / (layout.tp if layout.sequence_parallel else 1)
+    return layout.tokens_per_rank(model.seq_length) * layout.micro_batch_size * model.config.hidden_size
 
 
 def _last_stage_extra_bytes(model, layout):
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
-    norm_and_head_inputs = 4 * s * b * h / (t if layout.sequence_parallel else 1) * (1 if model.sixteen_bit else 2)
-    return norm_and_head_inputs + 4 * s * b * model.padded_vocab_size(t) / t
+    norm_and_head_inputs = 4 * layout.tokens_per_rank(s) * b * h * (1 if model.sixteen_bit else 2)
+    softmax = 4 * layout.tokens_per_rank(s, split_over_tp=False) * b * model.padded_vocab_size(t) / t
+    return norm_and_head_inputs + softmax
 
 
 def _saved_layer_input_bytes(model, layout):
     """Full recompute keeps only a layer's (or chunk's) input: 2 s b h, split over TP with SP or
-    --distribute-saved-activations."""
-    s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
+    --distribute-saved-activations (and over U with Ulysses)."""
     split = layout.sequence_parallel or layout.distribute_saved_activations
-    return 2 * s * b * h / (t if split else 1) * (1 if model.sixteen_bit else 2)
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=split)
+    return 2 * tokens * layout.micro_batch_size * model.config.hidden_size * (1 if model.sixteen_bit else 2)
 
 
 def _layer_activations_per_micro_batch(model, layout, num_layers):
@@ -154,10 +166,10 @@ class StageMemory:
 
 
 def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
-    """Bytes of each model state one device of the stage holds: the non-expert parameters sharded over DP,
+    """Bytes of each model state one device of the stage holds: the non-expert parameters sharded over U x DP,
     the experts over the expert-data-parallel group (TP x DP / EP)."""
     state = state_bytes_per_parameter(model.precision, layout.zero_stage)
-    dense = sharded_state_bytes(state, layout.zero_stage, layout.dp)
+    dense = sharded_state_bytes(state, layout.zero_stage, layout.sequence_data_parallel)
     experts = sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout))
     n, e = stage_params.non_expert, stage_params.experts
     return StateBytes(*(n * a + e * b for a, b in zip(dataclasses.astuple(dense), dataclasses.astuple(experts))))

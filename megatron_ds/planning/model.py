@@ -41,22 +41,36 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the model: TP x PP x DP, batch split and the memory-saving choices."""
+    """One way to run the model: TP x Ulysses SP x PP x DP, batch split and the memory-saving choices.
+    Ranks are TP fastest, then Ulysses, then DP, then PP (core/parallel_state.py)."""
     tp: int
     pp: int
     dp: int
     micro_batch_size: int
     global_batch_size: int
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False   # Megatron's --sequence-parallel: tokens outside attention split over TP
     recompute: Optional[str] = None   # None, "selective" (attention scores) or "full" (whole layers)
     zero_stage: int = 1
     recompute_method: str = "uniform"  # full only: "uniform" (chunks of N layers) or "block" (first N per stage)
     recompute_num_layers: int = 1      # full only: N
     distribute_saved_activations: bool = False   # full only: saved layer inputs split across TP
+    ulysses: int = 1                   # DeepSpeed-Ulysses SP (--ds-sequence-parallel-size): ranks splitting a sample
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.ulysses * self.pp * self.dp
+
+    @property
+    def sequence_data_parallel(self) -> int:
+        """Ranks holding the same weights of a stage, U x DP: DeepSpeed reduces their gradients and ZeRO shards
+        their states over them (parallel_state's sequence-data-parallel group; DP without Ulysses)."""
+        return self.ulysses * self.dp
+
+    def tokens_per_rank(self, seq_length: int, split_over_tp: Optional[bool] = None) -> float:
+        """Tokens of a sample one rank holds outside attention: s / U, and / t again where Megatron's SP splits
+        them (split_over_tp, by default the layout's --sequence-parallel)."""
+        split_over_tp = self.sequence_parallel if split_over_tp is None else split_over_tp
+        return seq_length / (self.ulysses * (self.tp if split_over_tp else 1))
 
     @property
     def num_micro_batches(self) -> int:
@@ -76,8 +90,13 @@ class Layout:
         method = "" if self.recompute_method == "uniform" and not chunk else f" ({self.recompute_method}{chunk})"
         return "full" + method + (", saved inputs split over TP" if self.distribute_saved_activations else "")
 
+    def describe_sizes(self) -> str:
+        """"TP t x PP p x DP d", with "x Ulysses SP U" after TP when U > 1."""
+        ulysses = f" x Ulysses SP {self.ulysses}" if self.ulysses > 1 else ""
+        return f"TP {self.tp}{ulysses} x PP {self.pp} x DP {self.dp}"
+
     def describe(self) -> str:
-        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}, micro batch {self.micro_batch_size} x "
+        return (f"{self.describe_sizes()}, micro batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches} micro-batches, SP {'on' if self.sequence_parallel else 'off'}, "
                 f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}")
 
@@ -97,19 +116,22 @@ class Cluster:
 def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
     """Ranks holding the same experts (TP x DP / EP: the experts are whole on each rank, spread over runs of EP
     ranks of a stage; DP / EP with expert tensor parallelism, the TP ranks holding different shards): the group
-    expert gradients are reduced and their optimizer states ZeRO-partitioned over (the data-parallel group for
-    everything else). DP for a dense model."""
+    expert gradients are reduced and their optimizer states ZeRO-partitioned over (the sequence-data-parallel
+    group for everything else). U x DP for a dense model (MoE takes no Ulysses)."""
     config = model.config
     if not config.is_moe:
-        return layout.dp
+        return layout.sequence_data_parallel
     sharing = layout.dp if config.moe_expert_tensor_parallel else layout.tp * layout.dp
     return max(sharing // config.moe_expert_parallel_size, 1)
 
 
-def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
-    """(reason, detail) for each rule the layout breaks, before any memory or time estimate."""
-    config, tp, pp = model.config, layout.tp, layout.pp
+def layout_errors(model: ModelSpec, layout: Layout, world_size: Optional[int] = None) -> List[tuple]:
+    """(reason, detail) for each rule the layout breaks, before any memory or time estimate; with world_size,
+    TP x U x PP x DP must make it. The Ulysses rules mirror training's (arguments/checks.py, ulysses_errors): the
+    tokens split over U (x TP with Megatron's SP), a TP rank's heads over U, no MoE."""
+    config, tp, pp, u = model.config, layout.tp, layout.pp, layout.ulysses
     moe, ep = config.is_moe, config.moe_expert_parallel_size
+    heads, megatron_sp = config.num_attention_heads, layout.sequence_parallel
     checks = [
         (config.num_attention_heads % tp, "heads not divisible by TP",
          f"{config.num_attention_heads} heads over TP {tp}"),
@@ -124,6 +146,12 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
          f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
         (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
          f"sequence {model.seq_length} over TP {tp}"),
+        (u > 1 and model.seq_length % (u * (tp if megatron_sp else 1)), "sequence not divisible by Ulysses SP",
+         f"sequence {model.seq_length} over Ulysses SP {u}" + (f" x TP {tp} (SP)" if megatron_sp else "")),
+        (u > 1 and heads % tp == 0 and (heads // tp) % u, "heads of a TP rank not divisible by Ulysses SP",
+         f"{heads} heads over TP {tp} = {heads // tp} per TP rank, over Ulysses SP {u}"),
+        (moe and u > 1, "MoE with Ulysses SP", f"Ulysses SP {u}: each rank's MoE layers would route its slice of "
+                                               f"the sequence alone (pretrain.py refuses it)"),
         (moe and not config.moe_expert_tensor_parallel and (tp * layout.dp) % ep,
          "expert parallel size does not divide TP x DP",
          f"EP {ep} over TP {tp} x DP {layout.dp} (expert-parallel groups are runs of a stage's ranks)"),
@@ -136,5 +164,7 @@ def layout_errors(model: ModelSpec, layout: Layout) -> List[tuple]:
          and stages_without_experts(config.num_layers, pp, config.expert_interval),
          "a pipeline stage without MoE layers", f"PP {pp} with an MoE layer every {config.expert_interval} of "
                                                 f"{config.num_layers} layers"),
+        (world_size is not None and layout.world_size != world_size, "layout does not match the world size",
+         f"{layout.describe_sizes()} != {world_size}"),
     ]
     return [(reason, detail) for broken, reason, detail in checks if broken]

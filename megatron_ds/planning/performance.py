@@ -3,9 +3,10 @@
 The model (assumptions also printed with every plan and listed in the README):
 - compute runs at `compute_efficiency` x the device's peak (one factor for GEMMs and the memory-bound
   ops between them); communication at `bandwidth_efficiency` x link bandwidth; latency terms ignored;
-- nothing overlaps: TP collectives, MoE all-to-alls, pipeline sends/receives, the data-parallel reduction
-  and the optimizer step all add to the compute time (Megatron's TP collectives sit on the critical path; DeepSpeed's
-  pipeline engine sends/receives blockingly and reduces gradients after the last micro-batch);
+- nothing overlaps: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the data-parallel
+  reduction and the optimizer step all add to the compute time (Megatron's TP collectives and DeepSpeed's
+  Ulysses all-to-alls sit on the critical path; DeepSpeed's pipeline engine sends/receives blockingly and
+  reduces gradients after the last micro-batch);
 - 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
   micro-batch, so the bubble is (p - 1) / (m + p - 1) of it;
 - memory-bound work at `bandwidth_efficiency` x HBM bandwidth: with bf16 + ZeRO-1 DeepSpeed's BF16_Optimizer
@@ -32,8 +33,8 @@ class PerformanceAssumptions:
                 f"memory-bound ops between them, one factor)",
                 f"communication at {self.bandwidth_efficiency:.0%} of link bandwidth (ring collectives, "
                 f"no latency term); memory-bound work at {self.bandwidth_efficiency:.0%} of HBM bandwidth",
-                "no overlap: TP collectives, MoE all-to-alls, pipeline sends/receives, the data-parallel "
-                "reduction and the optimizer step add to compute time",
+                "no overlap: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the "
+                "data-parallel reduction and the optimizer step add to compute time",
                 "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch"]
 
 
@@ -48,9 +49,9 @@ def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) 
 
 
 def _optimizer_step_bytes(model: ModelSpec, layout: Layout, stage: StageParameters) -> float:
-    """The device's ZeRO shard: non-expert parameters over DP, experts over TP x DP / EP."""
+    """The device's ZeRO shard: non-expert parameters over U x DP, experts over TP x DP / EP."""
     zero = layout.zero_stage >= 1
-    shard = (stage.non_expert / (layout.dp if zero else 1)
+    shard = (stage.non_expert / (layout.sequence_data_parallel if zero else 1)
              + stage.experts / (expert_data_parallel_size(model, layout) if zero else 1))
     weights = 2 if model.sixteen_bit else 0      # fp32 training updates the master copy in place
     return shard * (4 + 2 * 12 + weights)
@@ -65,11 +66,12 @@ class StageTime:
     pipeline_p2p: float
     grad_accumulation: float
     expert_all_to_all: float = 0.0    # MoE dispatch and combine over the expert-parallel group
+    ulysses_all_to_all: float = 0.0   # Ulysses q, k, v and context over the sequence-parallel group
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
-                + self.expert_all_to_all)
+                + self.expert_all_to_all + self.ulysses_all_to_all)
 
 
 def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
@@ -77,15 +79,19 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
                                                  first_layer=stage.first_layer)
     tp_bytes = comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
     ep_bytes = comm.expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
+    ulysses_bytes = comm.ulysses_bytes_per_micro_batch(model, layout, stage.num_layers)
     pp_bytes = 2 * comm.pipeline_payload_per_micro_batch(model, layout) if layout.pp > 1 else 0
     hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
+
+    def seconds(nbytes, bandwidth):   # an axis the layout does not use sends nothing
+        return nbytes / (bandwidth * assumptions.bandwidth_efficiency) if nbytes else 0.0
+
     return StageTime(stage=stage.stage,
                      compute=flops / (cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency),
-                     tensor_parallel=tp_bytes / (links.tensor * assumptions.bandwidth_efficiency),
-                     pipeline_p2p=pp_bytes / (links.pipeline * assumptions.bandwidth_efficiency),
+                     tensor_parallel=seconds(tp_bytes, links.tensor), pipeline_p2p=seconds(pp_bytes, links.pipeline),
                      grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm,
-                     expert_all_to_all=ep_bytes / (links.expert * assumptions.bandwidth_efficiency) if ep_bytes
-                     else 0.0)
+                     expert_all_to_all=seconds(ep_bytes, links.expert),
+                     ulysses_all_to_all=seconds(ulysses_bytes, links.ulysses))
 
 
 def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, stages, assumptions) -> dict:
@@ -97,9 +103,7 @@ def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, sta
     m = layout.num_micro_batches
     pipeline = (m + layout.pp - 1) * slowest.total
     largest = max(stages, key=lambda stage: stage.total)
-    dp_traffic = (comm.data_parallel_traffic(model, layout, largest.total, largest.experts) if layout.dp > 1
-                  else {})
-    data_parallel = sum(dp_traffic.values()) / (links.data * eff)
+    data_parallel = sum(comm.largest_stage_data_parallel_traffic(model, layout, stages).values()) / (links.data * eff)
     tied = comm.tied_embedding_traffic(model, layout) / (links.pipeline * eff)
     optimizer = _optimizer_step_bytes(model, layout, largest) / (cluster.device.memory_bandwidth_gbs * 1e9 * eff)
     iteration = pipeline + data_parallel + tied + optimizer

@@ -72,7 +72,7 @@ def _memory_section(model, layout, cluster, stages):
         "margin_bytes": capacity - peak.total, "fits": peak.total <= capacity,
         "state_bytes_per_parameter": dataclasses.asdict(state),
         "state_bytes_per_parameter_on_device": dataclasses.asdict(
-            sharded_state_bytes(state, layout.zero_stage, layout.dp)),
+            sharded_state_bytes(state, layout.zero_stage, layout.sequence_data_parallel)),
         **({"expert_state_bytes_per_parameter_on_device": dataclasses.asdict(
             sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout)))}
            if model.config.is_moe else {}),
@@ -94,8 +94,6 @@ def _communication_section(model, layout, stages):
     most_layers = max(stage.num_layers for stage in stages)
     m = layout.num_micro_batches
     pp_payload = comm.pipeline_payload_per_micro_batch(model, layout)
-    largest = max(stages, key=lambda stage: stage.total)
-    dp = comm.data_parallel_traffic(model, layout, largest.total, largest.experts) if layout.dp > 1 else {}
     section = {
         "tensor_parallel": {"payload_bytes": tp_layer.payload, "collectives": tp_layer.collectives,
                             "per_layer_per_micro_batch": {"forward": tp_layer.forward, "backward": tp_layer.backward,
@@ -104,9 +102,15 @@ def _communication_section(model, layout, stages):
                                 model, layout, most_layers) * m},
         "pipeline": {"payload_bytes_per_micro_batch": pp_payload,
                      "per_iteration_per_device": 2 * pp_payload * m if layout.pp > 1 else 0.0},
-        "data_parallel": {"per_iteration_per_device": dp,
+        "data_parallel": {"ranks": layout.sequence_data_parallel,
+                          "per_iteration_per_device": comm.largest_stage_data_parallel_traffic(model, layout, stages),
                           "tied_embedding_all_reduce": comm.tied_embedding_traffic(model, layout)},
     }
+    if layout.ulysses > 1:
+        per_layer = dataclasses.asdict(comm.ulysses_traffic_per_layer(model, layout))
+        per_iteration = comm.ulysses_bytes_per_micro_batch(model, layout, most_layers) * m
+        section["ulysses"] = {"ranks": layout.ulysses, "per_layer_per_micro_batch": per_layer,
+                              "per_iteration_per_device": per_iteration}
     if model.config.is_moe:
         section["expert_parallel"] = {
             "all_to_all_per_layer_per_micro_batch": moe_section(model, layout)["all_to_all_per_layer_per_micro_batch"],
@@ -121,6 +125,10 @@ def _warnings(model, layout, cluster, performance):
     if links["tensor_spans_nodes"]:
         warnings.append(f"TP {layout.tp} spans nodes of {cluster.gpus_per_node} GPUs: tensor-parallel "
                         f"collectives run over the inter-node network ({cluster.device.inter_node_gbs:g} GB/s)")
+    if links["ulysses_spans_nodes"]:
+        warnings.append(f"Ulysses SP {layout.ulysses} with TP {layout.tp} spans nodes of {cluster.gpus_per_node} "
+                        f"GPUs: its all-to-alls run over the inter-node network ({cluster.device.inter_node_gbs:g} "
+                        f"GB/s)")
     if layout.num_micro_batches < layout.pp:
         warnings.append(f"{layout.num_micro_batches} micro-batches for {layout.pp} pipeline stages: most of the "
                         f"iteration is pipeline bubble")
@@ -139,10 +147,7 @@ def _warnings(model, layout, cluster, performance):
 def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
               assumptions: PerformanceAssumptions = PerformanceAssumptions(), all_stages: bool = True) -> dict:
     """Everything the planner reports about one layout; {"errors": [...]} when the layout is invalid."""
-    errors = layout_errors(model, layout)
-    if layout.world_size != cluster.world_size:
-        errors.append(("layout does not match the world size",
-                       f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp} != {cluster.world_size}"))
+    errors = layout_errors(model, layout, cluster.world_size)
     if errors:
         return {"layout": dataclasses.asdict(layout), "errors": [list(error) for error in errors]}
     stages = stage_parameters(model, layout.tp, layout.pp)

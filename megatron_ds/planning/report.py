@@ -125,24 +125,43 @@ def _expert_parallel_lines(communication, links):
         f"{_bytes(row['per_all_to_all'])} sent per all-to-all, {_bytes(row['forward'] + row['backward'])} "
         f"forward + backward" + (f", recompute {_bytes(row['recompute'])}" if row["recompute"] else "")
         for row in ep["all_to_all_per_layer_per_micro_batch"])
-    spans = " inter-node" if links.get("expert_spans_nodes") else ""
-    return [f"  EP ({links.get('expert', 0) / 1e9:g} GB/s{spans}): 4 all-to-alls per MoE layer per micro-batch "
+    return [f"  EP ({_link(links, 'expert')}): 4 all-to-alls per MoE layer per micro-batch "
             f"(dispatch and combine, forward and backward), (EP-1)/EP of each sent: {layers}; per iteration "
             f"{_bytes(ep['per_iteration_per_device'])}"]
 
 
+def _link(links, axis) -> str:
+    """"300 GB/s", " inter-node" added where the axis's groups cross nodes."""
+    return f"{links[axis] / 1e9:g} GB/s{' inter-node' if links[f'{axis}_spans_nodes'] else ''}"
+
+
+def _per_layer(per_layer) -> str:
+    return (f"per layer per micro-batch forward {_bytes(per_layer['forward'])}, backward "
+            f"{_bytes(per_layer['backward'])}, recompute {_bytes(per_layer['recompute'])}")
+
+
+def _ulysses_lines(communication, links):
+    if "ulysses" not in communication:
+        return []
+    ulysses = communication["ulysses"]
+    per_layer = ulysses["per_layer_per_micro_batch"]
+    return [f"  Ulysses SP {ulysses['ranks']} ({_link(links, 'ulysses')}): 4 all-to-alls in forward (q, k, v, "
+            f"context), 4 in backward, (U-1)/U of each sent: payload {_bytes(per_layer['payload'])}, "
+            f"{_bytes(per_layer['per_all_to_all'])} sent per all-to-all; {_per_layer(per_layer)}; per iteration "
+            f"{_bytes(ulysses['per_iteration_per_device'])}"]
+
+
 def _communication_lines(communication, links):
     tp, pp, dp = communication["tensor_parallel"], communication["pipeline"], communication["data_parallel"]
-    per_layer = tp["per_layer_per_micro_batch"]
     dp_parts = dp["per_iteration_per_device"]
+    over = f", over U x DP = {dp['ranks']} ranks" if "ulysses" in communication else ""
     return ["Communication per device per iteration (bytes sent, ring algorithms)",
-            f"  TP ({links['tensor'] / 1e9:g} GB/s{' inter-node' if links['tensor_spans_nodes'] else ''}): "
-            f"{tp['collectives']}; payload {_bytes(tp['payload_bytes'])}; per layer per micro-batch forward "
-            f"{_bytes(per_layer['forward'])}, backward {_bytes(per_layer['backward'])}, recompute "
-            f"{_bytes(per_layer['recompute'])}; per iteration {_bytes(tp['per_iteration_per_device'])}",
+            f"  TP ({_link(links, 'tensor')}): {tp['collectives']}; payload {_bytes(tp['payload_bytes'])}; "
+            f"{_per_layer(tp['per_layer_per_micro_batch'])}; per iteration {_bytes(tp['per_iteration_per_device'])}",
+            *_ulysses_lines(communication, links),
             f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {_bytes(pp['payload_bytes_per_micro_batch'])} "
             f"forward + gradient backward per micro-batch; per iteration {_bytes(pp['per_iteration_per_device'])}",
-            f"  DP ({links['data'] / 1e9:g} GB/s): gradient all-reduce "
+            f"  DP ({links['data'] / 1e9:g} GB/s{over}): gradient all-reduce "
             f"{_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
             f"{_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
             f"{_bytes(dp['tied_embedding_all_reduce'])}"] + _expert_parallel_lines(communication, links)
@@ -158,8 +177,8 @@ def _performance_lines(performance):
             f"  slowest stage ({slowest['stage']}) per micro-batch: compute {slowest['compute'] * 1e3:.1f} ms, TP "
             f"{slowest['tensor_parallel'] * 1e3:.1f} ms, PP send/recv {slowest['pipeline_p2p'] * 1e3:.1f} ms, "
             f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms"
-            + (f", EP all-to-all {slowest['expert_all_to_all'] * 1e3:.1f} ms" if slowest.get("expert_all_to_all")
-               else ""),
+            + "".join(f", {name} all-to-all {slowest[key] * 1e3:.1f} ms" for name, key in
+                      (("EP", "expert_all_to_all"), ("Ulysses", "ulysses_all_to_all")) if slowest.get(key)),
             f"  TFLOP/s per device: {performance['hardware_tflops_per_device']:.1f} hardware, "
             f"{performance['model_tflops_per_device']:.1f} model; MFU {performance['mfu']:.1%}; "
             f"{performance['tokens_per_second']:,.0f} tokens/s"]
@@ -188,10 +207,14 @@ def search_text(result) -> str:
     lines = model_lines(result["model"], result["cluster"])
     lines.append(f"search:  global batch {search['global_batch_size']}; {search['candidates']} layouts, "
                  f"{search['feasible']} feasible; top {len(search['ranked'])} by estimated iteration time")
-    lines.append("   #   TP   PP   DP  mb     m  SP   recompute  mem GiB  bubble   iter s  TFLOP/s    MFU")
+    if search["ulysses_skipped"]:
+        lines.append(f"         {search['ulysses_skipped']} layouts with Ulysses SP not tried: the same TP, PP, micro "
+                     f"batch, SP and recompute fit with a smaller Ulysses size (or none)")
+    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute  mem GiB  bubble   iter s  TFLOP/s    MFU")
     for rank, row in enumerate(search["ranked"], 1):
-        lines.append(f"  {rank:>2} {row['tp']:>4} {row['pp']:>4} {row['dp']:>4} {row['micro_batch_size']:>3} "
-                     f"{row['num_micro_batches']:>5}  {'on ' if row['sequence_parallel'] else 'off'} "
+        lines.append(f"  {rank:>2} {row['tp']:>4} {row['ulysses']:>4} {row['pp']:>4} {row['dp']:>4} "
+                     f"{row['micro_batch_size']:>3} {row['num_micro_batches']:>5}  "
+                     f"{'on ' if row['sequence_parallel'] else 'off'} "
                      f"{row['recompute'] or 'none':>11} {row['peak_memory_gib']:>8.1f} {row['bubble_fraction']:>7.1%} "
                      f"{row['iteration_s']:>8.3f} {row['hardware_tflops_per_device']:>8.1f} {row['mfu']:>6.1%}"
                      + ("  TP spans nodes" if row["tp_spans_nodes"] else ""))

@@ -1,5 +1,17 @@
-"""--search: every (tp, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by estimated
-iteration time; the infeasible ones counted by the first rule they break, with the nearest examples."""
+"""--search: every (tp, Ulysses, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by
+estimated iteration time; the infeasible ones counted by the first rule they break, with the nearest examples.
+
+DeepSpeed-Ulysses is searched only where it is needed. Its use is to split a sample's activations (and its
+tokens, where the global batch has fewer samples than data-parallel ranks); the time model credits it with
+less compute per micro-batch and a smaller pipeline bubble, but cannot see what it costs beyond its all-to-alls:
+matmuls over s/U tokens and attention over a/(tU) heads run less efficiently. So a layout with Ulysses size
+U > 1 is tried only when the same TP, PP, micro batch, Megatron SP and recompute choice is infeasible with every
+smaller Ulysses size (each U' dividing U, the other ranks in DP): out of memory, breaking a rule, or no candidate
+at all (micro batch x DP above the global batch). Layouts passed over this way are counted (ulysses_skipped).
+With a long sequence whose activations fit no layout without Ulysses, the search offers the smallest U that
+fits each layout and the ranking chooses among those and the other layouts that fit.
+"""
+import dataclasses
 from collections import defaultdict
 
 from megatron_ds.planning.memory import GIB, memory_per_stage
@@ -17,16 +29,25 @@ def divisors(n: int):
 
 
 def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int):
-    """All layouts of the world; micro batches larger than a data-parallel rank's share are skipped."""
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            for micro in MICRO_BATCH_SIZES:
-                if micro > 1 and micro * dp > global_batch_size:
-                    continue
-                for sequence_parallel in ((False, True) if tp > 1 else (False,)):
-                    for recompute in RECOMPUTE_CHOICES:
-                        yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute, zero_stage)
+    """All layouts of the world, smaller Ulysses sizes first; micro batches larger than a data-parallel rank's
+    share are skipped."""
+    for ulysses in divisors(world_size):
+        for tp in divisors(world_size // ulysses):
+            for pp in divisors(world_size // (ulysses * tp)):
+                dp = world_size // (ulysses * tp * pp)
+                for micro in MICRO_BATCH_SIZES:
+                    if micro > 1 and micro * dp > global_batch_size:
+                        continue
+                    for sequence_parallel in ((False, True) if tp > 1 else (False,)):
+                        for recompute in RECOMPUTE_CHOICES:
+                            yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute,
+                                         zero_stage, ulysses=ulysses)
+
+
+def smaller_ulysses(layout: Layout):
+    """The same layout with each smaller Ulysses size dividing its own, the other ranks in DP."""
+    return [dataclasses.replace(layout, ulysses=size, dp=layout.sequence_data_parallel // size)
+            for size in divisors(layout.ulysses)[:-1]]
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: PerformanceAssumptions):
@@ -41,7 +62,8 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: Pe
         return ("out of memory", f"needs {peak / GIB:.1f} GiB of {cluster.device.memory_gib:g} "
                                  f"(over by {(peak - capacity) / GIB:.1f} GiB)", peak - capacity)
     performance = estimate_performance(model, layout, cluster, stages, assumptions)
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch_size": layout.micro_batch_size,
+    return {"tp": layout.tp, "ulysses": layout.ulysses, "pp": layout.pp, "dp": layout.dp,
+            "micro_batch_size": layout.micro_batch_size,
             "num_micro_batches": layout.num_micro_batches, "sequence_parallel": layout.sequence_parallel,
             "recompute": layout.recompute, "peak_memory_gib": peak / GIB, "margin_gib": (capacity - peak) / GIB,
             "bubble_fraction": performance["bubble_fraction"], "iteration_s": performance["iteration_s"],
@@ -50,7 +72,8 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: Pe
 
 
 def _describe(layout: Layout) -> str:
-    return (f"TP {layout.tp} PP {layout.pp} DP {layout.dp} mb {layout.micro_batch_size} "
+    ulysses = f" Ulysses {layout.ulysses}" if layout.ulysses > 1 else ""
+    return (f"TP {layout.tp}{ulysses} PP {layout.pp} DP {layout.dp} mb {layout.micro_batch_size} "
             f"SP {'on' if layout.sequence_parallel else 'off'} recompute {layout.recompute or 'none'}")
 
 
@@ -68,11 +91,15 @@ def _examples(items):
 
 def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, zero_stage: int = 1,
                    assumptions: PerformanceAssumptions = PerformanceAssumptions(), top: int = 20) -> dict:
-    feasible, infeasible = [], defaultdict(list)
+    feasible, infeasible, fitting, ulysses_skipped = [], defaultdict(list), set(), 0
     for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage):
+        if any(smaller in fitting for smaller in smaller_ulysses(layout)):
+            ulysses_skipped += 1
+            continue
         result = evaluate(model, layout, cluster, assumptions)
         if isinstance(result, dict):
             feasible.append(result)
+            fitting.add(layout)
         else:
             reason, detail, shortfall = result
             infeasible[reason].append((shortfall or 0.0, (_describe(layout), detail)))
@@ -81,4 +108,5 @@ def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, z
                  for reason, items in sorted(infeasible.items(), key=lambda entry: -len(entry[1]))}
     return {"world_size": cluster.world_size, "global_batch_size": global_batch_size,
             "candidates": len(feasible) + sum(len(items) for items in infeasible.values()),
-            "feasible": len(feasible), "ranked": feasible[:top], "infeasible_by_reason": by_reason}
+            "ulysses_skipped": ulysses_skipped, "feasible": len(feasible), "ranked": feasible[:top],
+            "infeasible_by_reason": by_reason}

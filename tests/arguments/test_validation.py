@@ -70,6 +70,18 @@ CASES = dict([
          "--moe-expert-parallel-size", "2", world=2,
          expect=["--moe-expert-parallel-size 2 does not divide the data-parallel size 1 (world size 2 / TP 2 / PP 1)",
                  "--num-experts 4 with --sequence-parallel: DeepSpeed's MoE splits replicated tokens"]),
+    case("ulysses", "--ds-sequence-parallel-size", "4", "--seq-length", "30", "--max-position-embeddings", "30",
+         "--num-attention-heads", "6", "--hidden-size", "48", "--reset-attention-mask", "--num-experts", "4",
+         "--moe-expert-parallel-size", "2", "--tensor-model-parallel-size", "2", world=16,
+         expect=["--ds-sequence-parallel-size 4: --seq-length 30 is not divisible by SP 4",
+                 "--ds-sequence-parallel-size 4: the 3 attention heads of a TP rank (--num-attention-heads 6 / "
+                 "--tensor-model-parallel-size 2) do not split over SP 4",
+                 "--ds-sequence-parallel-size 4 with --reset-attention-mask: not built",
+                 "--ds-sequence-parallel-size 4 with --num-experts above 1: not built"]),
+    case("ulysses-world", "--ds-sequence-parallel-size", "2", "--tensor-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "2", world=4,
+         expect=["--tensor-model-parallel-size 2 x --ds-sequence-parallel-size 2 x --pipeline-model-parallel-size 2 "
+                 "= 8 does not divide the world size 4"]),
     case("moe-stage-without-experts", "--num-experts", "4", "--pipeline-model-parallel-size", "4",
          "--num-layers", "4", world=4,
          expect=["--pipeline-model-parallel-size 4 with --expert-interval 2: pipeline stage(s) 0, 2 (1 of "

@@ -60,8 +60,9 @@ def _tokens(flag, value):
 
 
 def world_size(name, argv):
-    """TP x PP x a data-parallel size that fits the script's batch sizes: the one its DeepSpeed JSON implies
-    (train_batch_size / micro batch / accumulation), else the largest at which its batches (and ramp-up) divide."""
+    """TP x Ulysses SP x PP x a data-parallel size that fits the script's batch sizes: the one its DeepSpeed JSON
+    implies (train_batch_size / micro batch / accumulation), else the largest at which its batches (and ramp-up)
+    divide."""
     def number(flag, default):
         return int(argv[argv.index(flag) + 1]) if flag in argv else default
     config = SCRIPTS[name]["ds_config"] or {}
@@ -73,7 +74,8 @@ def world_size(name, argv):
         start = argv.index("--rampup-batch-size") + 1
         batches += [int(argv[start]), int(argv[start + 1])]
     data_parallel = math.gcd(*[batch // micro for batch in batches])
-    return number("--tensor-model-parallel-size", 1) * number("--pipeline-model-parallel-size", 1) * data_parallel
+    return (number("--tensor-model-parallel-size", 1) * number("--ds-sequence-parallel-size", 1)
+            * number("--pipeline-model-parallel-size", 1) * data_parallel)
 
 
 def _write_json(path, config):

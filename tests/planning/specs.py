@@ -1,6 +1,8 @@
 """Models, layouts and flags shared by the planning unit tests (tests/planning/) and the tool's tests
 (tests/tools/test_plan.py). Each case also has the pretrain.py/tools/plan.py flags that describe it, so the
 tool's tests can check that the flags resolve to the very model and layout the unit tests work out by hand."""
+import dataclasses
+
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
@@ -45,6 +47,17 @@ def hand_case():
     model = ModelSpec(config, vocab_size=256, make_vocab_size_divisible_by=128, max_position_embeddings=32,
                       seq_length=32, tied_embeddings=True)
     return model, Layout(tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16)
+
+
+ULYSSES_CASE_FLAGS = HAND_CASE_FLAGS[:-4] + ["--ds-sequence-parallel-size", "2", "--world-size", "16",
+                                             "--device", "cpu"]
+
+
+def ulysses_case():
+    """The hand case with DeepSpeed-Ulysses 2: TP 2 x Ulysses 2 x PP 2 x DP 2 on 16 ranks (tests/planning/
+    test_ulysses.py)."""
+    model, layout = hand_case()
+    return model, dataclasses.replace(layout, ulysses=2)
 
 
 def cpu_cluster(world_size=8, gpus_per_node=8):

@@ -64,7 +64,7 @@ def test_one_stage_and_one_replica_send_nothing_between_them():
     model, _ = hand_case()
     comm = make_plan(model, Layout(2, 1, 1, 2, 8), cpu_cluster(2))["communication"]
     assert comm["pipeline"]["per_iteration_per_device"] == 0
-    assert comm["data_parallel"] == {"per_iteration_per_device": {}, "tied_embedding_all_reduce": 0}
+    assert comm["data_parallel"] == {"ranks": 1, "per_iteration_per_device": {}, "tied_embedding_all_reduce": 0}
 
 
 def test_flops_section_lists_every_recompute_choice():

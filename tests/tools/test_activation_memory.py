@@ -1,4 +1,4 @@
-"""tools/activation_memory.py measures, on real TP ranks, what the paper's formulas predict."""
+"""tools/activation_memory.py measures, on real TP and Ulysses ranks, what the paper's formulas predict."""
 import subprocess
 import sys
 
@@ -18,7 +18,7 @@ def test_measured_activation_bytes_match_the_paper():
     rows = [line.split() for line in result.stdout.splitlines() if " local " in line or " sdpa " in line]
     ratios = {(" ".join(row[:row.index(backend)]), backend): float(row[row.index(backend) + 3])
               for row in rows for backend in ("local", "sdpa") if backend in row}
-    assert len(ratios) == 10, result.stdout
+    assert len(ratios) == 12, result.stdout          # 10 schemes on TP ranks, Ulysses SP 2 and 4
     for (scheme, backend), ratio in ratios.items():
         assert 0.9 <= ratio <= 1.1, (scheme, backend, ratio, result.stdout)
     local_tp = next(int(r[r.index("local") + 1].replace(",", "")) for r in rows if r[0] == "TP" and "local" in r)
@@ -31,3 +31,19 @@ def test_measured_activation_bytes_match_the_paper():
     # DeepSpeed's checkpoint keeps the layer input (2sbh), as ours; --partition-activations 1/t of it per rank
     assert measured["DeepSpeed recompute"] == measured["full recompute"] == 2 * s * b * h, result.stdout
     assert 2 * s * b * h / t <= measured["DeepSpeed + partition"] <= 2 * s * b * h / t + 64, result.stdout
+
+
+def test_ulysses_bytes_per_rank_are_the_unsplit_layers_over_u():
+    """DeepSpeed-Ulysses on U real ranks (DeepSpeed's DistributedAttention, s/U tokens each): one rank saves
+    s b h (34 + 5as/h) / U bytes; the all-to-alls save nothing of their own."""
+    s, b, h, a = 64, 2, 64, 8
+    result = subprocess.run([sys.executable, "tools/activation_memory.py", "--hidden-size", str(h),
+                             "--num-attention-heads", str(a), "--seq-length", str(s), "--micro-batch-size", str(b),
+                             "--scheme", "Ulysses SP 2", "--scheme", "Ulysses SP 4"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = {int(line.split()[2]): int(line.split()[4].replace(",", "")) for line in result.stdout.splitlines()
+                if line.startswith("Ulysses SP ")}
+    assert sorted(measured) == [2, 4], result.stdout
+    for u, saved in measured.items():
+        assert saved == pytest.approx(s * b * h * (34 + 5 * a * s / h) / u, rel=0.1), (u, result.stdout)

@@ -12,7 +12,8 @@ import pytest
 
 from megatron_ds.planning import cli
 from megatron_ds.planning.planner import make_plan
-from tests.planning.specs import HAND_CASE_FLAGS, TIME_CASE_FLAGS, cpu_cluster, hand_case, time_case
+from tests.planning.specs import (HAND_CASE_FLAGS, TIME_CASE_FLAGS, ULYSSES_CASE_FLAGS, cpu_cluster, hand_case,
+                                  time_case, ulysses_case)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,9 @@ def plan_json(argv, capsys):
 
 # ---------------------------------------------------------------- flags -> the plan
 
-@pytest.mark.parametrize("flags,case", [(HAND_CASE_FLAGS, hand_case), (TIME_CASE_FLAGS, time_case)],
-                         ids=["hand_case", "time_case"])
+@pytest.mark.parametrize("flags,case", [(HAND_CASE_FLAGS, hand_case), (TIME_CASE_FLAGS, time_case),
+                                        (ULYSSES_CASE_FLAGS, ulysses_case)],
+                         ids=["hand_case", "time_case", "ulysses_case"])
 def test_flags_resolve_to_the_unit_tests_cases_and_print_their_plan(flags, case, capsys):
     """The cases tests/planning/ works out by hand, given as flags: same model, same layout, and the JSON
     plan is make_plan's (so the hand-computed memory, communication and time hold for the tool's output)."""
@@ -34,7 +36,7 @@ def test_flags_resolve_to_the_unit_tests_cases_and_print_their_plan(flags, case,
     assert cli.model_spec(args) == model and cli.layout_from_args(args) == layout
     status, result = plan_json(flags, capsys)
     assert status == 0
-    assert result["plan"] == json.loads(json.dumps(make_plan(model, layout, cpu_cluster())))
+    assert result["plan"] == json.loads(json.dumps(make_plan(model, layout, cpu_cluster(layout.world_size))))
     assert result["layout_description"] == layout.describe()
 
 
@@ -97,6 +99,30 @@ def test_invalid_layout_is_an_error_naming_the_flags(capsys):
                        "32", "--pipeline-model-parallel-size", "2", "--world-size", "2"])
     assert status == 2
     assert "--num-layers 5 is not divisible by --pipeline-model-parallel-size 2" in capsys.readouterr().err
+
+
+def test_ulysses_plan_text_and_training_s_refusals(capsys):
+    """--ds-sequence-parallel-size: the layout line and the all-to-all volume per layer in the text; the layouts
+    pretrain.py refuses are refused with its message (a TP rank's 2 heads over 4 Ulysses ranks)."""
+    assert cli.main(ULYSSES_CASE_FLAGS) == 0
+    text = capsys.readouterr().out
+    assert "layout:  TP 2 x Ulysses SP 2 x PP 2 x DP 2" in text
+    assert "Ulysses SP 2 (20 GB/s): 4 all-to-alls in forward (q, k, v, context)" in text
+    flags = ULYSSES_CASE_FLAGS[:ULYSSES_CASE_FLAGS.index("--ds-sequence-parallel-size")] + [
+        "--ds-sequence-parallel-size", "4", "--world-size", "16"]
+    assert cli.main(flags) == 2
+    assert ("--ds-sequence-parallel-size 4: the 2 attention heads of a TP rank (--num-attention-heads 4 / "
+            "--tensor-model-parallel-size 2) do not split over SP 4") in capsys.readouterr().err
+
+
+def test_search_chooses_ulysses_whatever_the_flag_says(capsys):
+    """--search resolves the model at TP = Ulysses = PP = 1, so a --ds-sequence-parallel-size the model would
+    refuse (its 4 heads over 8 Ulysses ranks) does not stop it."""
+    flags = ULYSSES_CASE_FLAGS[:ULYSSES_CASE_FLAGS.index("--ds-sequence-parallel-size")] + [
+        "--ds-sequence-parallel-size", "8", "--world-size", "16", "--search"]
+    assert cli.validated_args(cli.build_plan_parser().parse_args(flags)).ds_sequence_parallel_size == 1
+    status, result = plan_json(flags, capsys)
+    assert status == 0 and result["search"]["ranked"]
 
 
 def test_planner_resolves_recompute_and_sp_as_pretrain_does():

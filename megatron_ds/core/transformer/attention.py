@@ -1,13 +1,17 @@
 """Self-attention: QKV column-parallel (each TP rank owns whole query groups), core attention on this
-rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads."""
+rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads.
+With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
+the TP rank's heads, through DeepSpeed's DistributedAttention."""
 import math
 
 import torch
 import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
 
 from megatron_ds.core.fusions import scale_mask_softmax_reference
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron_ds.core.parallel_state import (get_sequence_parallel_group, get_sequence_parallel_rank,
+                                             get_sequence_parallel_world_size, get_tensor_model_parallel_world_size)
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
 from megatron_ds.core.transformer.fused_ops import op_implementation
@@ -57,6 +61,12 @@ class SelfAttention(torch.nn.Module):
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.core_attention = _BACKENDS[config.attention_backend]
+        # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
+        # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
+        self.ulysses = None
+        if get_sequence_parallel_world_size() > 1:
+            self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
+                                                scatter_idx=2, gather_idx=0)
         self.softmax = op_implementation(config, "scale_mask_softmax")
         self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
@@ -74,18 +84,25 @@ class SelfAttention(torch.nn.Module):
     def forward(self, hidden_states, attention_mask=None):
         mixed, _ = self.linear_qkv(hidden_states)
         query, key, value = self._split_qkv(mixed)
-        if self.rotary is not None:
-            cos, sin = self.rotary(query.size(0), query.device)
+        if self.rotary is not None:  # each token at its place in the whole sequence (Ulysses: after the slices before)
+            s = query.size(0)
+            cos, sin = self.rotary(s, query.device, offset=get_sequence_parallel_rank() * s)
             query, key = apply_rotary(query, key, cos, sin, self.rotary_pos_emb)
-        # [s, b, heads, d] -> [b, heads, s, d]
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.ulysses is None:
+            context = self._attention_of_heads(query, key, value, attention_mask)
+        else:  # [s/SP, b, heads, d] -> all-to-all -> [s, b, heads/SP, d] -> attention -> all-to-all back
+            context = self.ulysses(query, key, value, 1, None, attention_mask)
+        s, b = context.shape[:2]
+        return self.linear_proj(context.reshape(s, b, self.num_heads * self.head_dim))
+
+    def _attention_of_heads(self, query, key, value, attention_mask):
+        """Core attention on [s, b, heads, d] tensors (the layout DeepSpeed's DistributedAttention exchanges)."""
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
         if self.config.recompute_granularity == "selective":
             context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
-        b, _, s, _ = context.shape
-        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
-        return self.linear_proj(context)
+        return context.permute(2, 0, 1, 3)
 
     def _core_attention(self, query, key, value, attention_mask):
         """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank."""

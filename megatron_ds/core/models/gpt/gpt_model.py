@@ -7,9 +7,11 @@ Data flow: input ids [b, s] -> embedding -> [s, b, h] -> transformer layers -> f
 import functools
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.core.fusions import cross_entropy_reference
+from megatron_ds.core.parallel_state import get_sequence_parallel_group, get_sequence_parallel_world_size
 from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                                      linear_with_tensor_parallel_input)
@@ -122,7 +124,10 @@ def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
 
 def language_model_loss(logits, labels, cross_entropy=cross_entropy_reference):
     """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair; cross_entropy is a
-    core.fusions cross_entropy (vocab-parallel)."""
+    core.fusions cross_entropy (vocab-parallel).
+    DeepSpeed-Ulysses: this rank has 1/SP of the tokens and DeepSpeed averages over the SP ranks, so the loss
+    here is SP x this slice's share of the sample loss (a plain mean when every slice counts the same tokens;
+    with a loss mask, its tokens summed over the SP ranks)."""
     loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
@@ -130,7 +135,17 @@ def language_model_loss(logits, labels, cross_entropy=cross_entropy_reference):
     if loss_mask is None:
         return per_token.mean()
     mask = loss_mask.transpose(0, 1).float()
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return (per_token * mask).sum() / _tokens_per_slice(mask.sum())
+
+
+def _tokens_per_slice(counted):
+    """The loss mask's token count (at least 1), over the whole sequence divided by the Ulysses ranks."""
+    ranks = get_sequence_parallel_world_size()
+    if ranks == 1:
+        return counted.clamp(min=1.0)
+    total = counted.detach().clone()
+    dist.all_reduce(total, group=get_sequence_parallel_group())
+    return total.clamp(min=1.0) / ranks
 
 
 def build_loss_fn(config):
