@@ -77,6 +77,8 @@ def setup_engine(args, config):
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
+    else:
+        parallel_state.assert_matches_deepspeed_engine(engine)
     install_flat_gradient_reduction(engine, parallel_state.get_sequence_data_parallel_group())
     return engine
 

@@ -319,8 +319,6 @@ def compatibility_errors(args):
 _UNBUILT_FEATURES = (
     (lambda a: a.ds_sequence_parallel_fpdt or a.ds_sequence_parallel_fpdt_offloading, "--ds-sequence-parallel-fpdt",
      "FPDT long-context attention", "drop the FPDT flags"),
-    (lambda a: a.universal_checkpoint, "--universal-checkpoint", "DeepSpeed universal checkpoints",
-     "reshape a checkpoint to this run's TP/PP with tools/convert_checkpoint.py"),
     (lambda a: a.kd or a.mos or a.load_teacher or a.num_layers_teacher or a.hidden_size_teacher
      or a.num_attention_heads_teacher, "--kd / --mos / teacher flags", "knowledge distillation",
      "train without a teacher"),

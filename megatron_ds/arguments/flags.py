@@ -310,7 +310,8 @@ def _add_unbuilt_feature_args(parser):
     group.add_argument("--ds-sequence-parallel-fpdt", action="store_true")
     group.add_argument("--ds-sequence-parallel-fpdt-chunk-size", type=int, default=65536)
     group.add_argument("--ds-sequence-parallel-fpdt-offloading", action="store_true")
-    group.add_argument("--universal-checkpoint", action="store_true")
+    group.add_argument("--universal-checkpoint", action="store_true",
+                       help="accepted: --load continues any checkpoint at this run's layout (resharded on load)")
     group.add_argument("--kd", action="store_true", help="knowledge distillation")
     group.add_argument("--mos", action="store_true", help="Mixture-of-Students")
     for flag in ("--kd-alpha-ce", "--kd-beta-ce", "--kd-temp"):

@@ -161,6 +161,10 @@ def problems_of(path):
     try:
         metadata = read_metadata(path)
     except FileNotFoundError:
+        if os.path.isdir(os.path.join(path, "zero")):
+            return ["a DeepSpeed universal checkpoint (ds_to_universal's output, a zero/ folder of parameter "
+                    "fragments) is not read here yet; load the checkpoint it was made from: --load reshards any "
+                    "layout"]
         return [f"no {METADATA_FILE} (the save did not finish)"]
     except (OSError, ValueError) as error:
         return [f"{METADATA_FILE} is unreadable ({error})"]

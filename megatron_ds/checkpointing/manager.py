@@ -8,11 +8,12 @@ schedule's values and position, arguments, layout, the file list with sizes), re
 DIR/global_stepN and then replaces the pointers `latest_checkpointed_iteration.txt` and `latest`. A save
 killed at any point leaves the previous checkpoint published (see files.py).
 
-A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape,
-same TP and PP). Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-parallel or
-expert-parallel size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this
-rank's parameters (its experts among them), fp32 master weights and Adam moments are read in canonical names
-and placed into the engine directly.
+A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape).
+Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-, sequence- or expert-parallel
+size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters
+(its experts among them), fp32 master weights and Adam moments are read in canonical names and placed into
+the engine directly. Another TP or PP as well: each rank reads the saved stages holding its layers (every
+saved TP rank of them), merges each tensor and splits it for itself (resharding on load).
 The LR schedule is decided before anything loads (a disagreement with the flags stops there; see
 _lr_schedule_to_resume) and set after the optimizer states, which carry the saved LR. The RNG states
 are restored right before the first iteration, so the resumed run repeats the uninterrupted one bit for
@@ -31,7 +32,7 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
-from megatron_ds.checkpointing.state import read_rank_state
+from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
 from megatron_ds.core import parallel_state
 from megatron_ds.optimizer_param_scheduler import Position, lr_schedule_from_args, schedule_to_resume
 
@@ -98,6 +99,17 @@ class ExitDuration:
 
     def reached(self):
         return _on_any_rank(self.elapsed_minutes() > self.minutes)
+
+
+def _peak_resident_gib_of_any_rank():
+    """The largest peak RSS of the ranks (getrusage), in GiB: what loading cost at most, with what came before."""
+    import resource
+
+    from megatron_ds.glue.runtime import device
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20], dtype=torch.float64,
+                        device=device())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
 
 
 def _on_any_rank(condition):
@@ -279,9 +291,11 @@ class CheckpointManager:
                                         load_lr_scheduler_states=False, load_module_only=not load_optimizer)
         else:
             what = "weights and optimizer states" if load_optimizer else "weights"
-            how = f"{metadata['format']} files read per rank ({what})"
-            state = read_rank_state(path, metadata, parallel_state.get_tensor_model_parallel_rank(),
-                                    parallel_state.get_pipeline_model_parallel_rank(), with_optimizer=load_optimizer)
+            resharded = self._needs_resharding(metadata)
+            how = (f"{metadata['format']} files read per rank ({what}"
+                   + (f", resharded to TP {args.tensor_model_parallel_size} x PP "
+                      f"{args.pipeline_model_parallel_size})" if resharded else ")"))
+            state = self._read_this_rank(path, metadata, load_optimizer, resharded)
             load_optimizer = load_optimizer and state.optimizer is not None
             self._place_rank_state(state, load_optimizer)
         self.engine.lr_scheduler.resume(schedule, position)  # after the optimizer states: they hold the saved LR
@@ -300,8 +314,31 @@ class CheckpointManager:
                       f"samples {progress.consumed_train_samples}, optimizer states "
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
                       f"{schedule_source}{' (--finetune: iteration 0)' if finetune else ''}"
-                      f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}")
+                      f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}; "
+                      f"peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB")
         return progress
+
+    def _needs_resharding(self, metadata):
+        """Saved at another TP or PP, or with the experts split over TP where this run keeps them whole (or the
+        reverse): every tensor is merged over the saved TP ranks and split again (state.read_resharded_rank_state)."""
+        args, saved = self.args, metadata["layout"]
+        if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != \
+                (args.tensor_model_parallel_size, args.pipeline_model_parallel_size):
+            return True
+        saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
+        return args.moe and args.tensor_model_parallel_size > 1 and \
+            saved_sharded != args.enable_expert_tensor_parallelism
+
+    def _read_this_rank(self, path, metadata, load_optimizer, resharded):
+        """This rank's RankState: its own (TP, PP) shard when the layout allows, else resharded."""
+        tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        if not resharded:
+            return read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
+        args = self.args
+        names = [name for name, _ in layout.live_parameter_names(self.engine.module, args.num_layers, self.pipelined)]
+        target = (args.tensor_model_parallel_size, tp_rank, args.enable_expert_tensor_parallelism)
+        return read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
+                                         args.padded_vocab_size, with_optimizer=load_optimizer)
 
     def _resumed_progress(self, metadata, finetune):
         """Where training goes on: the checkpoint's iteration and data positions, or 0 with --finetune (and a
@@ -332,41 +369,25 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path}: {error}") from None
 
     def _check_compatible(self, path, metadata):
+        """The same model (any layout: another TP pads the vocabulary differently, which resharding absorbs, but
+        the tokenizer's vocabulary must be the same)."""
         args = self.args
-        saved = metadata["layout"]
-        saved_tp, saved_pp = saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        resharded = self._needs_resharding(metadata)
         differences = [d for d in files.model_shape_differences(metadata["args"], args)
-                       if (saved_tp, saved_pp) == (tp, pp) or "vocabulary" not in d]
+                       if not resharded or "vocabulary" not in d]
+        saved_vocab = metadata["args"].get("vocab_size")
+        if resharded and saved_vocab not in (None, args.vocab_size):
+            differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {args.vocab_size}")
         if differences:
             raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
                                   + "\n  - ".join(differences))
-        saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
-        if args.moe and (saved_tp, saved_pp) == (tp, pp) and tp > 1 and saved_sharded != \
-                args.enable_expert_tensor_parallelism:
-            setting = "on" if args.enable_expert_tensor_parallelism else "off"
-            raise CheckpointError(
-                f"checkpoint {path} was saved {'with' if saved_sharded else 'without'} "
-                f"--enable-expert-tensor-parallelism (experts {'split over' if saved_sharded else 'whole on each of'} "
-                f"the {tp} TP ranks); this run {'has' if not saved_sharded else 'lacks'} the flag. Convert it:\n"
-                f"  python tools/convert_checkpoint.py --load {args.load} --save {args.load.rstrip('/')}_experts_"
-                f"{setting} --target-tensor-parallel-size {tp} --target-pipeline-model-parallel-size {pp} "
-                f"--target-expert-tensor-parallelism {setting}")
-        if (saved_tp, saved_pp) != (tp, pp):
-            target = f"{args.load.rstrip('/')}_tp{tp}_pp{pp}"
-            raise CheckpointError(
-                f"checkpoint {path} was saved with --tensor-model-parallel-size {saved_tp} and "
-                f"--pipeline-model-parallel-size {saved_pp}; this run has {tp} and {pp}. Reshape it with "
-                f"tools/convert_checkpoint.py (optimizer states included) and load the result:\n"
-                f"  python tools/convert_checkpoint.py --load {args.load} --save {target} "
-                f"--target-tensor-parallel-size {tp} --target-pipeline-model-parallel-size {pp}\n"
-                f"  ... pretrain.py --load {target} ...")
 
     def _same_deepspeed_layout(self, metadata):
         saved, ours = {"expert_parallel_size": 1, "sequence_parallel_size": 1, **metadata["layout"]}, self._layout()
         keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
                 "sequence_parallel_size")
-        return metadata["format"] == files.FORMAT_DEEPSPEED and all(saved.get(k) == ours[k] for k in keys)
+        return (metadata["format"] == files.FORMAT_DEEPSPEED and not self._needs_resharding(metadata)
+                and all(saved.get(k) == ours[k] for k in keys))
 
     def _place_rank_state(self, state, load_optimizer):
         """Copy this rank's weights (and fp32 master weights and Adam moments) into the engine."""

@@ -275,6 +275,40 @@ def read_full_state(path, metadata, with_optimizer=True):
                      scheduler=metadata.get("scheduler"))
 
 
+def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_optimizer=True):
+    """The RankState of one rank of another layout, read from the checkpoint folder `path`. target: (tp_size,
+    tp_rank, sharded_experts) of that rank; names: the canonical names it holds. Only the saved pipeline stages
+    holding those names are read (every saved TP rank of them); each tensor is merged over the saved TP ranks,
+    its vocabulary rows padded or cut to vocab_rows, and split for the target rank. So a rank holds whole
+    tensors of its own layers only, never the whole model (unless it holds all of it)."""
+    args = metadata["args"]
+    saved_tp = metadata["layout"]["tensor_model_parallel_size"]
+    saved_pp = metadata["layout"]["pipeline_model_parallel_size"]
+    tied = not args.get("untie_embeddings_and_output_weights")
+    stage_of = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied)[0] for name in names}
+    shards = {stage: [read_rank_state(path, metadata, tp, stage, with_optimizer) for tp in range(saved_tp)]
+              for stage in sorted(set(stage_of.values()))}
+    swiglu = bool(args.get("swiglu"))
+    saved_rule = lambda name: layout.partition_rule(name, swiglu, bool(args.get("enable_expert_tensor_parallelism")))  # noqa: E731
+    tp_size, tp_rank, sharded_experts = target
+
+    def reshard(tensors, name):
+        full = layout.merge_tensors(tensors, saved_rule(name))
+        if layout.is_vocab_parameter(name):
+            full = layout.pad_vocab_rows(full, vocab_rows)
+        return layout.split_tensor(full, layout.partition_rule(name, swiglu, sharded_experts), tp_size, tp_rank)
+
+    weights = {name: reshard([shard.weights[name] for shard in shards[stage_of[name]]], name) for name in names}
+    optimizer, steps = None, set()
+    if with_optimizer and all(shard.optimizer is not None for stage in shards.values() for shard in stage):
+        optimizer = {name: {key: reshard([shard.optimizer[name][key] for shard in shards[stage_of[name]]], name)
+                            for key in OPTIMIZER_KEYS} for name in names}
+        steps = {shard.optimizer_step for stage in shards.values() for shard in stage}
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: ranks disagree on the optimizer step count ({sorted(steps)})")
+    return RankState(weights, optimizer, steps.pop() if steps else None)
+
+
 def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
     """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size)."""
     args = full.args

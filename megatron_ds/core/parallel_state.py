@@ -239,6 +239,16 @@ def assert_matches_deepspeed_grid(grid):
                              f"megatron_ds parallel_state groups {mine}")
 
 
+def assert_matches_deepspeed_engine(engine):
+    """DeepSpeed's plain engine (PP 1) took its groups from our mpu: its data-parallel world must be our
+    sequence-data-parallel group (SP x DP) and its model-parallel world our TP group."""
+    ours = (get_sequence_data_parallel_world_size(), get_tensor_model_parallel_world_size())
+    theirs = (engine.dp_world_size, engine.mp_world_size)
+    if theirs != ours:
+        raise AssertionError(f"rank {dist.get_rank()}: DeepSpeed's engine has data-parallel x model-parallel sizes "
+                             f"{theirs}, megatron_ds parallel_state {ours} (sequence-data-parallel x tensor)")
+
+
 # Planning only: a simulated TP/PP position, so layers can be built (e.g. on the meta device) without any
 # process group. Consulted first by the TP/PP world-size and rank getters; group getters raise under it.
 

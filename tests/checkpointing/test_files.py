@@ -31,6 +31,15 @@ def test_damaged_or_incomplete_newest_checkpoint_names_the_last_good_one(tmp_pat
     assert files.resolve_checkpoint(str(tmp_path / "nothing_here"))[0] is None  # nothing yet: from scratch
 
 
+def test_a_deepspeed_universal_folder_is_refused_by_name(tmp_path):
+    """ds_to_universal's output (a zero/ folder of fragments, no metadata of ours) is named as such."""
+    tiny_checkpoint(tmp_path, 2)
+    (tmp_path / "global_step2" / files.METADATA_FILE).unlink()
+    (tmp_path / "global_step2" / "zero").mkdir()
+    with pytest.raises(files.CheckpointError, match="a DeepSpeed universal checkpoint .* is not read here yet"):
+        files.resolve_checkpoint(str(tmp_path))
+
+
 def _kill_writer_at(save_dir, phase):
     """Write iteration 4 in a small process held at `phase` of its save, then kill it."""
     point = f"{phase}@4"

@@ -1,5 +1,5 @@
 """CheckpointManager's checks before a load (in process): another model shape lists every difference,
-another TP/PP names the converter command."""
+another TP/PP is resharded unless the tokenizer's vocabulary differs."""
 import pytest
 
 from megatron_ds.checkpointing import CheckpointManager, files
@@ -36,13 +36,17 @@ def test_load_refuses_another_rotary_percent(tmp_path):
         _manager_for(args)._check_compatible(folder, files.read_metadata(folder))
 
 
-def test_load_with_another_tp_or_pp_points_to_the_converter(tmp_path):
+def test_load_with_another_tp_or_pp_reshards_unless_the_tokenizer_differs(tmp_path):
+    """Another TP or PP is resharded on load (another vocabulary padding with it); another tokenizer vocabulary
+    is another model."""
     from megatron_ds.arguments import parse_args
     folder, _ = tiny_checkpoint(tmp_path, 2, tp=2, pp=1)
+    metadata = files.read_metadata(folder)
     args = parse_args(TINY + ["--train-iters", "8", "--load", str(tmp_path)] + layout_flags(1, 2), world_size=2)
-    with pytest.raises(files.CheckpointError) as error:
-        _manager_for(args)._check_compatible(folder, files.read_metadata(folder))
-    message = str(error.value)
-    assert "--tensor-model-parallel-size 2 and --pipeline-model-parallel-size 1; this run has 1 and 2" in message
-    assert (f"python tools/convert_checkpoint.py --load {tmp_path} --save {tmp_path}_tp1_pp2 "
-            f"--target-tensor-parallel-size 1 --target-pipeline-model-parallel-size 2") in message
+    manager = _manager_for(args)
+    assert manager._needs_resharding(metadata)
+    manager._check_compatible(folder, metadata)  # padded vocabulary 128 (TP 2) against 128 (TP 1): fine either way
+    other = parse_args(TINY + ["--train-iters", "8", "--load", str(tmp_path), "--vocab-size", "90"]
+                       + layout_flags(1, 2), world_size=2)
+    with pytest.raises(files.CheckpointError, match="vocabulary: checkpoint 100 tokens, flags 90"):
+        _manager_for(other)._check_compatible(folder, metadata)

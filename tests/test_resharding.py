@@ -1,0 +1,69 @@
+"""Resharding on load: a checkpoint saved at one TP x PP x DP x ZeRO layout continues at another with pretrain.py
+--load alone. GPT-2 family, fp32, dropout 0: 5 iterations at TP 2 x PP 2, saved, resumed at TP 1 x PP 2 x DP 2,
+TP 1 x PP 1 x DP 4, TP 2 x PP 1 x DP 2 and TP 4 x PP 1: iterations 6-10 within 1e-4 of the straight run; with
+--no-load-optim they are not (the Adam moments were carried). Saved at ZeRO-1 DP 2, resumed at ZeRO-0 DP 1 and
+ZeRO-2 DP 2."""
+import pytest
+
+from tests.launch import launch, losses
+from tests.layouts import COMMON, ITERATIONS, run_layout
+
+pytestmark = pytest.mark.e2e  # launches real training processes
+
+SAVED_AT = 5
+
+
+def _layout(tp, pp):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--make-vocab-size-divisible-by", str(256 // tp)]
+
+
+def _save_first_iterations(folder, nproc, flags):
+    result = launch(nproc, COMMON + flags + ["--save", str(folder), "--exit-interval", str(SAVED_AT)])
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def _resume(folder, nproc, flags):
+    result = launch(nproc, COMMON + flags + ["--load", str(folder)])
+    assert result.returncode == 0 and f"resuming at iteration {SAVED_AT}" in result.stdout, result.stdout[-4000:]
+    observed = losses(result.stdout)
+    assert sorted(observed) == list(range(SAVED_AT + 1, ITERATIONS + 1)), result.stdout[-4000:]
+    return observed, result.stdout
+
+
+def _matches(observed, expected):
+    return all(observed[i] == pytest.approx(expected[i], rel=1e-4) for i in observed)
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2_pp2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp2_pp2")
+    _save_first_iterations(folder, 4, _layout(2, 2))
+    return folder
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 2, 2), (1, 1, 4), (2, 1, 2), (4, 1, 1)],
+                         ids=["tp1-pp2-dp2", "tp1-pp1-dp4", "tp2-pp1-dp2", "tp4-pp1"])
+def test_tp2_pp2_checkpoint_continues_at_another_layout(saved_at_tp2_pp2, tp, pp, dp):
+    straight = run_layout("gpt2", 2, 2, 1)
+    observed, output = _resume(saved_at_tp2_pp2, tp * pp * dp, _layout(tp, pp))
+    assert f"saved at TP 2 x PP 2 x DP 1) via deepspeed files read per rank (weights and optimizer states, " \
+           f"resharded to TP {tp} x PP {pp})" in output, output[-3000:]
+    assert _matches(observed, straight), (observed, straight)
+
+
+def test_without_the_optimizer_states_the_losses_differ(saved_at_tp2_pp2):
+    straight = run_layout("gpt2", 2, 2, 1)
+    observed, output = _resume(saved_at_tp2_pp2, 4, _layout(1, 1) + ["--no-load-optim"])
+    assert "optimizer states not loaded" in output, output[-3000:]
+    assert not _matches(observed, straight), (observed, straight)
+
+
+@pytest.mark.parametrize("zero_stage, dp", [(0, 1), (2, 2)], ids=["zero0-dp1", "zero2-dp2"])
+def test_zero1_dp2_checkpoint_continues_at_another_zero_stage(tmp_path_factory, zero_stage, dp):
+    folder = tmp_path_factory.getbasetemp() / "zero1_dp2"
+    if not folder.exists():
+        _save_first_iterations(folder, 2, _layout(1, 1))
+    straight = run_layout("gpt2", 1, 1, 2)
+    observed, _ = _resume(folder, dp, _layout(1, 1) + ["--zero-stage", str(zero_stage)])
+    assert _matches(observed, straight), (observed, straight)
