@@ -37,15 +37,16 @@ def _run(nproc, flags):
     return result.stdout
 
 
-@pytest.mark.parametrize("family,tp,pp,dp", [("gpt2", 2, 2, 1), ("llama", 1, 1, 2)],
-                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2"])
-def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, pp, dp):
+@pytest.mark.parametrize("family,tp,pp,dp,extra", [("gpt2", 2, 2, 1, ()), ("llama", 1, 1, 2, ("--async-save",))],
+                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save"])
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, pp, dp, extra):
     """8 iterations straight (saving at 4 and 8) vs a new process that loads iteration 4 and trains 5-8:
     every printed lm loss (and validation loss) is identical, and so is every saved tensor at iteration 8
-    (weights, fp32 master weights, Adam moments)."""
+    (weights, fp32 master weights, Adam moments). The LLaMA runs write their checkpoints in the background
+    (--async-save) while training goes on."""
     flags = TINY + (LLAMA if family == "llama" else []) + layout_flags(tp, pp) + [
         "--train-iters", "8", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-        "--eval-interval", "4", "--eval-iters", "1"]
+        "--eval-interval", "4", "--eval-iters", "1", *extra]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = _run(tp * pp * dp, flags + ["--save", str(straight), "--save-interval", "4"])
     second = _run(tp * pp * dp, flags + ["--load", str(straight), "--load-iteration", "4", "--save", str(resumed)])
@@ -124,9 +125,9 @@ KILL_FLAGS = TINY + layout_flags(1, 2) + ["--train-iters", "6", "--save-interval
                                            "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def _kill_during_save(save_dir, phase):
+def _kill_during_save(save_dir, phase, *extra):
     """Train with saves every 2 iterations; hold the save of iteration 4 at `phase`, then SIGKILL everything."""
-    job = _Job(2, ["-m", "tests.fault_injection", f"{phase}@4", *KILL_FLAGS, "--save", str(save_dir)])
+    job = _Job(2, ["-m", "tests.fault_injection", f"{phase}@4", *KILL_FLAGS, "--save", str(save_dir), *extra])
     job.wait_for(pause_message(f"{phase}@4"))
     job.kill()
 
@@ -154,6 +155,20 @@ def test_save_killed_after_publishing_the_folder_keeps_the_pointers(tmp_path):
     notes = assert_previous_checkpoint_published(tmp_path)
     assert any("global_step4 is newer" in note and "it is complete" in note for note in notes), notes
     assert not files.problems_of(str(tmp_path / "global_step4"))
+
+
+@pytest.mark.parametrize("phase", ["deepspeed-files", "pointers"])
+def test_async_save_killed_mid_way_leaves_the_previous_checkpoint(tmp_path, phase):
+    """--async-save: the save of iteration 4 is written by a thread while training goes on; killed when every
+    rank's files are in the temporary folder, or after the rename before the pointers, iteration 2 stays
+    the published checkpoint."""
+    _kill_during_save(tmp_path, phase, "--async-save")
+    notes = assert_previous_checkpoint_published(tmp_path)
+    if phase == "deepspeed-files":
+        assert any(name.startswith("zero_pp_rank") for name in os.listdir(tmp_path / "global_step4.tmp"))
+        assert not (tmp_path / "global_step4").exists()
+    else:
+        assert any("global_step4 is newer" in note and "it is complete" in note for note in notes), notes
 
 
 def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(killed_in_deepspeed_files, tmp_path):

@@ -259,6 +259,9 @@ def _add_checkpoint_args(parser):
                        "metadata; crash-safe: a save is complete or invisible)")
     group.add_argument("--save-interval", type=int, default=None,
                        help="save every N iterations; with --save a checkpoint is also written at the end")
+    group.add_argument("--async-save", action="store_true",
+                       help="write checkpoints in the background while training goes on (as crash-safe; a save "
+                            "waits for the one before, and the run for the last before it exits)")
     group.add_argument("--load", default=None, help="resume from the checkpoint the folder's pointers name "
                        "(an empty or missing folder: start from scratch)")
     group.add_argument("--load-iteration", "--ckpt-step", dest="load_iteration", default=None,

@@ -28,7 +28,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from megatron_ds.checkpointing import files, layout
+from megatron_ds.checkpointing import async_save, files, layout
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
@@ -133,6 +133,9 @@ class CheckpointManager:
         self.last_saved_iteration = None
         self.loaded_iteration = None
         self.rng_state_to_restore = None
+        self.writer = None
+        if args.async_save:  # DeepSpeed writes through its checkpoint engine: ours queues the files for a thread
+            self.writer = engine.checkpoint_engine = async_save.BackgroundWriter()
         self.signal_handler = ExitSignalHandler() if args.exit_signal_handler else None
         self.exit_duration = (ExitDuration(args.exit_duration_in_mins, time.time() if start_time is None
                                            else start_time) if args.exit_duration_in_mins else None)
@@ -146,19 +149,19 @@ class CheckpointManager:
         if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
             self.save(progress)
         if self.signal_handler is not None and self.signal_handler.any_rank_received():
-            self.save(progress)
+            self._save_before_exit(progress)
             _print_rank_0(f"exiting at iteration {progress.iteration}: a rank received SIGTERM "
                           f"({'checkpoint saved' if args.save else 'no --save, nothing saved'})")
             return True
         if self.exit_duration is not None and self.exit_duration.reached():
-            self.save(progress)
+            self._save_before_exit(progress)
             _print_rank_0(f"exiting at iteration {progress.iteration}: training has run "
                           f"{self.exit_duration.elapsed_minutes():.1f} minutes (--exit-duration-in-mins "
                           f"{args.exit_duration_in_mins}; "
                           f"{'checkpoint saved' if args.save else 'no --save, nothing saved'})")
             return True
         if args.exit_interval and progress.iteration % args.exit_interval == 0:
-            self.save(progress)
+            self._save_before_exit(progress)
             _print_rank_0(f"exiting at iteration {progress.iteration} (--exit-interval {args.exit_interval})")
             return True
         return False
@@ -167,6 +170,11 @@ class CheckpointManager:
         """End of training: save unless that iteration is saved already or nothing was trained."""
         if progress.iteration and progress.iteration != self.loaded_iteration:
             self.save(progress)
+        self.wait_for_saves()  # an asynchronous save is on disk before the process ends
+
+    def _save_before_exit(self, progress):
+        self.save(progress)
+        self.wait_for_saves()
 
     def restore_rng(self):
         """Call right before the first iteration: everything drawn between load and here is forgotten."""
@@ -177,43 +185,81 @@ class CheckpointManager:
     # ---- save ----
 
     def save(self, progress):
+        """Save at this iteration (every rank). With --async-save the files are written in the background and
+        this returns once they are copied; the save before it is waited for first."""
         args, engine = self.args, self.engine
         if not args.save or self.last_saved_iteration == progress.iteration:
             return
+        self.wait_for_saves()
         start = time.perf_counter()
         tag = files.tag_for(progress.iteration)
-        tmp_tag = tag + files.TMP_SUFFIX
-        tmp_path = os.path.join(args.save, tmp_tag)
+        tmp_path = os.path.join(args.save, tag + files.TMP_SUFFIX)
         if dist.get_rank() == 0:
             os.makedirs(args.save, exist_ok=True)
             files.remove_stale_temporaries(args.save)
         dist.barrier()
         args_dict = files.args_to_dict(args)
         client_state = {"megatron_ds": {**dataclasses.asdict(progress), "args": args_dict}}
-        engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client_state, save_latest=False)
-        if dist.get_rank() == 0:
-            reached_save_phase("deepspeed-files", str(progress.iteration))
+        engine.save_checkpoint(args.save, tag=tag + files.TMP_SUFFIX, client_state=client_state, save_latest=False)
+        rng_state = {**collect_rng_state(), **_coordinates()}
         rng_path = os.path.join(tmp_path, files.rng_file_name(dist.get_rank()))
-        torch.save({**collect_rng_state(), **_coordinates()}, rng_path)
-        ranks = self._rank_entries()
+        # the metadata's values as they are now (training goes on while an asynchronous save is written)
+        metadata = files.new_metadata(
+            files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
+            consumed_train_samples=progress.consumed_train_samples,
+            consumed_valid_samples=progress.consumed_valid_samples,
+            consumed_train_tokens=progress.consumed_train_tokens,
+            scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            ranks=self._rank_entries(), has_optimizer_states=True, has_rng_states=True)
+        self.last_saved_iteration = progress.iteration
+        if self.writer is None:
+            self._save_synchronously(tmp_path, rng_state, rng_path, metadata, start)
+        else:
+            self._save_in_background(tmp_path, rng_state, rng_path, metadata, start)
+
+    def _save_synchronously(self, tmp_path, rng_state, rng_path, metadata, start):
+        if dist.get_rank() == 0:
+            reached_save_phase("deepspeed-files", str(metadata["iteration"]))
+        torch.save(rng_state, rng_path)
         dist.barrier()
         self._fsync_share(tmp_path)
         dist.barrier()
         if dist.get_rank() == 0:
-            files.write_json(os.path.join(tmp_path, files.DS_CONFIG_FILE), self.ds_config)
-            metadata = files.new_metadata(
-                files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
-                consumed_train_samples=progress.consumed_train_samples,
-                consumed_valid_samples=progress.consumed_valid_samples,
-                consumed_train_tokens=progress.consumed_train_tokens,
-                scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                ranks=ranks, has_optimizer_states=True, has_rng_states=True)
-            files.finish_folder(tmp_path, metadata)
-            files.publish(args.save, tmp_tag, tag, str(progress.iteration))
+            self._publish(tmp_path, metadata, start)
         dist.barrier()
-        self.last_saved_iteration = progress.iteration
-        _print_rank_0(f"saved checkpoint {os.path.join(args.save, tag)} at iteration {progress.iteration} "
-                      f"({time.perf_counter() - start:.2f} s)")
+
+    def _save_in_background(self, tmp_path, rng_state, rng_path, metadata, start):
+        """Queue this rank's last files and its marker; rank 0 also queues the publishing, which waits for every
+        rank's marker (async_save.py)."""
+        writer, rank = self.writer, dist.get_rank()
+        writer.save(rng_state, rng_path)
+        writer.run_later(lambda: async_save.mark_written(tmp_path, rank))
+        if rank == 0:
+            timeout = self.args.distributed_timeout_minutes * 60
+
+            def publish():
+                async_save.wait_for_every_rank(tmp_path, dist.get_world_size(), timeout)
+                reached_save_phase("deepspeed-files", str(metadata["iteration"]))
+                self._publish(tmp_path, metadata, start, background=True)
+            writer.run_later(publish)
+        _print_rank_0(f"checkpoint of iteration {metadata['iteration']} copied in {time.perf_counter() - start:.2f} s; "
+                      f"writing it in the background (--async-save)")
+
+    def _publish(self, tmp_path, metadata, start, background=False):
+        """Rank 0, once every rank's files are on disk: DeepSpeed's config, the metadata last, then the rename and
+        the pointers (files.publish)."""
+        args = self.args
+        files.write_json(os.path.join(tmp_path, files.DS_CONFIG_FILE), self.ds_config)
+        files.finish_folder(tmp_path, metadata)
+        tag = metadata["tag"]
+        files.publish(args.save, os.path.basename(tmp_path), tag, str(metadata["iteration"]))
+        print(f"megatron_ds: saved checkpoint {os.path.join(args.save, tag)} at iteration {metadata['iteration']} "
+              f"({time.perf_counter() - start:.2f} s{', in the background' if background else ''})", flush=True)
+
+    def wait_for_saves(self):
+        """Every rank: until this rank's part of an asynchronous save is on disk (on rank 0: published)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def _layout(self):
         args = self.args

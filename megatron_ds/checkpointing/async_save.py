@@ -1,0 +1,95 @@
+"""--async-save (Megatron's name): a checkpoint is written in the background while training goes on.
+
+DeepSpeed writes every checkpoint file through its engine's `checkpoint_engine.save(state_dict, path)`.
+BackgroundWriter takes that place: save() copies the state dict's tensors (so training may change the
+originals at once) and queues the copy; one thread per rank writes the queued files in order, fsyncs each,
+and runs the jobs queued after them (the finishing of the checkpoint). The crash-safety of a save is
+unchanged: everything goes to the temporary folder, each rank leaves a marker there once its files are on
+disk, and rank 0's thread waits for every marker, then writes the metadata last and publishes the folder
+and the pointers (files.publish). A save that is killed leaves the previous checkpoint published.
+"""
+import os
+import queue
+import threading
+import time
+
+import torch
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from megatron_ds.checkpointing import files
+
+MARKER_PREFIX = ".written_by_rank_"
+
+
+def marker_name(rank):
+    return f"{MARKER_PREFIX}{rank:05d}"
+
+
+class BackgroundWriter(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine with the writing moved to a thread. Errors of the thread are raised by the
+    next wait() (every save starts with one)."""
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.name = "megatron_ds BackgroundWriter"
+        self._jobs = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="megatron_ds async save", daemon=True)
+        self._thread.start()
+
+    def save(self, state_dict, path: str):
+        copy = clone_tensors_for_torch_save(state_dict, device=torch.device("cpu"))
+        self.run_later(lambda: _write(copy, path))
+
+    def run_later(self, job):
+        """Run job() on the writer thread after everything queued before it."""
+        self._jobs.put(job)
+
+    def wait(self):
+        """Until every queued job has run; raises what a job raised."""
+        self._jobs.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            try:
+                if self._error is None:  # after a failure nothing more is written: the save stays unpublished
+                    job()
+            except BaseException as error:  # reported by wait() in the training thread
+                self._error = error
+            finally:
+                self._jobs.task_done()
+
+
+def _write(state_dict, path):
+    torch.save(state_dict, path)
+    files.fsync_path(path)
+
+
+def mark_written(folder, rank):
+    """This rank's files of the checkpoint in `folder` are on disk."""
+    path = os.path.join(folder, marker_name(rank))
+    with open(path, "w") as handle:
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def wait_for_every_rank(folder, world_size, timeout):
+    """Wait (polling the folder) until every rank marked its files written, then remove the markers; raises
+    TimeoutError naming the ranks missing."""
+    names = [marker_name(rank) for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [name for name in names if not os.path.exists(os.path.join(folder, name))]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            ranks = [int(name[len(MARKER_PREFIX):]) for name in missing]
+            raise TimeoutError(f"--async-save: ranks {ranks} did not finish writing {folder} within {timeout:.0f} s")
+        time.sleep(0.05)
+    for name in names:
+        os.remove(os.path.join(folder, name))
