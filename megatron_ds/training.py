@@ -7,6 +7,7 @@ also work), and this loop runs the micro-batches.
 import copy
 import json
 import logging
+import math
 import sys
 import time
 
@@ -182,6 +183,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.consumed_train_samples += batch_size
         progress.consumed_train_tokens += batch_size * seq_length
         logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum, moe_loss)
+        _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps, curriculum))
             progress.consumed_valid_samples += args.eval_iters * batch_size
@@ -190,6 +192,29 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+class NonFiniteTraining(RuntimeError):
+    """The loss or gradient norm of an iteration is NaN or Inf (Megatron's --check-for-nan-in-loss-and-grad)."""
+
+
+def _stop_on_non_finite(args, engine, iteration, loss, checkpoints):
+    """Every rank sees the same loss (averaged over the replicas) and global gradient norm, so all stop at
+    the same iteration; that iteration is never saved. fp16 is left to DeepSpeed's loss scaling, whose
+    skipped steps are normal."""
+    if not args.check_for_nan_in_loss_and_grad or args.fp16:
+        return
+    grad_norm = engine.get_global_grad_norm()
+    values = {"lm loss": loss, "grad norm": float(grad_norm) if grad_norm is not None else None}
+    bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
+    if not bad:
+        return
+    if checkpoints is not None:
+        checkpoints.wait_for_saves()  # an earlier save in the background is finite: let it land
+    described = ", ".join(f"{name} {value}" for name, value in bad.items())
+    raise NonFiniteTraining(f"iteration {iteration}: {described} on rank {dist.get_rank()}; stopping before any "
+                            f"save of it (the last checkpoint, if any, is from before). Lower --lr, check the data, "
+                            f"or pass --no-check-for-nan-in-loss-and-grad to train on")
 
 
 def _sequence_length(engine, curriculum, iteration, seq_length):
@@ -319,7 +344,12 @@ def _pretrain(args, watchdog, start_time=None):
     except CheckpointError as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
-    train(args, engine, datasets, logger, progress, checkpoints, watchdog)
+    try:
+        train(args, engine, datasets, logger, progress, checkpoints, watchdog)
+    except NonFiniteTraining as error:
+        print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
+        logger.close()
+        return 1
     logger.close()
     return 0
 

@@ -141,6 +141,9 @@ def _add_training_args(parser):
                        help="DeepSpeed's CPU Adam: the optimizer step runs on the CPU (with ZeRO offload)")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=None, help="default: DeepSpeed JSON, or 1.0")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                       action="store_false", help="train on after a NaN/Inf loss or gradient norm (fp32 and bf16 "
+                                                  "stop there by default, before any save; fp16 skips steps)")
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
