@@ -136,8 +136,8 @@ def test_experts_split_over_tensor_parallel_ranks_train_the_same_model_and_resha
     the dense MLP gives DP 4's losses and gradient norms (DeepSpeed counts the sharded experts on every TP rank,
     fc2's replicated bias once). Without token dropping DeepSpeed does not round the capacity to a multiple of TP
     for sharded experts; megatron_ds pads the token slots for the TP split. Saved at iteration 5 (expert shards in
-    DeepSpeed's files), reshaped to TP 1 and resumed at DP 4 x EP 2, it trains on with the same losses; loading
-    it at TP 2 without the flag is refused with the converter command that makes it fit."""
+    DeepSpeed's files), reshaped to TP 1 and resumed at DP 4 x EP 2, it trains on with the same losses; loaded
+    at TP 2 without the flag (whole experts), it is resharded on load and trains on with the same losses."""
     sharded = MOE + [*TENSOR, "--enable-expert-tensor-parallelism", "--moe-expert-parallel-size", "2"]
     result = launch(4, COMMON + sharded + ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"])
     assert result.returncode == 0, result.stdout[-4000:]
@@ -149,10 +149,12 @@ def test_experts_split_over_tensor_parallel_ranks_train_the_same_model_and_resha
         assert moe[iteration] == pytest.approx(expected_moe[iteration], rel=1e-5, abs=0), (iteration, moe)
     assert _grad_norms(result.stdout) == _grad_norms(_run(1))
 
-    whole = launch(4, COMMON + MOE + [*TENSOR, "--moe-expert-parallel-size", "2", "--load", str(tmp_path / "ckpt")])
-    assert whole.returncode != 0
-    assert "was saved with --enable-expert-tensor-parallelism (experts split over the 2 TP ranks); this run lacks " \
-           "the flag" in whole.stdout and "--target-expert-tensor-parallelism off" in whole.stdout, whole.stdout[-4000:]
+    whole = launch(4, COMMON + MOE + [*TENSOR, "--moe-expert-parallel-size", "2", "--load", str(tmp_path / "ckpt"),
+                                      "--load-iteration", "5"])
+    assert whole.returncode == 0 and "resharded to TP 2 x PP 1" in whole.stdout, whole.stdout[-4000:]
+    whole_lm, _ = _losses(whole.stdout, range(6, ITERATIONS + 1))
+    for iteration in whole_lm:
+        assert whole_lm[iteration] == pytest.approx(lm[iteration], rel=1e-5, abs=0), (whole_lm, lm)
 
     from megatron_ds.conversion.cli import main as convert
     assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp1"),
