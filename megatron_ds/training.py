@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
-from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress
+from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress, folder_lock
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -306,17 +306,43 @@ def pretrain(argv=None, start_time=None):
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
     init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.distributed_port)
+    if not _claim_save_folder(args):
+        return 2
     watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
     try:
         status = _pretrain(args, watchdog, start_time)
     except BaseException as error:
         watchdog.report_failure(error)  # the other ranks stop within seconds instead of hanging
         raise
+    finally:
+        if args.save and dist.get_rank() == 0:
+            folder_lock.release(args.save)
     watchdog.stop()  # before the last barrier: after it, rank 0 (the store's host) may be gone
     dist.barrier()
     if status == 0:
         print_rank_0("megatron_ds: training done")
     return status
+
+
+def _claim_save_folder(args):
+    """Rank 0 takes --save's lock (checkpointing/folder_lock.py) and every rank learns the outcome, so a folder in
+    use stops all of them at once; returns whether training may go on."""
+    if not args.save:
+        return True
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [("ok", folder_lock.claim(args.save))]
+        except (CheckpointError, OSError) as error:
+            outcome = [("error", f"--save {args.save}: {error}" if isinstance(error, OSError) else str(error))]
+    dist.broadcast_object_list(outcome, src=0)
+    kind, text = outcome[0]
+    if kind == "error":
+        print(f"megatron_ds: error: {text}", file=sys.stderr, flush=True)
+        return False
+    if text:
+        print_rank_0(f"megatron_ds: WARNING: {text}")
+    return True
 
 
 def _pretrain(args, watchdog, start_time=None):

@@ -134,7 +134,7 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
         return _read_plain_optimizer(mp_state, entry, weights, canonical)
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
-    partitions = _ZeroPartitions(path, lay, entry["pp"])
+    partitions = _ZeroPartitions(path, lay)
     # DeepSpeed's data-parallel ranks (its ZeRO partitions) are the sequence-data-parallel ones: SP x DP
     replicas = lay["data_parallel_size"] * lay.get("sequence_parallel_size", 1)
     data_parallel = [(dp, entry["mp_rank"]) for dp in range(replicas)]
@@ -186,11 +186,11 @@ def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
 
 
 class _ZeroPartitions:
-    """DeepSpeed's ZeRO-1/2 (or BF16 optimizer) files of one pipeline stage, read once each: a parameter group's
+    """DeepSpeed's ZeRO-1/2 (or BF16 optimizer) files of a checkpoint, each read once: a parameter group's
     flat fp32 partitions and Adam moments concatenated over the ranks that share it, cut at the parameters."""
 
-    def __init__(self, path, lay, pp_rank):
-        self.path, self.pp_rank = path, pp_rank
+    def __init__(self, path, lay):
+        self.path = path
         self.prefix = "bf16_" if lay.get("precision") == "bfloat16" else ""  # DeepSpeed's name for bf16 ZeRO files
         self.loaded = {}
 

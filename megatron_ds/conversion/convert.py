@@ -182,12 +182,9 @@ def _write_tokenizer_config(hf_dir, tokenizer_class, eos):
 
 def read_hf(hf_dir, divisible_by=None, tp=1):
     """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    except TypeError:  # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model = _load_hf_model(hf_dir)
     if config.model_type == "gpt2" and config.activation_function != "gelu":
         _log(f"note: the HF model uses activation_function {config.activation_function!r} (tanh approximation); "
              f"megatron_ds's GeLU is exact (erf): outputs differ slightly")
@@ -218,6 +215,33 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
         state.resize_vocabulary(full, wanted)
     args.update(padded_vocab_size=wanted, make_vocab_size_divisible_by=divisible_by)
     return full
+
+
+def _load_hf_model(hf_dir):
+    """The model of an HF folder in fp32; one that does not load is a CheckpointError naming the damaged file."""
+    from transformers import AutoModelForCausalLM
+    try:
+        try:
+            return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    except Exception as error:  # safetensors, torch and transformers each raise their own
+        raise CheckpointError(f"--from-hf {hf_dir}: {_damaged_weight_file(hf_dir) or 'the model does not load'}: "
+                              f"{type(error).__name__}: {error}") from None
+
+
+def _damaged_weight_file(hf_dir):
+    """'FILE is damaged' for the first safetensors file of the folder that does not open, else None."""
+    from safetensors import safe_open
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(hf_dir, name), "pt") as handle:
+                    for key in handle.keys():
+                        handle.get_slice(key)
+            except Exception:
+                return f"{os.path.join(hf_dir, name)} is damaged (truncated or not safetensors)"
+    return None
 
 
 def _default_args():

@@ -1,7 +1,7 @@
 """Mixture of Experts checkpoints by canonical names: a Mixtral made with transformers imports with --from-hf at
 TP 2 x EP 2 and generates greedily the same tokens as transformers (4 ranks, the experts split over 2); an MoE
 trained by pretrain.py at TP 2 x DP 2 x EP 2 exports with --to-hf to a MixtralForCausalLM with the same logits and
-comes back tensor for tensor; what Mixtral cannot hold is refused by name."""
+comes back tensor for tensor; what Mixtral cannot hold is refused by name; a truncated weight file is named."""
 import pytest
 import torch
 
@@ -114,3 +114,14 @@ def test_converter_refuses_an_expert_parallel_size_that_does_not_divide_the_expe
     assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match="--target-pipeline-model-parallel-size 2 would hold no MoE"):
         convert._check_target(_moe_args(expert_interval=2, num_layers=2), 1, 2)
+
+
+def test_a_truncated_hugging_face_weight_file_is_named(tmp_path, capsys):
+    """--from-hf on a model.safetensors cut in half: one line naming the file, exit 2, nothing written."""
+    tiny_mixtral(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    from megatron_ds.conversion.cli import main
+    assert main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "out")]) == 2
+    assert f"{weights} is damaged (truncated or not safetensors)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
