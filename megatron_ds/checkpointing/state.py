@@ -173,9 +173,10 @@ def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
     def naming(ep_rank):
         def name_of(local):
             name = layout.canonical_name(local, num_layers, pipelined)
-            layer = layout.layer_index(name)
-            return layout.canonical_name(local, num_layers, pipelined, first_expert=ep_rank * local_experts[layer]) \
-                if layout.deepspeed_expert_index(local) is not None else name
+            if layout.deepspeed_expert_index(local) is None:
+                return name
+            first = ep_rank * local_experts[layout.layer_index(name)]
+            return layout.canonical_name(local, num_layers, pipelined, first_expert=first)
         return name_of
 
     owners = []
@@ -266,10 +267,9 @@ def read_full_state(path, metadata, with_optimizer=True):
             optimizer[name] = {key: layout.merge_tensors([state[name][key] for state in states], rule)
                                for key in OPTIMIZER_KEYS}
             steps.update(per_tp[tp][stage].optimizer_step for tp in range(tp_size))
-    if optimizer is not None and len(steps) > 1:
-        raise CheckpointError(f"{path}: ranks disagree on the optimizer step count ({sorted(steps)})")
     return FullState(args=dict(args), weights=weights, optimizer=optimizer,
-                     optimizer_step=steps.pop() if optimizer else None, iteration=metadata.get("iteration", 0),
+                     optimizer_step=_agreed_step(path, steps) if optimizer else None,
+                     iteration=metadata.get("iteration", 0),
                      consumed_train_samples=metadata.get("consumed_train_samples", 0),
                      consumed_valid_samples=metadata.get("consumed_valid_samples", 0),
                      scheduler=metadata.get("scheduler"))
@@ -304,9 +304,14 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
         optimizer = {name: {key: reshard([shard.optimizer[name][key] for shard in shards[stage_of[name]]], name)
                             for key in OPTIMIZER_KEYS} for name in names}
         steps = {shard.optimizer_step for stage in shards.values() for shard in stage}
+    return RankState(weights, optimizer, _agreed_step(path, steps) if steps else None)
+
+
+def _agreed_step(path, steps):
+    """The one Adam step count the ranks of a checkpoint saved."""
     if len(steps) > 1:
         raise CheckpointError(f"{path}: ranks disagree on the optimizer step count ({sorted(steps)})")
-    return RankState(weights, optimizer, steps.pop() if steps else None)
+    return next(iter(steps))
 
 
 def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):

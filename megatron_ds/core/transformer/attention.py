@@ -64,6 +64,7 @@ class SelfAttention(torch.nn.Module):
         # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
         # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
         self.ulysses = None
+        self.sequence_rank = get_sequence_parallel_rank()  # RoPE offsets this rank's tokens by its slices before
         if get_sequence_parallel_world_size() > 1:
             self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
                                                 scatter_idx=2, gather_idx=0)
@@ -86,7 +87,7 @@ class SelfAttention(torch.nn.Module):
         query, key, value = self._split_qkv(mixed)
         if self.rotary is not None:  # each token at its place in the whole sequence (Ulysses: after the slices before)
             s = query.size(0)
-            cos, sin = self.rotary(s, query.device, offset=get_sequence_parallel_rank() * s)
+            cos, sin = self.rotary(s, query.device, offset=self.sequence_rank * s)
             query, key = apply_rotary(query, key, cos, sin, self.rotary_pos_emb)
         if self.ulysses is None:
             context = self._attention_of_heads(query, key, value, attention_mask)
