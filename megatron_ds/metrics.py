@@ -41,10 +41,14 @@ TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute":
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+def logging_rank(topology):
+    """The first rank of the last pipeline stage (its TP, Ulysses and DP rank 0): it holds the loss."""
+    return min(topology.filter_match(pipe=topology.get_dim("pipe") - 1))
+
+
 def is_logging_rank():
-    """The first rank of the last pipeline stage: it holds the loss."""
-    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_sequence_data_parallel_rank() == 0
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    """Whether this rank prints the iteration lines and writes the scalars."""
+    return dist.get_rank() == logging_rank(parallel_state.get_topology())
 
 
 def _print_rank_0(message):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress, folder_lock
+from megatron_ds.checkpointing.files import CheckpointSaveError
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -25,7 +26,7 @@ from megatron_ds.core.transformer.fused_ops import describe_fused_ops
 from megatron_ds.core.transformer.moe import (AuxiliaryLossGradient, auxiliary_loss_of, forget_auxiliary_losses,
                                               moe_layers)
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
-from megatron_ds.data.builder import batch_iterator, build_datasets, has_validation_data
+from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, will_evaluate
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.ds_config import deepspeed_train_batch_size
@@ -33,12 +34,14 @@ from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size
+from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
-from megatron_ds.metrics import MetricsLogger, loss_scale
+from megatron_ds.metrics import MetricsLogger, logging_rank, loss_scale
 from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler, lr_schedule_from_args
 from megatron_ds.planning.cli import model_spec
+from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
@@ -156,7 +159,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device(),
                                     curriculum)
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
-    evaluating = args.eval_interval and args.eval_iters and has_validation_data(args)
+    evaluating = will_evaluate(args)
     experts = moe_layers(engine.module) if args.moe else None
     profiler = IterationProfiler(args, dist.get_rank())
     engine.train()
@@ -303,10 +306,12 @@ def pretrain(argv=None, start_time=None):
     try:
         args = parse_args(argv)
     except ArgumentsError as error:
-        print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return _refuse([str(error)])
+    problems = data_problems(args)  # every rank reads the indices itself: no process group to hang
+    if problems:
+        return _refuse(problems)
     init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.distributed_port)
-    if not _claim_save_folder(args):
+    if not _storage_ready(args) or not _claim_save_folder(args):
         return 2
     watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
     try:
@@ -322,6 +327,26 @@ def pretrain(argv=None, start_time=None):
     if status == 0:
         print_rank_0("megatron_ds: training done")
     return status
+
+
+def _refuse(problems):
+    """Start-up refusal: each problem on its own line on stderr; exit status 2."""
+    for problem in problems:
+        print(f"megatron_ds: error: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _storage_ready(args):
+    """Every rank checks the folders it writes (glue/storage.py) and learns every rank's problems, so all stop
+    together, before training; returns whether training may go on."""
+    topology = parallel_state.build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                             dist.get_world_size(), args.ds_sequence_parallel_size)
+    size = checkpoint_bytes(model_spec(args), args.zero_stage) if args.save else 0
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, storage_problems(args, dist.get_rank(), logging_rank(topology), size))
+    problems = list(dict.fromkeys(problem for problems in everyone for problem in problems))
+    _refuse(problems)
+    return not problems
 
 
 def _claim_save_folder(args):
@@ -372,7 +397,7 @@ def _pretrain(args, watchdog, start_time=None):
         return 2
     try:
         train(args, engine, datasets, logger, progress, checkpoints, watchdog)
-    except NonFiniteTraining as error:
+    except (NonFiniteTraining, CheckpointSaveError) as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         logger.close()
         return 1

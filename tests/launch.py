@@ -9,6 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "MPI_", "SLURM_")
 
 
 def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("pretrain.py",)):
@@ -31,6 +33,23 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("p
             process.communicate()
             raise
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def clean_env(**extra):
+    """This environment without any launcher's variables, one thread per process, plus extra."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_alone(program, flags, timeout=120):
+    """python <program> <flags> as a single process without a launcher (rank 0 of 1, on a free port); the
+    CompletedProcess, stdout and stderr merged."""
+    from tests.distributed import free_port
+    return subprocess.run([sys.executable, *program, *flags, "--distributed-port", str(free_port())], cwd=REPO,
+                          env=clean_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
 
 
 def losses(output):

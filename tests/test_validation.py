@@ -2,7 +2,6 @@
 process group; under torchrun on every rank. The checks themselves are tested in-process in
 tests/arguments/test_validation.py."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,18 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.flags import TINY_MODEL
-from tests.launch import REPO
+from tests.launch import REPO, clean_env
 
 HEADER = "megatron_ds: error: invalid arguments:"
-LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "MPI_", "SLURM_")
-
-
-def clean_env(**extra):
-    env = {name: value for name, value in os.environ.items()
-           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    return env
 
 
 def test_rank_of_a_launch_exits_2_naming_every_problem(tmp_path):

@@ -317,7 +317,9 @@ def _add_unbuilt_feature_args(parser):
     group.add_argument("--ds-sequence-parallel-fpdt-chunk-size", type=int, default=65536)
     group.add_argument("--ds-sequence-parallel-fpdt-offloading", action="store_true")
     group.add_argument("--universal-checkpoint", action="store_true",
-                       help="accepted: --load continues any checkpoint at this run's layout (resharded on load)")
+                       help="--load a DeepSpeed universal checkpoint (ds_to_universal's output, named by "
+                            "latest_universal in --load) through DeepSpeed's universal loading; without one, "
+                            "--load continues our checkpoints at any layout (resharded on load) as always")
     group.add_argument("--kd", action="store_true", help="knowledge distillation")
     group.add_argument("--mos", action="store_true", help="Mixture-of-Students")
     for flag in ("--kd-alpha-ce", "--kd-beta-ce", "--kd-temp"):

@@ -1,12 +1,16 @@
-"""--async-save (Megatron's name): a checkpoint is written in the background while training goes on.
+"""The checkpoint engines DeepSpeed writes every checkpoint file through (`checkpoint_engine.save(state_dict,
+path)`): FileWriter for a save in the training thread, BackgroundWriter for --async-save. Both fsync each file
+and keep the first write that fails (an OSError naming the file) for their wait() to raise, writing nothing more
+of that save, so every rank still meets DeepSpeed's collectives and the ranks can agree to abandon the save.
 
-DeepSpeed writes every checkpoint file through its engine's `checkpoint_engine.save(state_dict, path)`.
-BackgroundWriter takes that place: save() copies the state dict's tensors (so training may change the
-originals at once) and queues the copy; one thread per rank writes the queued files in order, fsyncs each,
-and runs the jobs queued after them (the finishing of the checkpoint). The crash-safety of a save is
+--async-save (Megatron's name): a checkpoint is written in the background while training goes on.
+BackgroundWriter's save() copies the state dict's tensors (so training may change the originals at once) and
+queues the copy; one thread per rank writes the queued files in order, fsyncs each, and runs the jobs queued
+after them (the finishing of the checkpoint). The crash-safety of a save is
 unchanged: everything goes to the temporary folder, each rank leaves a marker there once its files are on
-disk, and rank 0's thread waits for every marker, then writes the metadata last and publishes the folder
-and the pointers (files.publish). A save that is killed leaves the previous checkpoint published.
+disk (or a failure marker once a write of it failed), and rank 0's thread waits for every marker, then writes
+the metadata last and publishes the folder and the pointers (files.publish). A save that is killed leaves the
+previous checkpoint published.
 """
 import os
 import queue
@@ -20,10 +24,33 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from megatron_ds.checkpointing import files
 
 MARKER_PREFIX = ".written_by_rank_"
+FAILURE_PREFIX = ".failed_by_rank_"
 
 
-def marker_name(rank):
-    return f"{MARKER_PREFIX}{rank:05d}"
+def marker_name(rank, prefix=MARKER_PREFIX):
+    return f"{prefix}{rank:05d}"
+
+
+class FileWriter(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine for a save in the training thread."""
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.name = "megatron_ds FileWriter"
+        self._error = None
+
+    def save(self, state_dict, path: str):
+        if self._error is None:
+            try:
+                files.write_torch_file(state_dict, path)
+            except OSError as error:
+                self._error = error
+
+    def wait(self):
+        """Raises the first failed write since the last wait()."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 class BackgroundWriter(TorchCheckpointEngine):
@@ -40,11 +67,16 @@ class BackgroundWriter(TorchCheckpointEngine):
 
     def save(self, state_dict, path: str):
         copy = clone_tensors_for_torch_save(state_dict, device=torch.device("cpu"))
-        self.run_later(lambda: _write(copy, path))
+        self.run_later(lambda: files.write_torch_file(copy, path))
 
     def run_later(self, job):
-        """Run job() on the writer thread after everything queued before it."""
-        self._jobs.put(job)
+        """Run job() on the writer thread after everything queued before it, unless one of those failed."""
+        self._jobs.put((job, False))
+
+    def run_after_all(self, job):
+        """Run job(failed) on the writer thread after everything queued before it; failed: whether one of those
+        raised."""
+        self._jobs.put((job, True))
 
     def wait(self):
         """Until every queued job has run; raises what a job raised."""
@@ -55,35 +87,37 @@ class BackgroundWriter(TorchCheckpointEngine):
 
     def _run(self):
         while True:
-            job = self._jobs.get()
+            job, after_all = self._jobs.get()
             try:
-                if self._error is None:  # after a failure nothing more is written: the save stays unpublished
+                if after_all:
+                    job(self._error is not None)
+                elif self._error is None:  # after a failure nothing more is written: the save stays unpublished
                     job()
             except BaseException as error:  # reported by wait() in the training thread
-                self._error = error
+                self._error = self._error or error
             finally:
                 self._jobs.task_done()
 
 
-def _write(state_dict, path):
-    torch.save(state_dict, path)
-    files.fsync_path(path)
-
-
-def mark_written(folder, rank):
-    """This rank's files of the checkpoint in `folder` are on disk."""
-    path = os.path.join(folder, marker_name(rank))
-    with open(path, "w") as handle:
+def mark_finished(folder, rank, failed):
+    """This rank's files of the checkpoint in `folder` are on disk, or (failed) will not be: an empty file, which
+    a full disk still takes."""
+    path = os.path.join(folder, marker_name(rank, FAILURE_PREFIX if failed else MARKER_PREFIX))
+    with files.naming_file(path), open(path, "w") as handle:
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def wait_for_every_rank(folder, world_size, timeout):
-    """Wait (polling the folder) until every rank marked its files written, then remove the markers; raises
-    TimeoutError naming the ranks missing."""
+    """Wait (polling the folder) until every rank marked its files written, then remove the markers and return
+    True; False as soon as a rank marks a failure (it reports its error itself). Raises TimeoutError naming
+    the ranks missing."""
     names = [marker_name(rank) for rank in range(world_size)]
+    failures = [os.path.join(folder, marker_name(rank, FAILURE_PREFIX)) for rank in range(world_size)]
     deadline = time.monotonic() + timeout
     while True:
+        if any(os.path.exists(path) for path in failures):
+            return False
         missing = [name for name in names if not os.path.exists(os.path.join(folder, name))]
         if not missing:
             break
@@ -93,3 +127,4 @@ def wait_for_every_rank(folder, world_size, timeout):
         time.sleep(0.05)
     for name in names:
         os.remove(os.path.join(folder, name))
+    return True

@@ -16,6 +16,7 @@ A checkpoint is published by renaming its finished, fsync'ed temporary folder, t
 pointers (write, fsync, rename): a save killed at any moment leaves the previous checkpoint and the
 pointers on it (tests kill saves at the phases of megatron_ds.checkpointing.hooks).
 """
+import contextlib
 import datetime
 import json
 import os
@@ -68,20 +69,37 @@ def rng_file_name(rank):
 
 # --- durable writes ---------------------------------------------------------------------------------
 
+class CheckpointSaveError(Exception):
+    """A save that could not be written (no space, permission, ...): the message names the file and the OS error,
+    and says what is left of the previous checkpoint."""
+
+
+@contextlib.contextmanager
+def naming_file(path):
+    """An OSError raised inside names path (a failed write() or fsync() names no file)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = path
+        raise
+
+
 def fsync_path(path):
     """Flush a file's or a folder's contents (a folder: its entries) to disk."""
     flags = os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0)
-    descriptor = os.open(path, flags)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    with naming_file(path):
+        descriptor = os.open(path, flags)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def atomic_write_text(path, text):
     """Write text to path so readers see the old or the new content, never a mix (also after a crash)."""
     tmp = f"{path}{TMP_SUFFIX}.{os.getpid()}"
-    with open(tmp, "w") as handle:
+    with naming_file(tmp), open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -90,9 +108,18 @@ def atomic_write_text(path, text):
 
 
 def write_json(path, data):
-    with open(path, "w") as handle:
+    with naming_file(path), open(path, "w") as handle:
         json.dump(data, handle, indent=1, sort_keys=True)
         handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_torch_file(state, path):
+    """torch.save through our own file handle, fsync'ed, so a failed write raises its OSError naming path
+    (torch.save given a path reports one as a RuntimeError naming neither)."""
+    with naming_file(path), open(path, "wb") as handle:
+        torch.save(state, handle)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -162,9 +189,9 @@ def problems_of(path):
         metadata = read_metadata(path)
     except FileNotFoundError:
         if os.path.isdir(os.path.join(path, "zero")):
-            return ["a DeepSpeed universal checkpoint (ds_to_universal's output, a zero/ folder of parameter "
-                    "fragments) is not read here yet; load the checkpoint it was made from: --load reshards any "
-                    "layout"]
+            return ["a DeepSpeed universal checkpoint (ds_to_universal's output, a zero/ folder of parameters): "
+                    "load it with --universal-checkpoint (its pointer latest_universal must name it), or load the "
+                    "checkpoint it was made from: --load reshards any layout"]
         return [f"no {METADATA_FILE} (the save did not finish)"]
     except (OSError, ValueError) as error:
         return [f"{METADATA_FILE} is unreadable ({error})"]

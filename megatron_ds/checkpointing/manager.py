@@ -13,7 +13,8 @@ Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-, seq
 size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters
 (its experts among them), fp32 master weights and Adam moments are read in canonical names and placed into
 the engine directly. Another TP or PP as well: each rank reads the saved stages holding its layers (every
-saved TP rank of them), merges each tensor and splits it for itself (resharding on load).
+saved TP rank of them), merges each tensor and splits it for itself (resharding on load). With
+--universal-checkpoint and ds_to_universal's pointer in --load: DeepSpeed's universal loading (universal.py).
 The LR schedule is decided before anything loads (a disagreement with the flags stops there; see
 _lr_schedule_to_resume) and set after the optimizer states, which carry the saved LR. The RNG states
 are restored right before the first iteration, so the resumed run repeats the uninterrupted one bit for
@@ -27,8 +28,9 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from megatron_ds.checkpointing import async_save, files, layout
+from megatron_ds.checkpointing import async_save, files, layout, universal
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
@@ -133,9 +135,11 @@ class CheckpointManager:
         self.last_saved_iteration = None
         self.loaded_iteration = None
         self.rng_state_to_restore = None
-        self.writer = None
-        if args.async_save:  # DeepSpeed writes through its checkpoint engine: ours queues the files for a thread
-            self.writer = engine.checkpoint_engine = async_save.BackgroundWriter()
+        self.universal_info = None  # DeepSpeed's universal_checkpoint_info, computed at the first save
+        # DeepSpeed writes through its checkpoint engine: ours keeps a failed write for the ranks to agree on (and
+        # with --async-save writes in a thread)
+        self.writer = engine.checkpoint_engine = (async_save.BackgroundWriter() if args.async_save
+                                                  else async_save.FileWriter())
         self.signal_handler = ExitSignalHandler() if args.exit_signal_handler else None
         self.exit_duration = (ExitDuration(args.exit_duration_in_mins, time.time() if start_time is None
                                            else start_time) if args.exit_duration_in_mins else None)
@@ -194,15 +198,8 @@ class CheckpointManager:
         start = time.perf_counter()
         tag = files.tag_for(progress.iteration)
         tmp_path = os.path.join(args.save, tag + files.TMP_SUFFIX)
-        if dist.get_rank() == 0:
-            os.makedirs(args.save, exist_ok=True)
-            files.remove_stale_temporaries(args.save)
-        dist.barrier()
+        self._on_every_rank(progress.iteration, lambda: self._prepare_folder(tmp_path))
         args_dict = files.args_to_dict(args)
-        client_state = {"megatron_ds": {**dataclasses.asdict(progress), "args": args_dict}}
-        engine.save_checkpoint(args.save, tag=tag + files.TMP_SUFFIX, client_state=client_state, save_latest=False)
-        rng_state = {**collect_rng_state(), **_coordinates()}
-        rng_path = os.path.join(tmp_path, files.rng_file_name(dist.get_rank()))
         # the metadata's values as they are now (training goes on while an asynchronous save is written)
         metadata = files.new_metadata(
             files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
@@ -211,34 +208,91 @@ class CheckpointManager:
             consumed_train_tokens=progress.consumed_train_tokens,
             scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             ranks=self._rank_entries(), has_optimizer_states=True, has_rng_states=True)
+        engine.save_checkpoint(args.save, tag=tag + files.TMP_SUFFIX, client_state=self._client_state(progress, metadata),
+                               save_latest=False)
+        rng_state = {**collect_rng_state(), **_coordinates()}
+        rng_path = os.path.join(tmp_path, files.rng_file_name(dist.get_rank()))
         self.last_saved_iteration = progress.iteration
-        if self.writer is None:
+        if not args.async_save:
             self._save_synchronously(tmp_path, rng_state, rng_path, metadata, start)
         else:
             self._save_in_background(tmp_path, rng_state, rng_path, metadata, start)
 
+    def _client_state(self, progress, metadata):
+        """What DeepSpeed writes into its model-states files besides the model: our progress and metadata (a
+        universal checkpoint made from these files keeps only them), and, for ds_to_universal, how each
+        parameter is split (not for MoE: ds_to_universal cannot tell experts of different EP ranks apart)."""
+        state = {"megatron_ds": {**dataclasses.asdict(progress), "args": metadata["args"],
+                                 universal.METADATA_KEY: metadata},
+                 "iteration": progress.iteration}
+        if not self.args.moe:
+            if self.universal_info is None:
+                self.universal_info = universal.checkpoint_info(self.engine.module, self.args, self.pipelined)
+            state[UNIVERSAL_CHECKPOINT_INFO] = self.universal_info
+        return state
+
+    def _prepare_folder(self, tmp_path):
+        """Rank 0: the temporary folder DeepSpeed writes into, after removing what killed saves left."""
+        if dist.get_rank() == 0:
+            files.remove_stale_temporaries(self.args.save)
+            os.makedirs(tmp_path, exist_ok=True)
+
     def _save_synchronously(self, tmp_path, rng_state, rng_path, metadata, start):
+        iteration = metadata["iteration"]
         if dist.get_rank() == 0:
-            reached_save_phase("deepspeed-files", str(metadata["iteration"]))
-        torch.save(rng_state, rng_path)
-        dist.barrier()
-        self._fsync_share(tmp_path)
-        dist.barrier()
+            reached_save_phase("deepspeed-files", str(iteration))
+
+        def write_rank_files():
+            self.writer.wait()  # DeepSpeed's files
+            files.write_torch_file(rng_state, rng_path)
+
+        def publish():
+            if dist.get_rank() == 0:
+                self._publish(tmp_path, metadata, start)
+
+        for step in (write_rank_files, lambda: self._fsync_share(tmp_path), publish):
+            self._on_every_rank(iteration, step)
+
+    def _on_every_rank(self, iteration, step):
+        """step() on this rank, then every rank learns whether a write failed on any (the all-gather is the save's
+        barrier); after a failure the unfinished save is removed and every rank raises CheckpointSaveError."""
+        try:
+            step()
+            failure = None
+        except OSError as error:
+            failure = f"rank {dist.get_rank()}: {error}"
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failures = [failure for failure in failures if failure]
+        if failures:
+            raise files.CheckpointSaveError(self._abandon_save(iteration, failures))
+
+    def _abandon_save(self, iteration, failures):
+        """Rank 0 removes the temporary folder (the pointers are untouched); the message every rank raises."""
+        save = self.args.save
+        removed = f"its temporary folder {os.path.join(save, files.tag_for(iteration) + files.TMP_SUFFIX)} is removed"
         if dist.get_rank() == 0:
-            self._publish(tmp_path, metadata, start)
-        dist.barrier()
+            try:
+                files.remove_stale_temporaries(save)
+            except OSError as error:
+                removed = f"removing its temporary folder failed too ({error})"
+        published = files.read_pointer(save) if os.path.isdir(save) else None
+        kept = (f"the last saved checkpoint, {os.path.join(save, published)}, and the pointers to it are unchanged"
+                if published else "no checkpoint was saved before it")
+        return f"checkpoint of iteration {iteration} not saved: {'; '.join(failures)}; {removed}; {kept}"
 
     def _save_in_background(self, tmp_path, rng_state, rng_path, metadata, start):
         """Queue this rank's last files and its marker; rank 0 also queues the publishing, which waits for every
         rank's marker (async_save.py)."""
         writer, rank = self.writer, dist.get_rank()
         writer.save(rng_state, rng_path)
-        writer.run_later(lambda: async_save.mark_written(tmp_path, rank))
+        writer.run_after_all(lambda failed: async_save.mark_finished(tmp_path, rank, failed))
         if rank == 0:
             timeout = self.args.distributed_timeout_minutes * 60
 
             def publish():
-                async_save.wait_for_every_rank(tmp_path, dist.get_world_size(), timeout)
+                if not async_save.wait_for_every_rank(tmp_path, dist.get_world_size(), timeout):
+                    return  # a rank could not write its files: its wait() reports why
                 reached_save_phase("deepspeed-files", str(metadata["iteration"]))
                 self._publish(tmp_path, metadata, start, background=True)
             writer.run_later(publish)
@@ -257,9 +311,10 @@ class CheckpointManager:
               f"({time.perf_counter() - start:.2f} s{', in the background' if background else ''})", flush=True)
 
     def wait_for_saves(self):
-        """Every rank: until this rank's part of an asynchronous save is on disk (on rank 0: published)."""
-        if self.writer is not None:
-            self.writer.wait()
+        """Every rank: until this rank's part of an asynchronous save is on disk (on rank 0: published); a write of
+        it that failed on any rank abandons it on every rank (CheckpointSaveError)."""
+        if self.args.async_save:
+            self._on_every_rank(self.last_saved_iteration, self.writer.wait)
 
     def _layout(self):
         args = self.args
@@ -313,7 +368,7 @@ class CheckpointManager:
         found = [None]
         if dist.get_rank() == 0:
             try:
-                found = [("ok", *files.resolve_checkpoint(args.load, args.load_iteration))]
+                found = [("ok", *self._resolve_checkpoint())]
             except CheckpointError as error:
                 found = [("error", str(error))]
         dist.broadcast_object_list(found, src=0)
@@ -331,7 +386,10 @@ class CheckpointManager:
         progress = self._resumed_progress(metadata, finetune)
         schedule, position, schedule_source = self._lr_schedule_to_resume(path, metadata, progress, finetune)
         start = time.perf_counter()
-        if self._same_deepspeed_layout(metadata):
+        if metadata["format"] == universal.FORMAT:
+            how = "DeepSpeed's universal checkpoint loading"
+            self._load_universal(path, tag, load_optimizer)
+        elif self._same_deepspeed_layout(metadata):
             how = "DeepSpeed load_checkpoint"
             self.engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=load_optimizer,
                                         load_lr_scheduler_states=False, load_module_only=not load_optimizer)
@@ -363,6 +421,32 @@ class CheckpointManager:
                       f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}; "
                       f"peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB")
         return progress
+
+    def _resolve_checkpoint(self):
+        """(tag, metadata, notes) of the checkpoint to load (rank 0; CheckpointError when it cannot be)."""
+        args = self.args
+        if args.load_universal_checkpoint:
+            return (*universal.resolve(args.load), [])
+        return files.resolve_checkpoint(args.load, args.load_iteration)
+
+    def _load_universal(self, path, tag, load_optimizer):
+        """DeepSpeed's universal loading, each parameter read from the folder the saving run named it by; every
+        rank first checks the files it needs (all problems raised on every rank)."""
+        args, optimizer = self.args, self.engine.optimizer
+        live = layout.live_parameter_names(self.engine.module, args.num_layers, self.pipelined)
+        folders = universal.parameter_folders(path, args.num_layers)
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, universal.missing_files(path, folders, [name for name, _ in live],
+                                                                 with_optimizer=load_optimizer))
+        problems = sorted({problem for rank in problems for problem in rank})
+        if problems:
+            raise CheckpointError(f"universal checkpoint {path} does not fit this model or is damaged:\n  - "
+                                  + "\n  - ".join(problems))
+        with universal.named_as_saved(optimizer, {param: folders[name] for name, param in live}):
+            self.engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+        if not load_optimizer:  # DeepSpeed reads the moments whenever the folder has them
+            _reset_adam_states(optimizer)
 
     def _needs_resharding(self, metadata):
         """Saved at another TP or PP, or with the experts split over TP where this run keeps them whole (or the
@@ -418,12 +502,17 @@ class CheckpointManager:
         """The same model (any layout: another TP pads the vocabulary differently, which resharding absorbs, but
         the tokenizer's vocabulary must be the same)."""
         args = self.args
-        resharded = self._needs_resharding(metadata)
+        universal_format = metadata["format"] == universal.FORMAT
+        resharded = universal_format or self._needs_resharding(metadata)
         differences = [d for d in files.model_shape_differences(metadata["args"], args)
                        if not resharded or "vocabulary" not in d]
         saved_vocab = metadata["args"].get("vocab_size")
         if resharded and saved_vocab not in (None, args.vocab_size):
             differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {args.vocab_size}")
+        saved_rows = metadata["args"].get("padded_vocab_size")
+        if universal_format and saved_rows > args.padded_vocab_size:  # DeepSpeed pads rows, it cannot drop them
+            differences.append(f"padded vocabulary: checkpoint {saved_rows} rows, this run {args.padded_vocab_size} "
+                               f"(raise --make-vocab-size-divisible-by)")
         if differences:
             raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
                                   + "\n  - ".join(differences))
@@ -476,18 +565,32 @@ class CheckpointManager:
         return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
 
 
+def _zero_groups(optimizer):
+    """[(16-bit parameters, fp32 flat partition)] of DeepSpeed's ZeRO-1/2 or BF16 optimizer, else None."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return list(zip(optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups))
+    if isinstance(optimizer, BF16_Optimizer):
+        return list(zip(optimizer.bf16_groups, optimizer.fp32_groups_flat_partition))
+    return None
+
+
+def _reset_adam_states(optimizer):
+    """Fresh Adam moments and step (as --no-load-optim means) in DeepSpeed's ZeRO-1/2 or BF16 optimizer."""
+    for _, flat in _zero_groups(optimizer):
+        optimizer.optimizer.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                           "exp_avg_sq": torch.zeros_like(flat)}
+    optimizer._hp_optimizer_states_linked = False  # link the new moments at the next step
+
+
 def _place_optimizer_state(optimizer, names, state):
     """Put fp32 master weights and Adam moments (full per-parameter tensors of this TP/PP rank) into
     DeepSpeed's ZeRO-1/2 or BF16 optimizer (this DP rank's flat partitions), or a plain torch optimizer."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     step = torch.tensor(float(state.optimizer_step or 0))
-    if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
-        zero = isinstance(optimizer, DeepSpeedZeroOptimizer)
-        groups = optimizer.bit16_groups if zero else optimizer.bf16_groups
-        partitions = optimizer.single_partition_of_fp32_groups if zero else optimizer.fp32_groups_flat_partition
-        for params, flat in zip(groups, partitions):
+    zero_groups = _zero_groups(optimizer)
+    if zero_groups is not None:
+        for params, flat in zero_groups:
             moments = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
             targets = {"fp32": flat.data, **moments}
             for param in params:

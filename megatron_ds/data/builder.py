@@ -13,7 +13,7 @@ from megatron_ds.core.models.gpt import pack_model_inputs
 from megatron_ds.data.blended_dataset import BlendedDataset, blended_samples_per_dataset, parse_data_path
 from megatron_ds.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, get_ltor_masks_and_position_ids,
                                           parse_split, split_documents)
-from megatron_ds.data.indexed_dataset import IndexedDataset
+from megatron_ds.data.indexed_dataset import IndexedDataset, IndexedDatasetError, idx_path
 from megatron_ds.data.mock import MockGPTDataset
 from megatron_ds.data.samplers import micro_batch_samples
 
@@ -45,37 +45,46 @@ def _blend(args, split, weighted_prefixes, num_samples, documents_of):
     return BlendedDataset(datasets, weights, num_samples, cache_path=args.data_cache_path)
 
 
-def _split_documents_of(args, split):
-    index = SPLITS.index(split)
+def _source_flag(args, split):
+    """The flag naming a split's datasets: --data-path (every split's, cut by --split), else
+    --{split}-data-path; None for mock data or a split without a path."""
+    if args.mock_data:
+        return None
+    if args.data_path:
+        return "--data-path"
+    return f"--{split}-data-path" if getattr(args, f"{split}_data_path") else None
 
-    def documents_of(prefix):
-        begin, end = split_documents(len(IndexedDataset(prefix)), args.split)[index]
-        return np.arange(begin, end, dtype=np.int64)
-    return documents_of
+
+def _weighted_prefixes(args, flag):
+    return parse_data_path(getattr(args, flag[2:].replace("-", "_")))
 
 
-def _all_documents(prefix):
-    return np.arange(len(IndexedDataset(prefix)), dtype=np.int64)
+def _document_range(args, split, dataset):
+    """(begin, end): the split's documents of an indexed dataset, --split's share with --data-path, else all."""
+    if args.data_path:
+        return split_documents(len(dataset), args.split)[SPLITS.index(split)]
+    return 0, len(dataset)
+
+
+def _split_document_ids(args, split, prefix):
+    return np.arange(*_document_range(args, split, IndexedDataset(prefix)), dtype=np.int64)
 
 
 def build_split_dataset(args, split, num_samples):
-    """The dataset of one split, or None when it has no source or no samples are wanted."""
+    """The dataset of one split, or None when no samples are wanted, it has no source, or its share of a source
+    is empty (data_problems refuses that before training for the splits training reads)."""
     if num_samples == 0:
         return None
     if args.mock_data:
         return MockGPTDataset(args.vocab_size, args.seq_length, args.seed, split)
-    if args.data_path:
-        if _split_is_empty(args, split):
-            return None
-        return _blend(args, split, parse_data_path(args.data_path), num_samples, _split_documents_of(args, split))
-    paths = getattr(args, f"{split}_data_path")
-    return _blend(args, split, parse_data_path(paths), num_samples, _all_documents) if paths else None
-
-
-def _split_is_empty(args, split):
-    prefix = parse_data_path(args.data_path)[0][0]
-    begin, end = split_documents(len(IndexedDataset(prefix)), args.split)[SPLITS.index(split)]
-    return begin == end
+    flag = _source_flag(args, split)
+    if flag is None:
+        return None
+    prefixes, weights = _weighted_prefixes(args, flag)
+    if any(begin == end for begin, end in (_document_range(args, split, IndexedDataset(p)) for p in prefixes)):
+        return None
+    return _blend(args, split, (prefixes, weights), num_samples,
+                  lambda prefix: _split_document_ids(args, split, prefix))
 
 
 def has_validation_data(args):
@@ -83,6 +92,76 @@ def has_validation_data(args):
     if args.mock_data or args.valid_data_path:
         return True
     return bool(args.data_path) and parse_split(args.split)[SPLITS.index("valid")] > 0
+
+
+def will_evaluate(args):
+    """Whether training evaluates: --eval-iters, an --eval-interval within --train-iters, and validation data."""
+    return bool(args.eval_iters and args.eval_interval and args.eval_interval <= args.train_iters
+                and has_validation_data(args))
+
+
+# --- checked before training --------------------------------------------------------------------------
+
+_SPLIT_WORDS = {"train": "training", "valid": "validation"}
+
+
+def data_problems(args):
+    """Why the data cannot feed this run, found from the datasets' indices before anything is built; [] when it
+    can. A damaged or inconsistent .idx/.bin pair is one problem naming the file. The training split must hold
+    tokens: a GPT dataset repeats its split in epochs, so any non-empty one gives every sample asked for. When
+    training evaluates, so must the validation split, with at least one evaluation's samples (fewer would repeat
+    samples within an evaluation). The test split is not read in training."""
+    problems = _split_problems(args, "train", None)
+    if will_evaluate(args):
+        problems += _split_problems(args, "valid", args.eval_iters * args.global_batch_size)
+    return list(dict.fromkeys(problems))  # a damaged file is found by each split
+
+
+def _split_problems(args, split, samples_per_evaluation):
+    flag = _source_flag(args, split)
+    if flag is None:  # mock data: endless; a split without a path is not read
+        return []
+    problems, samples, parts = [], 0, []
+    for prefix in _weighted_prefixes(args, flag)[0]:
+        try:
+            dataset = IndexedDataset(prefix)
+        except (IndexedDatasetError, OSError) as error:  # OSError: an unreadable file, named by the error
+            problems.append(str(error))
+            continue
+        if len(dataset) == 0:
+            problems.append(f"{flag} {prefix} holds no documents: {idx_path(prefix)} indexes none")
+            continue
+        begin, end = _document_range(args, split, dataset)
+        tokens = int(dataset.sequence_lengths[begin:end].sum(dtype=np.int64))
+        share = f"{end - begin} of its {len(dataset)} documents" + (f" (--split {args.split})" if args.data_path
+                                                                    else "")
+        if tokens == 0:
+            problems.append(f"the {_SPLIT_WORDS[split]} split of {flag} {prefix} is empty: {share}, 0 tokens; "
+                            f"{_what_reads(args, split)}. {_remedy(args, split)}")
+        samples += max(0, (tokens - 1) // args.seq_length)  # GPTDataset's count of one epoch
+        parts.append(f"{tokens} tokens in {share} of {flag} {prefix}")
+    if samples_per_evaluation and not problems and samples < samples_per_evaluation:
+        problems.append(f"the {_SPLIT_WORDS[split]} split has {samples} samples of --seq-length {args.seq_length} "
+                        f"({'; '.join(parts)}), but {_what_reads(args, split)}: an evaluation would repeat "
+                        f"samples. {_remedy(args, split)}")
+    return problems
+
+
+def _what_reads(args, split):
+    if split == "train":
+        return (f"training reads {args.train_iters * args.global_batch_size} samples (--train-iters "
+                f"{args.train_iters} x --global-batch-size {args.global_batch_size})")
+    return (f"each evaluation reads {args.eval_iters * args.global_batch_size} samples (--eval-iters "
+            f"{args.eval_iters} x --global-batch-size {args.global_batch_size}, every --eval-interval "
+            f"{args.eval_interval} iterations)")
+
+
+def _remedy(args, split):
+    more = (f"a larger {_SPLIT_WORDS[split]} weight in --split {args.split}, or more documents" if args.data_path
+            else "more documents")
+    if split == "train":
+        return f"Give training data: {more}"
+    return f"Give it {more}, or pass --eval-iters 0 to train without evaluation"
 
 
 def _reads_data():

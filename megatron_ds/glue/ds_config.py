@@ -21,7 +21,7 @@ import json
 import math
 
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
-from megatron_ds.glue import curriculum
+from megatron_ds.glue import curriculum, deepspeed_keys
 
 _DEFAULT_ZERO_STAGE = 1
 _DEFAULT_CLIP_GRAD = 1.0
@@ -160,7 +160,7 @@ def reconcile_with_deepspeed_config(args):
         config, error = load_deepspeed_json(path)
         if error:
             return {}, [error]
-        errors = _type_errors(config, path)
+        errors = _type_errors(config, path) + deepspeed_keys.unknown_key_errors(config, path)
         if errors:
             return {}, errors
     errors = [f"{path} defines \"{block}\"; megatron_ds builds AdamW and the learning-rate schedule from --lr, "
@@ -176,7 +176,27 @@ def reconcile_with_deepspeed_config(args):
                   clip_grad=_DEFAULT_CLIP_GRAD if clip is None else clip, user_deepspeed_config=config)
     values.update(_reconcile_activation_checkpointing(args, config, path, values, errors))
     values["curriculum_learning_legacy"] = _curriculum(args, config, path, errors)
+    values["load_universal_checkpoint"] = _load_universal(args, config, path, values["zero_stage"], errors)
     return values, errors
+
+
+def _load_universal(args, config, path, zero_stage, errors):
+    """Whether --load is a DeepSpeed universal checkpoint to load through DeepSpeed's universal loading:
+    --universal-checkpoint (or the JSON's "checkpoint.load_universal") and ds_to_universal's pointer in --load.
+    Without the pointer, --universal-checkpoint loads our own checkpoints (resharded as needed)."""
+    from megatron_ds.checkpointing import universal
+    block = config.get("checkpoint", {})
+    asked_in_json = isinstance(block, dict) and block.get("load_universal") is True
+    if not (args.universal_checkpoint or asked_in_json):
+        return False
+    found = universal.pointer_tag(args.load) is not None
+    if asked_in_json and not found:
+        errors.append(f"\"checkpoint.load_universal\": true in {path}, but --load {args.load} has no "
+                      f"{universal.POINTER} (run python -m deepspeed.checkpoint.ds_to_universal first)")
+    if found and zero_stage not in (1, 2):
+        errors.append(f"--universal-checkpoint: DeepSpeed loads a universal checkpoint ({args.load}/"
+                      f"{universal.POINTER}) into its ZeRO optimizer only; --zero-stage is {zero_stage}, use 1 or 2")
+    return found
 
 
 def _curriculum(args, config, path, errors):
@@ -268,6 +288,8 @@ def build_deepspeed_config(args):
                 config.setdefault("communication_data_type", "fp32")
     elif args.fp16:
         config["fp16"] = _fp16_block(args, config.get("fp16", {}))
+    if args.load_universal_checkpoint:
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     if args.deepspeed_activation_checkpointing:
         config["activation_checkpointing"] = {
             **config.get("activation_checkpointing", {}),

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import List
 
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
-from megatron_ds.planning.parameters import StageParameters
+from megatron_ds.planning.parameters import StageParameters, total_parameters
 
 GIB = 1024 ** 3
 # Assumed: CUDA context, NCCL buffers, allocator fragmentation and DeepSpeed's communication buffers.
@@ -67,6 +67,13 @@ def state_bytes_per_parameter(precision: str, zero_stage: int) -> StateBytes:
     if precision == "fp16":
         return StateBytes(2, 2, 0, 12)
     return StateBytes(4, 4, 0, 12 if zero_stage >= 1 else 8)
+
+
+def checkpoint_bytes(model: ModelSpec, zero_stage: int) -> float:
+    """What a training checkpoint of the whole model takes on disk, at least: per parameter its weights and
+    the optimizer's states (fp32 master weights where kept, Adam's two moments); gradients are not saved."""
+    state = state_bytes_per_parameter(model.precision, zero_stage)
+    return total_parameters(model) * (state.weights + state.optimizer)
 
 
 def sharded_state_bytes(state: StateBytes, zero_stage: int, dp: int) -> StateBytes:

@@ -32,11 +32,12 @@ def test_damaged_or_incomplete_newest_checkpoint_names_the_last_good_one(tmp_pat
 
 
 def test_a_deepspeed_universal_folder_is_refused_by_name(tmp_path):
-    """ds_to_universal's output (a zero/ folder of fragments, no metadata of ours) is named as such."""
+    """ds_to_universal's output (a zero/ folder of parameters, no metadata of ours) named by our own pointers is
+    named as such, with the flag that loads it."""
     tiny_checkpoint(tmp_path, 2)
     (tmp_path / "global_step2" / files.METADATA_FILE).unlink()
     (tmp_path / "global_step2" / "zero").mkdir()
-    with pytest.raises(files.CheckpointError, match="a DeepSpeed universal checkpoint .* is not read here yet"):
+    with pytest.raises(files.CheckpointError, match="a DeepSpeed universal checkpoint .* load it with --universal-checkpoint"):
         files.resolve_checkpoint(str(tmp_path))
 
 

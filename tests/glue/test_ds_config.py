@@ -187,3 +187,40 @@ def test_bad_json_values_rejected(parse, ds):
 def test_user_communication_dtype_kept(parse):
     config = build_deepspeed_config(parse("--bf16", ds={"communication_data_type": "bf16"}))
     assert config["communication_data_type"] == "bf16" and config["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def test_universal_checkpoint_turns_on_deepspeeds_universal_loading_only_for_a_universal_folder(parse, tmp_path):
+    """--universal-checkpoint with ds_to_universal's pointer in --load sets checkpoint.load_universal; without
+    the pointer our own checkpoints load as always (nothing set)."""
+    load = tmp_path / "checkpoints"
+    load.mkdir()
+    assert "checkpoint" not in parse("--universal-checkpoint", "--load", str(load)).effective_deepspeed_config
+    (load / "latest_universal").write_text("global_step5_universal")
+    args = parse("--universal-checkpoint", "--load", str(load))
+    assert args.load_universal_checkpoint
+    assert args.effective_deepspeed_config["checkpoint"] == {"load_universal": True}
+    assert "checkpoint" not in parse("--load", str(load)).effective_deepspeed_config
+
+
+def test_universal_loading_problems_named_before_start(parse, tmp_path):
+    """DeepSpeed loads a universal folder into its ZeRO optimizer only; a JSON asking for universal loading
+    needs the pointer."""
+    load = tmp_path / "checkpoints"
+    load.mkdir()
+    with pytest.raises(ArgumentsError, match="load_universal\": true in .* has no latest_universal"):
+        parse("--load", str(load), ds={"checkpoint": {"load_universal": True}})
+    (load / "latest_universal").write_text("global_step5_universal")
+    with pytest.raises(ArgumentsError, match="--universal-checkpoint: .* --zero-stage is 0, use 1 or 2"):
+        parse("--universal-checkpoint", "--load", str(load), "--zero-stage", "0")
+
+
+def test_unknown_deepspeed_keys_named_with_the_closest_known_one(parse):
+    """DeepSpeed ignores an unknown top-level key: a misspelt zero_optimization would leave ZeRO off."""
+    with pytest.raises(ArgumentsError) as error:
+        parse(ds={"zero_optimisation": {"stage": 1}, "trian_batch_size": 8,
+                  "zero_optimization": {"stage": 1, "reduce_bucket_sise": 5}})
+    message = str(error.value)
+    assert 'unknown DeepSpeed key "zero_optimisation" (did you mean "zero_optimization"?)' in message
+    assert 'unknown DeepSpeed key "trian_batch_size" (did you mean "train_batch_size"?)' in message
+    assert 'unknown DeepSpeed key "zero_optimization.reduce_bucket_sise" (did you mean "reduce_bucket_size"?)' \
+        in message

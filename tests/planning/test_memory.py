@@ -7,8 +7,8 @@ import torch
 
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.planning.memory import (RUNTIME_OVERHEAD_BYTES, StateBytes, activation_bytes_per_layer,
-                                         in_flight_micro_batches, memory_per_stage, sharded_state_bytes,
-                                         stage_activation_bytes, state_bytes_per_parameter)
+                                         checkpoint_bytes, in_flight_micro_batches, memory_per_stage,
+                                         sharded_state_bytes, stage_activation_bytes, state_bytes_per_parameter)
 from megatron_ds.planning.model import Layout, ModelSpec
 from megatron_ds.planning.parameters import stage_parameters
 from tests.planning.specs import hand_case
@@ -29,6 +29,17 @@ WHOLE_LAYER = SBH * (10 + 24 / 2 + 5 * 4 * 32 / (64 * 2))          # 110592: TP,
 ])
 def test_state_bytes_per_parameter_before_sharding(precision, zero_stage, expected):
     assert dataclasses.astuple(state_bytes_per_parameter(precision, zero_stage)) == expected
+
+
+def test_a_checkpoint_holds_the_weights_and_optimizer_states_of_every_parameter():
+    """The hand case: 256 x 64 embedding + 32 x 64 positions + 4 layers of 12 h^2 + 13 h + final norm 2 h =
+    218,496 parameters; bf16 with ZeRO-1 saves 2 + 12 bytes of each (no gradients), fp32 4 + 12, and fp32 without
+    ZeRO 4 + 8 (torch AdamW keeps no master copy)."""
+    model, _ = hand_case()
+    parameters = 256 * 64 + 32 * 64 + 4 * (12 * 64 ** 2 + 13 * 64) + 2 * 64
+    assert checkpoint_bytes(model, zero_stage=1) == parameters * 14 == 3_058_944
+    fp32 = dataclasses.replace(model, config=dataclasses.replace(model.config, params_dtype=torch.float32))
+    assert (checkpoint_bytes(fp32, 1), checkpoint_bytes(fp32, 0)) == (parameters * 16, parameters * 12)
 
 
 def test_zero_stages_shard_optimizer_then_gradients_then_weights():
