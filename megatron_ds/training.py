@@ -161,6 +161,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
     evaluating = will_evaluate(args)
     experts = moe_layers(engine.module) if args.moe else None
+    skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
     profiler = IterationProfiler(args, dist.get_rank())
     engine.train()
     if checkpoints is not None:
@@ -187,6 +188,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.consumed_train_tokens += batch_size * seq_length
         logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum, moe_loss)
         _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
+        _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps, curriculum))
             progress.consumed_valid_samples += args.eval_iters * batch_size
@@ -218,6 +220,32 @@ def _stop_on_non_finite(args, engine, iteration, loss, checkpoints):
     raise NonFiniteTraining(f"iteration {iteration}: {described} on rank {dist.get_rank()}; stopping before any "
                             f"save of it (the last checkpoint, if any, is from before). Lower --lr, check the data, "
                             f"or pass --no-check-for-nan-in-loss-and-grad to train on")
+
+
+class ConsecutiveSkips:
+    """Optimizer steps DeepSpeed skipped in a row (a gradient overflow: fp16's dynamic loss scaling, or ZeRO's
+    overflow check when the non-finite guard is off). A few are normal in fp16 while the loss scale settles;
+    more than `limit` (0: no limit) means training no longer moves."""
+
+    def __init__(self, limit):
+        self.limit, self.count = limit, 0
+
+    def after_step(self, applied):
+        """Record one step; whether the limit is now exceeded."""
+        self.count = 0 if applied else self.count + 1
+        return bool(self.limit) and self.count > self.limit
+
+
+def _stop_on_skipped_steps(skipped, engine, iteration, checkpoints):
+    """Every rank learns the same overflow (DeepSpeed reduces it), so all stop at the same iteration, unsaved."""
+    if not skipped.after_step(engine.was_step_applied()):
+        return
+    if checkpoints is not None:
+        checkpoints.wait_for_saves()
+    raise NonFiniteTraining(f"iteration {iteration}: DeepSpeed skipped the optimizer step {skipped.count} times in a "
+                            f"row (gradient overflow; loss scale {loss_scale(engine):g}), more than "
+                            f"--max-consecutive-skipped-steps {skipped.limit}; stopping before any save of it. Lower "
+                            f"--lr, check the data, or raise the limit (0: none)")
 
 
 def _sequence_length(engine, curriculum, iteration, seq_length):

@@ -172,6 +172,9 @@ def optimization_errors(args):
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    if args.max_consecutive_skipped_steps < 0:
+        errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got "
+                      f"{args.max_consecutive_skipped_steps}")
     return errors
 
 

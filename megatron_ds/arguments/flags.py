@@ -144,6 +144,9 @@ def _add_training_args(parser):
     group.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                        action="store_false", help="train on after a NaN/Inf loss or gradient norm (fp32 and bf16 "
                                                   "stop there by default, before any save; fp16 skips steps)")
+    group.add_argument("--max-consecutive-skipped-steps", type=int, default=100,
+                       help="stop once DeepSpeed skips more optimizer steps than this in a row (gradient overflow: "
+                            "fp16 loss scaling, or ZeRO's overflow check); 0: no limit")
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
