@@ -1,14 +1,33 @@
 """End-to-end training throughput of pretrain.py against the device's dense-GEMM rate and against the
-same model written as a plain single-process PyTorch loop, measured in one run.
+same model written as a plain single-process PyTorch loop (and, with --baseline hf, as the Hugging Face
+transformers model in the same loop), all measured in one run.
 
-    python bench/train_throughput.py                       # GPT of ~44M parameters, seq 512, bf16
+    python bench/train_throughput.py                       # GPT-2-style, ~44M parameters, seq 512, bf16
     python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
     python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
     python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2
 
+--family gpt2 is GPT-2's layout (LayerNorm, GELU MLP, learned absolute positions, biases, tied
+embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, untied embeddings, GQA with
+--num-key-value-heads). pretrain.py gets the matching flags, and every loop gets the same shapes and
+--hidden-dropout / --attention-dropout. The performance table's rows (TP=PP=1, bf16):
+
+    # LLaMA-style: h 512, 8 layers, 8 heads / 4 kv heads, FFN 1408, s 512, b 4, V 8192, no dropout
+    python bench/train_throughput.py --family llama --hidden-size 512 --num-layers 8 --num-attention-heads 8 \
+        --num-key-value-heads 4 --ffn-hidden-size 1408 --seq-length 512 --micro-batch-size 4 --vocab-size 8192 \
+        --iterations 10 --baseline hf
+    # GPT-2-style: h 640, 8 layers, 10 heads, s 512, b 4, V 8192, dropout 0.1 / 0.1
+    python bench/train_throughput.py --family gpt2 --hidden-size 640 --num-layers 8 --num-attention-heads 10 \
+        --seq-length 512 --micro-batch-size 4 --vocab-size 8192 --hidden-dropout 0.1 --attention-dropout 0.1 \
+        --iterations 10 --baseline hf
+
 MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
-peak). The plain loop uses the same shapes, fp32 master weights with bf16 compute (autocast), torch's
-scaled_dot_product_attention and torch's fused AdamW (what pretrain.py steps with where apex is absent).
+peak). The loops use fp32 master weights with bf16 compute (autocast), scaled_dot_product_attention
+(attn_implementation="sdpa" for transformers) and torch's fused AdamW (what pretrain.py steps with where
+apex is absent). The HF models are built from their configs (GPT2LMHeadModel, LlamaForCausalLM), randomly
+initialised; nothing is downloaded. LlamaForCausalLM has no hidden dropout, so --family llama --baseline
+hf needs --hidden-dropout 0. Times are medians over the iterations after two warm-up ones, and the
+figures printed are medians over --rounds alternations of all of them.
 """
 import argparse
 import os
@@ -25,6 +44,14 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
+
+WARMUP_ITERATIONS = 2
+NORM_EPSILON = 1e-5  # pretrain.py's --norm-epsilon default
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+ENGINE, PLAIN, HF = "pretrain.py", "plain loop", "HF loop"
+
 
 def gemm_tflops(dtype, device, size=2048, repeats=10):
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
@@ -37,80 +64,199 @@ def gemm_tflops(dtype, device, size=2048, repeats=10):
     return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
 
 
+def transformer_config(args):
+    from megatron_ds.core.transformer import TransformerConfig
+    return TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                             num_attention_heads=args.num_attention_heads,
+                             num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+                             gated_linear_unit=args.family == "llama")
+
+
 def model_flops_per_sample(args):
     from megatron_ds.core.models.gpt import model_flops_per_iteration
-    from megatron_ds.core.transformer import TransformerConfig
-    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                               num_attention_heads=args.num_attention_heads)
-    return model_flops_per_iteration(config, args.vocab_size, 1, args.seq_length)
+    return model_flops_per_iteration(transformer_config(args), args.vocab_size, 1, args.seq_length)
+
+
+# The plain model: one module per part, as one would write it by hand, for either family.
+
+def rotary_tables(seq_length, head_dim, base=10000.0):
+    inverse_frequencies = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_length).float(), inverse_frequencies).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    """Rotate-half RoPE in x's dtype (the fp32 tables would otherwise promote bf16 activations)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-second, first), dim=-1) * sin.to(x.dtype)
+
+
+class PlainAttention(torch.nn.Module):
+    def __init__(self, args, bias):
+        super().__init__()
+        self.heads, self.groups = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.hidden_size // self.heads
+        self.dropout = args.attention_dropout
+        self.qkv = torch.nn.Linear(args.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=bias)
+        self.proj = torch.nn.Linear(args.hidden_size, args.hidden_size, bias=bias)
+
+    def forward(self, x, rotary):
+        b, s, h = x.shape
+        sizes = (self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim)
+        q, k, v = (part.view(b, s, -1, self.head_dim).transpose(1, 2) for part in self.qkv(x).split(sizes, -1))
+        if rotary is not None:
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
+        attention = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                                   is_causal=True, enable_gqa=self.groups != self.heads)
+        return self.proj(attention.transpose(1, 2).reshape(b, s, h))
+
+
+class PlainMLP(torch.nn.Module):
+    def __init__(self, args, gated, bias):
+        super().__init__()
+        self.gated = gated
+        width = args.ffn_hidden_size * (2 if gated else 1)
+        self.fc1 = torch.nn.Linear(args.hidden_size, width, bias=bias)
+        self.fc2 = torch.nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=bias)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        if self.gated:
+            gate, up = x.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(x))
+
+
+def plain_norm(args):
+    norm = torch.nn.RMSNorm if args.family == "llama" else torch.nn.LayerNorm
+    return norm(args.hidden_size, eps=NORM_EPSILON)
 
 
 class PlainBlock(torch.nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
-        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(attention)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class PlainGPT(torch.nn.Module):
     def __init__(self, args):
         super().__init__()
+        llama = args.family == "llama"
+        self.norm1, self.norm2 = plain_norm(args), plain_norm(args)
+        self.attention = PlainAttention(args, bias=not llama)
+        self.mlp = PlainMLP(args, gated=llama, bias=not llama)
+        self.dropout = torch.nn.Dropout(args.hidden_dropout)
+
+    def forward(self, x, rotary):
+        x = x + self.dropout(self.attention(self.norm1(x), rotary))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class PlainModel(torch.nn.Module):
+    """Token ids [b, s] -> logits [b, s, V]."""
+
+    def __init__(self, args):
+        super().__init__()
+        llama = args.family == "llama"
         self.embedding = torch.nn.Embedding(args.vocab_size, args.hidden_size)
-        self.positions = torch.nn.Embedding(args.seq_length, args.hidden_size)
-        self.blocks = torch.nn.ModuleList(PlainBlock(args.hidden_size, args.num_attention_heads)
-                                          for _ in range(args.num_layers))
-        self.norm = torch.nn.LayerNorm(args.hidden_size)
+        self.positions = None if llama else torch.nn.Embedding(args.seq_length, args.hidden_size)
+        if llama:
+            cos, sin = rotary_tables(args.seq_length, args.hidden_size // args.num_attention_heads)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        self.embedding_dropout = torch.nn.Dropout(args.hidden_dropout)
+        self.blocks = torch.nn.ModuleList(PlainBlock(args) for _ in range(args.num_layers))
+        self.norm = plain_norm(args)
+        self.output = torch.nn.Linear(args.hidden_size, args.vocab_size, bias=False) if llama else None
 
-    def forward(self, ids, labels):
-        x = self.embedding(ids) + self.positions(torch.arange(ids.size(1), device=ids.device))
+    def forward(self, ids):
+        s, x, rotary = ids.size(1), self.embedding(ids), None
+        if self.positions is None:
+            rotary = self.cos[:s], self.sin[:s]
+        else:
+            x = x + self.positions(torch.arange(s, device=ids.device))
+        x = self.embedding_dropout(x)
         for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.norm(x), self.embedding.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+            x = block(x, rotary)
+        x = self.norm(x)
+        return self.output(x) if self.output is not None else F.linear(x, self.embedding.weight)
 
 
-def plain_loop_seconds(args, device):
+# The Hugging Face transformers model of the same shapes.
+
+def hf_config(args):
+    import transformers
+    common = dict(vocab_size=args.vocab_size, attn_implementation="sdpa", use_cache=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if args.family == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size, num_hidden_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+            max_position_embeddings=args.seq_length, tie_word_embeddings=False, rms_norm_eps=NORM_EPSILON,
+            attention_dropout=args.attention_dropout, **common)
+    return transformers.GPT2Config(
+        n_embd=args.hidden_size, n_inner=args.ffn_hidden_size, n_layer=args.num_layers,
+        n_head=args.num_attention_heads, n_positions=args.seq_length, activation_function="gelu",
+        layer_norm_epsilon=NORM_EPSILON, resid_pdrop=args.hidden_dropout, embd_pdrop=args.hidden_dropout,
+        attn_pdrop=args.attention_dropout, **common)
+
+
+def hf_class_name(args):
+    return "LlamaForCausalLM" if args.family == "llama" else "GPT2LMHeadModel"
+
+
+class HFModel(torch.nn.Module):
+    """GPT2LMHeadModel or LlamaForCausalLM, randomly initialised from hf_config; token ids -> logits."""
+
+    def __init__(self, args):
+        super().__init__()
+        import transformers
+        self.model = getattr(transformers, hf_class_name(args))(hf_config(args))
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+# Timing.
+
+def loop_seconds(model_class, args, device):
+    """Median seconds per training iteration of model_class(args) in a plain loop, and its parameter count."""
     torch.manual_seed(0)
-    model = PlainGPT(args).to(device)
+    model = model_class(args).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), device=device)
     times = []
     for step in range(args.iterations):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+            logits = model(ids[:, :-1])
+        F.cross_entropy(logits.float().view(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step >= 2:
+        if step >= WARMUP_ITERATIONS:
             times.append(time.perf_counter() - start)
     return statistics.median(times), sum(p.numel() for p in model.parameters())
 
 
+def model_flags(args):
+    """pretrain.py's flags for the model's shape, family and dropout."""
+    flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
+             args.num_attention_heads, "--ffn-hidden-size", args.ffn_hidden_size, "--seq-length", args.seq_length,
+             "--vocab-size", args.vocab_size, "--make-vocab-size-divisible-by", "1",
+             "--hidden-dropout", args.hidden_dropout, "--attention-dropout", args.attention_dropout]
+    if args.family == "llama":
+        flags += LLAMA_FLAGS + ["--num-key-value-heads", args.num_key_value_heads]
+    return flags
+
+
 def engine_seconds(args, peak, profile=False, layout=(1, 1)):
     """Median seconds per iteration of pretrain.py at layout (TP, PP) on TP x PP local ranks (DP = 1) after
-    two warm-up iterations. PP > 1 runs --pipeline-micro-batches micro-batches per iteration."""
+    two warm-up iterations, the profile table (with profile) and the parameter count of stage 0. PP > 1 runs
+    --pipeline-micro-batches micro-batches per iteration."""
     tp, pp = layout
     micro_batches = micro_batches_per_iteration(args, pp)
-    flags = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size, "--num-attention-heads",
-             args.num_attention_heads, "--seq-length", args.seq_length, "--micro-batch-size", args.micro_batch_size,
-             "--global-batch-size", args.micro_batch_size * micro_batches, "--train-iters", args.iterations, "--bf16",
-             "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", args.vocab_size,
-             "--make-vocab-size-divisible-by", "1", "--log-interval", "1", "--eval-interval", "0",
-             "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}",
-             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
+    flags = model_flags(args) + [
+        "--micro-batch-size", args.micro_batch_size, "--global-batch-size", args.micro_batch_size * micro_batches,
+        "--train-iters", args.iterations, "--bf16", "--mock-data", "--log-interval", "1", "--eval-interval", "0",
+        "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}",
+        "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if profile:
         flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", args.iterations - 1,
                   "--profile-step-end", args.iterations + 1, "--profile-dir", args.profile_dir]
@@ -120,45 +266,102 @@ def engine_seconds(args, peak, profile=False, layout=(1, 1)):
     if result.returncode:
         raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     times = [float(ms) / 1000 for ms in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)]
+    parameters = engine_parameters(result.stdout)
     if not profile:
-        return statistics.median(times[2:]), ""
+        return statistics.median(times[WARMUP_ITERATIONS:]), "", parameters
     table = result.stdout[result.stdout.find("megatron_ds [rank 0]: profile"):]
-    return statistics.median(times[2:-2]), table.split("\n iteration ")[0]
+    return statistics.median(times[WARMUP_ITERATIONS:-2]), table.split("\n iteration ")[0], parameters
+
+
+def engine_parameters(stdout):
+    """pretrain.py's parameter count (of the first pipeline stage: the whole model at PP 1)."""
+    return int(re.search(r"parameters on pipeline stage 0 \(all TP ranks\): ([0-9,]+)", stdout)[1].replace(",", ""))
 
 
 def micro_batches_per_iteration(args, pp):
     return args.pipeline_micro_batches if pp > 1 else 1
 
 
+def baselines(args):
+    """{name: model class} of the loops that pretrain.py is compared with."""
+    return {PLAIN: PlainModel, **({HF: HFModel} if args.baseline == "hf" else {})}
+
+
 def measure_rounds(args, device):
-    """GEMM rate, pretrain.py and the plain loop, alternated --rounds times so that the machine's noise
-    falls on both alike. Returns per-round (gemm TFLOP/s, engine s, plain s), the parameter count and the
-    profile table (first round, with --profile)."""
-    rounds, profile = [], ""
+    """GEMM rate, pretrain.py and each baseline loop, alternated --rounds times so that the machine's noise
+    falls on all alike. Returns per-round {"gemm": TFLOP/s, name: seconds per iteration}, {name: parameter
+    count} and the profile table (first round, with --profile)."""
+    rounds, parameters, profile = [], {}, ""
     for index in range(args.rounds):
         gemm = gemm_tflops(torch.bfloat16, device)
-        engine, table = engine_seconds(args, gemm, profile=args.profile and index == 0)
-        plain, parameters = plain_loop_seconds(args, device)
-        rounds.append((gemm, engine, plain))
+        engine, table, parameters[ENGINE] = engine_seconds(args, gemm, profile=args.profile and index == 0)
+        round_ = {"gemm": gemm, ENGINE: engine}
+        for name, model_class in baselines(args).items():
+            round_[name], parameters[name] = loop_seconds(model_class, args, device)
+        rounds.append(round_)
         profile = profile or table
-        print(f"  round {index + 1}: GEMM {gemm:.3f} TFLOP/s, pretrain.py {engine * 1000:.1f} ms/iter, "
-              f"plain loop {plain * 1000:.1f} ms/iter, ratio {engine / plain:.3f}", flush=True)
+        times = ", ".join(f"{name} {round_[name] * 1000:.1f} ms/iter" for name in round_ if name != "gemm")
+        print(f"  round {index + 1}: GEMM {gemm:.3f} TFLOP/s, {times}", flush=True)
     return rounds, parameters, profile
 
 
-def main(argv=None):
+def describe(args, parameters, peak, device):
+    counts = set(parameters.values())
+    counted = (f"{counts.pop():,}" if len(counts) == 1
+               else ", ".join(f"{name} {count:,}" for name, count in parameters.items()))
+    heads = f"{args.num_attention_heads} heads"
+    if args.family == "llama":
+        heads += f" / {args.num_key_value_heads} kv"
+    return (f"{'LLaMA' if args.family == 'llama' else 'GPT-2'}-style model, {counted} parameters: "
+            f"{args.num_layers} layers, h={args.hidden_size}, {heads}, ffn={args.ffn_hidden_size}, "
+            f"s={args.seq_length}, b={args.micro_batch_size}, V={args.vocab_size}, dropout hidden "
+            f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type} "
+            f"({torch.get_num_threads()} threads); best measured bf16 GEMM rate {peak:.3f} TFLOP/s; "
+            f"medians of {args.rounds} rounds")
+
+
+def report(args, rounds, parameters, peak, device):
+    """Each run's median ms/iter, tokens/s, TFLOP/s and MFU, then pretrain.py's tokens/s over each loop's."""
+    flops = model_flops_per_sample(args) * args.micro_batch_size
+    tokens = args.micro_batch_size * args.seq_length
+    seconds = {name: statistics.median(round_[name] for round_ in rounds) for name in rounds[0] if name != "gemm"}
+    labels = {ENGINE: "pretrain.py (DeepSpeed, TP=PP=1)", PLAIN: "plain PyTorch loop",
+              HF: f"HF transformers loop ({hf_class_name(args)})"}
+    print(describe(args, parameters, peak, device))
+    if len(set(parameters.values())) > 1:
+        print("  warning: the parameter counts differ: the models are not the same shape")
+    for name, time_ in seconds.items():
+        tflops = flops / time_ / 1e12
+        print(f"  {labels[name]:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  "
+              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
+    for name in (name for name in seconds if name != ENGINE):
+        per_round = sorted(round_[name] / round_[ENGINE] for round_ in rounds)
+        print(f"  pretrain.py / {name} tokens/s: {seconds[name] / seconds[ENGINE]:.3f} "
+              f"(per round {per_round[0]:.3f}-{per_round[-1]:.3f})")
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=640)
     parser.add_argument("--num-attention-heads", type=int, default=10)
+    parser.add_argument("--num-key-value-heads", type=int, default=None, help="GQA (--family llama); default: heads")
+    parser.add_argument("--ffn-hidden-size", type=int, default=None,
+                        help="default: 4h (gpt2), 8h/3 rounded down to 64 (llama), as pretrain.py")
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--hidden-dropout", type=float, default=0.0)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--fusion-backend", default="auto")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and plain loop")
+    parser.add_argument("--baseline", choices=("plain", "hf"), default="plain",
+                        help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
+                             "transformers model of the same shapes in the same loop")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and the loops")
     parser.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1)],
-                        help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the plain loop), "
+                        help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the loops), "
                              "e.g. 1x1 2x1 1x2")
     parser.add_argument("--pipeline-micro-batches", type=int, default=4, help="micro-batches per iteration at PP > 1")
     parser.add_argument("--profile", action="store_true",
@@ -167,37 +370,47 @@ def main(argv=None):
     parser.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(), "megatron_ds_profile"),
                         help="where the Chrome trace goes")
     args = parser.parse_args(argv)
-    needed = 5 if args.profile else 3  # two warm-up iterations, and with --profile two profiled ones
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser, args):
+    """Fills in the defaults that depend on the family and refuses what the runs could not compare."""
+    needed = WARMUP_ITERATIONS + 1 + (2 if args.profile else 0)
     if args.iterations < needed:
         parser.error(f"--iterations {args.iterations}: need at least {needed}")
+    if args.family == "gpt2" and args.num_key_value_heads not in (None, args.num_attention_heads):
+        parser.error("--num-key-value-heads: GQA is for --family llama")
+    if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
+        parser.error("--family llama --baseline hf: LlamaForCausalLM has no hidden dropout; use --hidden-dropout 0")
+    args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
+    args.ffn_hidden_size = args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, args.family == "llama")
+    try:
+        transformer_config(args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rounds, parameters, profile = measure_rounds(args, device)
-    peak = max(gemm for gemm, _, _ in rounds)  # noise only slows a GEMM down
-    engine = statistics.median(e for _, e, _ in rounds)
-    plain = statistics.median(p for _, _, p in rounds)
-    flops = model_flops_per_sample(args) * args.micro_batch_size
-    tokens = args.micro_batch_size * args.seq_length
-    print(f"GPT {parameters / 1e6:.1f}M parameters: {args.num_layers} layers, h={args.hidden_size}, "
-          f"s={args.seq_length}, b={args.micro_batch_size}, bf16, {device.type} ({torch.get_num_threads()} threads); "
-          f"best measured bf16 GEMM rate {peak:.3f} TFLOP/s; medians of {args.rounds} rounds")
-    for name, seconds in (("pretrain.py (DeepSpeed, TP=PP=1)", engine), ("plain PyTorch loop", plain)):
-        tflops = flops / seconds / 1e12
-        print(f"  {name:<34} {seconds * 1000:9.1f} ms/iter  {tokens / seconds:9.1f} tokens/s  "
-              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
-    ratios = sorted(e / p for _, e, p in rounds)
-    print(f"  pretrain.py / plain loop time ratio: {engine / plain:.3f} (per round {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    peak = max(round_["gemm"] for round_ in rounds)  # noise only slows a GEMM down
+    report(args, rounds, parameters, peak, device)
     if profile:
         print(profile)
-    report_other_layouts(args, peak, flops, tokens)
+    report_other_layouts(args, peak)
     return 0
 
 
-def report_other_layouts(args, peak, flops_per_micro_batch, tokens_per_micro_batch):
+def report_other_layouts(args, peak):
     """pretrain.py at each --layouts TPxPP other than 1x1, measured once; TFLOP/s and GEMM share are for all
     ranks together, against the one-device GEMM rate (on a CPU the ranks share its cores)."""
+    flops_per_micro_batch = model_flops_per_sample(args) * args.micro_batch_size
+    tokens_per_micro_batch = args.micro_batch_size * args.seq_length
     for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
         micro_batches = micro_batches_per_iteration(args, pp)
-        seconds, _ = engine_seconds(args, peak, layout=(tp, pp))
+        seconds, _, _ = engine_seconds(args, peak, layout=(tp, pp))
         tflops = flops_per_micro_batch * micro_batches / seconds / 1e12
         print(f"  pretrain.py TP={tp} PP={pp} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
               f"{seconds * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / seconds:9.1f} tokens/s  "

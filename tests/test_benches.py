@@ -13,18 +13,26 @@ pytestmark = pytest.mark.e2e  # launches several real processes
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_train_throughput_prints_rounds_ratio_profile_and_layouts(tmp_path):
-    command = [sys.executable, "bench/train_throughput.py", "--num-layers", "2", "--hidden-size", "64",
-               "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "256", "--iterations", "5",
+def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
+    """LLaMA-style with attention dropout against the plain loop and the HF transformers loop: one row per
+    run, the same parameter count in all three, and pretrain.py's tokens/s over each loop's as a positive
+    figure; with the profile table and pretrain.py at TP 2."""
+    command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf",
+               "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
+               "--seq-length", "32", "--vocab-size", "256", "--attention-dropout", "0.1", "--iterations", "5",
                "--rounds", "1", "--profile", "--profile-dir", str(tmp_path), "--layouts", "1x1", "2x1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
-    for expected in ("round 1: GEMM", "pretrain.py (DeepSpeed, TP=PP=1)", "plain PyTorch loop", "MFU vs GEMM",
-                     "pretrain.py / plain loop time ratio:", "profile of iterations 4-5", "aten::mm",
+    for expected in ("round 1: GEMM", "LLaMA-style model", "4 heads / 2 kv", "dropout hidden 0 / attention 0.1",
+                     "pretrain.py (DeepSpeed, TP=PP=1)", "plain PyTorch loop",
+                     "HF transformers loop (LlamaForCausalLM)", "MFU vs GEMM", "profile of iterations 4-5", "aten::mm",
                      "pretrain.py TP=2 PP=1 (2 ranks, 1 micro-batches/iter)"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
+    assert "parameter counts differ" not in out, out
+    ratios = dict(re.findall(r"pretrain\.py / (plain loop|HF loop) tokens/s: ([0-9.]+) \(per round", out))
+    assert sorted(ratios) == ["HF loop", "plain loop"] and all(float(r) > 0 for r in ratios.values()), out
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
 

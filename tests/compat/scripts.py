@@ -89,7 +89,8 @@ def make_datasets(folder, files):
     import sys
     from tests.corpus import write_jsonl
     from tests.launch import REPO
-    corpus = write_jsonl(folder / "corpus.jsonl", sample_sentences(400))
+    # enough that the scripts' 2% validation split holds an evaluation's samples (checked at start-up)
+    corpus = write_jsonl(folder / "corpus.jsonl", sample_sentences(1600))
     tokenizers = {"gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["--vocab-file"],
                            "--merge-file", files["--merge-file"]],
                   "sentencepiece": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
