@@ -1,5 +1,8 @@
-"""Checkpoint test helpers: a tiny model's flags, a sharded checkpoint written without training, and the
-state of a checkpoint that a killed save must leave behind."""
+"""Checkpoint test helpers: a tiny model's flags, a sharded checkpoint written without training, the state of a
+checkpoint that a killed save must leave behind, and a file corrupted at the same size."""
+import os
+import random
+
 import torch
 
 from megatron_ds.checkpointing import files, state
@@ -59,3 +62,19 @@ def assert_previous_checkpoint_published(save_dir):
     assert (tag, metadata["iteration"]) == ("global_step2", 2)
     assert not files.problems_of(str(save_dir / "global_step2"))
     return notes
+
+
+def corrupt_bytes(path, count=20 * 1024):
+    """Overwrite `count` bytes in the middle of the file with random ones (at most a third of it), as a faulty
+    disk or copy might: the size stays the same. Returns the offset."""
+    size = os.path.getsize(path)
+    count = min(count, size // 3)
+    offset = (size - count) // 2
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        old = handle.read(count)
+        new = random.Random(offset).randbytes(count)
+        assert new != old
+        handle.seek(offset)
+        handle.write(new)
+    return offset

@@ -1,7 +1,8 @@
 """Checkpoints in training, through the real launcher: a resumed run repeats the uninterrupted one bit for
 bit (fp32, dropout on), a save killed with SIGKILL mid-way leaves the previous checkpoint published and
-loadable, SIGTERM saves and exits; the checkpoint flags are validated. The format's and the manager's own
-tests (damaged checkpoints, other phases, --load messages) are in tests/checkpointing/."""
+loadable, SIGTERM saves and exits, a file whose bytes changed after the save is refused by its checksum; the
+checkpoint flags are validated. The format's and the manager's own tests (damaged checkpoints, other phases,
+--load messages, checksums) are in tests/checkpointing/."""
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from megatron_ds.checkpointing import files, state
-from tests.checkpoints import TINY, assert_previous_checkpoint_published, full_state, layout_flags
+from tests.checkpoints import TINY, assert_previous_checkpoint_published, corrupt_bytes, full_state, layout_flags
 from tests.fault_injection import pause_message
 from tests.launch import BIN, LOSS_LINE, REPO, launch
 
@@ -52,6 +53,8 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, 
     second = _run(tp * pp * dp, flags + ["--load", str(straight), "--load-iteration", "4", "--save", str(resumed)])
 
     assert "RNG states restored" in second and "resuming at iteration 4, consumed samples 16" in second, second
+    loaded = files.read_metadata(straight / "global_step4")
+    assert f"checksums of {len(loaded['files'])} files (" in second, second
     (losses, validation), (resumed_losses, resumed_validation) = _printed(first), _printed(second)
     assert sorted(map(int, losses)) == list(range(1, 9)) and sorted(map(int, resumed_losses)) == [5, 6, 7, 8]
     assert {i: losses[i] for i in resumed_losses} == resumed_losses, (losses, resumed_losses)
@@ -67,9 +70,18 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, 
     metadata = files.read_metadata(resumed / "global_step8")
     assert (metadata["iteration"], metadata["consumed_train_samples"], metadata["consumed_valid_samples"]) == \
         (8, 32, 8)
+    for folder in (straight / "global_step8", resumed / "global_step8"):
+        _assert_every_file_has_its_checksum(folder)
     assert (resumed / files.MEGATRON_TRACKER).read_text().strip() == "8"
     assert (resumed / files.DEEPSPEED_POINTER).read_text().strip() == "global_step8"
     assert (resumed / "global_step8" / files.DS_CONFIG_FILE).is_file()
+
+
+def _assert_every_file_has_its_checksum(folder):
+    """Each file of the checkpoint has the checksum its writer computed (the metadata file excluded)."""
+    metadata = files.read_metadata(folder)
+    assert set(metadata["checksums"]) == set(metadata["files"]), metadata["checksums"]
+    assert files.checksum_problems(str(folder), metadata["checksums"]) == []
 
 
 # --- killed saves -----------------------------------------------------------------------------------
@@ -171,11 +183,11 @@ def test_async_save_killed_mid_way_leaves_the_previous_checkpoint(tmp_path, phas
         assert any("global_step4 is newer" in note and "it is complete" in note for note in notes), notes
 
 
-def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(killed_in_deepspeed_files, tmp_path):
-    """After the SIGKILL in the middle of a save, pretrain.py --load resumes from the previous checkpoint
-    (the stale temporary folder is ignored, then removed); with --exit-signal-handler a SIGTERM sent to the
-    launcher makes the ranks finish the iteration, save and exit."""
-    save_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def resumed_until_sigterm(killed_in_deepspeed_files, tmp_path_factory):
+    """(folder, output) of pretrain.py --load resuming after the SIGKILL in the middle of a save, with
+    --exit-signal-handler and saves every 2 iterations, until a SIGTERM sent to the launcher after iteration 5."""
+    save_dir = tmp_path_factory.mktemp("resumed") / "run"
     shutil.copytree(killed_in_deepspeed_files, save_dir)
     flags = list(KILL_FLAGS)
     flags[flags.index("--train-iters") + 1] = "100000"  # run until the SIGTERM; the saved LR schedule goes on
@@ -185,13 +197,49 @@ def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(kill
     job.process.send_signal(signal.SIGTERM)
     job.process.wait(timeout=120)
     job._reader.join(timeout=10)
-    output = job.output
+    return save_dir, job.output
+
+
+def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(resumed_until_sigterm):
+    """After the SIGKILL in the middle of a save, pretrain.py --load resumes from the previous checkpoint
+    (the stale temporary folder is ignored, then removed; every file's checksum verified); with
+    --exit-signal-handler a SIGTERM sent to the launcher makes the ranks finish the iteration, save and exit."""
+    save_dir, output = resumed_until_sigterm
     assert "loaded checkpoint" in output and "global_step2" in output and "resuming at iteration 2" in output
     assert "ignoring incomplete save(s) global_step4.tmp" in output, output[-4000:]
+    verified = re.search(r"; checksums of (\d+) files \([\d.]+ MiB\) verified in [\d.]+ s;", output)
+    assert verified and int(verified.group(1)) == len(files.read_metadata(save_dir / "global_step2")["files"]), \
+        output[-4000:]
     exited = re.search(r"exiting at iteration (\d+): a rank received SIGTERM \(checkpoint saved\)", output)
     assert exited, output[-4000:]
     last = exited.group(1)
     assert f" iteration {last}/100000 |" in output and f" iteration {int(last) + 1}/100000 |" not in output
     assert files.read_pointer(save_dir) == f"global_step{last}"
     assert not files.problems_of(str(save_dir / f"global_step{last}"))
+    _assert_every_file_has_its_checksum(save_dir / f"global_step{last}")
     assert not (save_dir / "global_step4.tmp").exists()
+
+
+def test_a_model_states_file_changed_after_the_save_is_refused_and_nothing_trains(resumed_until_sigterm, tmp_path):
+    """The operator's fault: 20 KB of random bytes inside a DeepSpeed model-states file of the newest checkpoint,
+    its size unchanged. --load refuses it on every rank, naming the file and the last good checkpoint, before
+    anything trains or is saved."""
+    save_dir = tmp_path / "run"
+    shutil.copytree(resumed_until_sigterm[0], save_dir)
+    *_, good, newest = files.list_tags(save_dir)
+    states = max((save_dir / newest).glob("*model_states.pt"), key=lambda path: path.stat().st_size)
+    corrupt_bytes(states)
+    written = files.read_metadata(save_dir / newest)["checksums"][states.name]
+    flags = list(KILL_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "100000"
+    result = launch(2, flags + ["--save", str(save_dir), "--load", str(save_dir),
+                                "--use-checkpoint-opt_param-scheduler"], timeout=240)
+    assert result.returncode != 0, result.stdout[-4000:]
+    errors = {line for line in result.stdout.splitlines() if line.startswith("megatron_ds: error: ")}
+    assert errors == {
+        f"megatron_ds: error: checkpoint {save_dir / newest} is damaged or incomplete: {states.name} has checksum "
+        f"{files.file_checksum(str(states))}, {written} was written (its bytes changed after the save). the last "
+        f"good checkpoint is {save_dir / good} (iteration {files.iteration_of(good)}): load it with --load "
+        f"{save_dir} --load-iteration {files.iteration_of(good)}"}, result.stdout[-4000:]
+    assert not LOSS_LINE.search(result.stdout) and "saved checkpoint" not in result.stdout
+    assert files.list_tags(save_dir)[-1] == newest and files.read_pointer(save_dir) == newest

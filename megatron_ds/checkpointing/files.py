@@ -6,6 +6,7 @@ model-shape comparison that guards `--load`.
     DIR/global_step{N}/                     one checkpoint (tag "release" for converted Hugging Face weights)
         megatron_ds_checkpoint.json         metadata, written last: format, iteration, data position, scheduler,
                                             arguments, layout, and every other file of the folder with its size
+                                            ("files") and its CRC-32 ("checksums", computed while writing it)
         ds_config.json                      the effective DeepSpeed config of the run that saved it
         rng_state_rank_{NNNNN}.pt           every rank's RNG states (training saves only)
         ...                                 DeepSpeed's files (format "deepspeed") or
@@ -14,7 +15,8 @@ model-shape comparison that guards `--load`.
 
 A checkpoint is published by renaming its finished, fsync'ed temporary folder, then replacing the
 pointers (write, fsync, rename): a save killed at any moment leaves the previous checkpoint and the
-pointers on it (tests kill saves at the phases of megatron_ds.checkpointing.hooks).
+pointers on it (tests kill saves at the phases of megatron_ds.checkpointing.hooks). A file whose bytes change
+later (same size) no longer matches its checksum, which --load verifies before reading anything.
 """
 import contextlib
 import datetime
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 
 import torch
 
@@ -37,6 +40,7 @@ TMP_SUFFIX = ".tmp"
 FORMAT_DEEPSPEED = "deepspeed"
 FORMAT_SHARDED = "megatron_ds-sharded"
 FORMAT_VERSION = 1
+CHECKSUM_CHUNK_BYTES = 4 * 2 ** 20  # a file is read for its checksum in pieces this large
 _TAG = re.compile(r"^global_step(\d+)$")
 # what killed saves leave: checkpoint folders being written or replaced, pointer temporaries
 _LEFTOVER = re.compile(r"^((global_step\d+|release)(\.tmp|\.old\.\d+)|(latest|latest_checkpointed_iteration\.txt)"
@@ -117,11 +121,47 @@ def write_json(path, data):
 
 def write_torch_file(state, path):
     """torch.save through our own file handle, fsync'ed, so a failed write raises its OSError naming path
-    (torch.save given a path reports one as a RuntimeError naming neither)."""
+    (torch.save given a path reports one as a RuntimeError naming neither). Returns the file's checksum,
+    computed from the bytes as they are written."""
     with naming_file(path), open(path, "wb") as handle:
-        torch.save(state, handle)
+        summed = _ChecksummedFile(handle)
+        torch.save(state, summed)
         handle.flush()
         os.fsync(handle.fileno())
+    return checksum_text(summed.crc)
+
+
+class _ChecksummedFile:
+    """A binary file to write that keeps the CRC-32 of everything written to it (torch.save writes in order)."""
+
+    def __init__(self, handle):
+        self._handle, self.crc = handle, 0
+
+    def write(self, data):
+        self.crc = zlib.crc32(data, self.crc)
+        return self._handle.write(data)
+
+    def flush(self):
+        self._handle.flush()
+
+
+def checksum_text(crc):
+    return f"crc32:{crc:08x}"
+
+
+def file_checksum(path):
+    """The checksum of a file's content (read in CHECKSUM_CHUNK_BYTES pieces), as write_torch_file returns it."""
+    crc, buffer = 0, bytearray(CHECKSUM_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with naming_file(path), open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+    return checksum_text(crc)
+
+
+def share_of(names, rank, world_size):
+    """The names (sorted) this rank handles when the ranks split a folder's files round-robin."""
+    return sorted(names)[rank::world_size]
 
 
 def folder_files(path):
@@ -241,6 +281,27 @@ def last_good_tag(load_dir, below=None):
     return None
 
 
+def checksum_problems(path, checksums):
+    """'NAME has checksum ..., ... was written' for each file of the folder `path` in checksums ({name: checksum})
+    whose content is not what was written; [] when all match."""
+    problems = []
+    for name, written in sorted(checksums.items()):
+        try:
+            found = file_checksum(os.path.join(path, name))
+        except OSError as error:
+            problems.append(f"{name} is unreadable ({error})")
+            continue
+        if found != written:
+            problems.append(f"{name} has checksum {found}, {written} was written (its bytes changed after the save)")
+    return problems
+
+
+def damaged_checkpoint_error(load_dir, tag, problems):
+    """The CheckpointError for the checkpoint load_dir/tag with `problems`, naming the last good checkpoint."""
+    return CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} is damaged or incomplete: "
+                           f"{'; '.join(problems)}. {_last_good_hint(load_dir, iteration_of(tag))}")
+
+
 def _last_good_hint(load_dir, below):
     good = last_good_tag(load_dir, below)
     if good is None:
@@ -285,8 +346,7 @@ def resolve_checkpoint(load_dir, iteration=None):
     path = os.path.join(load_dir, tag)
     problems = problems_of(path)
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged or incomplete: {'; '.join(problems)}. "
-                              f"{_last_good_hint(load_dir, iteration_of(tag))}")
+        raise damaged_checkpoint_error(load_dir, tag, problems)
     return tag, read_metadata(path), notes
 
 
@@ -404,9 +464,14 @@ def new_metadata(checkpoint_format, tag, args_dict, checkpoint_layout, iteration
     return metadata
 
 
-def finish_folder(path, metadata):
-    """Record every file of the folder with its size in the metadata, fsync them, write the metadata last."""
+def finish_folder(path, metadata, checksums=None):
+    """Record every file of the folder with its size and checksum in the metadata, fsync them, write the metadata
+    last. checksums: {name: checksum} of the files whose checksum was computed while writing them; the others
+    (small files: ds_config.json, the scripts DeepSpeed copies in) are read here."""
     metadata["files"] = folder_files(path)
+    known = checksums or {}
+    metadata["checksums"] = {name: known.get(name) or file_checksum(os.path.join(path, name))
+                             for name in metadata["files"]}
     for name in metadata["files"]:
         fsync_path(os.path.join(path, name))
     write_json(os.path.join(path, METADATA_FILE), metadata)

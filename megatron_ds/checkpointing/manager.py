@@ -2,13 +2,15 @@
 signal or at an interval.
 
 A save (every rank): DeepSpeed's `save_checkpoint` writes into DIR/global_stepN.tmp; each rank adds its
-RNG states (Python, NumPy, torch, CUDA, the TP RNG tracker); the files are fsync'ed; rank 0 writes
-ds_config.json and, last, megatron_ds_checkpoint.json (iteration, consumed samples and tokens, the LR
-schedule's values and position, arguments, layout, the file list with sizes), renames the folder to
+RNG states (Python, NumPy, torch, CUDA, the TP RNG tracker); the files are fsync'ed, and their checksums,
+computed while writing them, gathered on rank 0; rank 0 writes ds_config.json and, last,
+megatron_ds_checkpoint.json (iteration, consumed samples and tokens, the LR schedule's values and position,
+arguments, layout, the file list with sizes and checksums), renames the folder to
 DIR/global_stepN and then replaces the pointers `latest_checkpointed_iteration.txt` and `latest`. A save
 killed at any point leaves the previous checkpoint published (see files.py).
 
-A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape).
+A load: the checkpoint the pointers (or --load-iteration) name is checked (complete, same model shape, and
+every file's checksum, each rank reading its share of the files).
 Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-, sequence- or expert-parallel
 size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters
 (its experts among them), fp32 master weights and Adam moments are read in canonical names and placed into
@@ -243,29 +245,32 @@ class CheckpointManager:
             reached_save_phase("deepspeed-files", str(iteration))
 
         def write_rank_files():
-            self.writer.wait()  # DeepSpeed's files
-            files.write_torch_file(rng_state, rng_path)
+            self.writer.save(rng_state, rng_path)
+            self.writer.wait()  # DeepSpeed's files and the RNG states
+            return self.writer.take_checksums(tmp_path)
+
+        checksums = _merged(self._on_every_rank(iteration, write_rank_files))
+        self._on_every_rank(iteration, lambda: self._fsync_share(tmp_path))
 
         def publish():
             if dist.get_rank() == 0:
-                self._publish(tmp_path, metadata, start)
-
-        for step in (write_rank_files, lambda: self._fsync_share(tmp_path), publish):
-            self._on_every_rank(iteration, step)
+                self._publish(tmp_path, metadata, start, checksums)
+        self._on_every_rank(iteration, publish)
 
     def _on_every_rank(self, iteration, step):
         """step() on this rank, then every rank learns whether a write failed on any (the all-gather is the save's
-        barrier); after a failure the unfinished save is removed and every rank raises CheckpointSaveError."""
+        barrier); after a failure the unfinished save is removed and every rank raises CheckpointSaveError.
+        Returns what step() returned on each rank, by rank."""
         try:
-            step()
-            failure = None
+            outcome = (None, step())
         except OSError as error:
-            failure = f"rank {dist.get_rank()}: {error}"
-        failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
-        failures = [failure for failure in failures if failure]
+            outcome = (f"rank {dist.get_rank()}: {error}", None)
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+        failures = [failure for failure, _ in outcomes if failure]
         if failures:
             raise files.CheckpointSaveError(self._abandon_save(iteration, failures))
+        return [result for _, result in outcomes]
 
     def _abandon_save(self, iteration, failures):
         """Rank 0 removes the temporary folder (the pointers are untouched); the message every rank raises."""
@@ -286,25 +291,26 @@ class CheckpointManager:
         rank's marker (async_save.py)."""
         writer, rank = self.writer, dist.get_rank()
         writer.save(rng_state, rng_path)
-        writer.run_after_all(lambda failed: async_save.mark_finished(tmp_path, rank, failed))
+        writer.run_after_all(lambda failed: async_save.mark_finished(writer, tmp_path, rank, failed))
         if rank == 0:
             timeout = self.args.distributed_timeout_minutes * 60
 
             def publish():
-                if not async_save.wait_for_every_rank(tmp_path, dist.get_world_size(), timeout):
+                checksums = async_save.wait_for_every_rank(tmp_path, dist.get_world_size(), timeout)
+                if checksums is None:
                     return  # a rank could not write its files: its wait() reports why
                 reached_save_phase("deepspeed-files", str(metadata["iteration"]))
-                self._publish(tmp_path, metadata, start, background=True)
+                self._publish(tmp_path, metadata, start, checksums, background=True)
             writer.run_later(publish)
         _print_rank_0(f"checkpoint of iteration {metadata['iteration']} copied in {time.perf_counter() - start:.2f} s; "
                       f"writing it in the background (--async-save)")
 
-    def _publish(self, tmp_path, metadata, start, background=False):
-        """Rank 0, once every rank's files are on disk: DeepSpeed's config, the metadata last, then the rename and
-        the pointers (files.publish)."""
+    def _publish(self, tmp_path, metadata, start, checksums, background=False):
+        """Rank 0, once every rank's files are on disk: DeepSpeed's config, the metadata last (with the checksums the
+        ranks computed while writing), then the rename and the pointers (files.publish)."""
         args = self.args
         files.write_json(os.path.join(tmp_path, files.DS_CONFIG_FILE), self.ds_config)
-        files.finish_folder(tmp_path, metadata)
+        files.finish_folder(tmp_path, metadata, checksums)
         tag = metadata["tag"]
         files.publish(args.save, os.path.basename(tmp_path), tag, str(metadata["iteration"]))
         print(f"megatron_ds: saved checkpoint {os.path.join(args.save, tag)} at iteration {metadata['iteration']} "
@@ -353,10 +359,8 @@ class CheckpointManager:
     @staticmethod
     def _fsync_share(path):
         """Every rank fsyncs its share of the folder's files (on a shared file system any client may)."""
-        names = sorted(files.folder_files(path))
-        for index, name in enumerate(names):
-            if index % dist.get_world_size() == dist.get_rank():
-                files.fsync_path(os.path.join(path, name))
+        for name in files.share_of(files.folder_files(path), dist.get_rank(), dist.get_world_size()):
+            files.fsync_path(os.path.join(path, name))
 
     # ---- load ----
 
@@ -385,6 +389,7 @@ class CheckpointManager:
         load_optimizer = not (finetune or args.no_load_optim) and metadata.get("has_optimizer_states", False)
         progress = self._resumed_progress(metadata, finetune)
         schedule, position, schedule_source = self._lr_schedule_to_resume(path, metadata, progress, finetune)
+        verified = self._verify_checksums(tag, metadata)
         start = time.perf_counter()
         if metadata["format"] == universal.FORMAT:
             how = "DeepSpeed's universal checkpoint loading"
@@ -419,7 +424,7 @@ class CheckpointManager:
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
                       f"{schedule_source}{' (--finetune: iteration 0)' if finetune else ''}"
                       f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}; "
-                      f"peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB")
+                      f"{verified}; peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB")
         return progress
 
     def _resolve_checkpoint(self):
@@ -428,6 +433,30 @@ class CheckpointManager:
         if args.load_universal_checkpoint:
             return (*universal.resolve(args.load), [])
         return files.resolve_checkpoint(args.load, args.load_iteration)
+
+    def _verify_checksums(self, tag, metadata):
+        """Every rank reads its share of the checkpoint's files and compares each one's checksum with the one written;
+        a mismatch on any rank raises the same CheckpointError on every rank, naming the files and the last good
+        checkpoint. Returns what the load line says about it."""
+        if metadata["format"] == universal.FORMAT:
+            return "no checksums in DeepSpeed's universal format: files not verified"
+        checksums = metadata.get("checksums")
+        if not checksums:
+            return "no checksums in the checkpoint (saved before they were recorded): files not verified"
+        start = time.perf_counter()
+        path = os.path.join(self.args.load, tag)
+        mine = files.share_of(checksums, dist.get_rank(), dist.get_world_size())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, files.checksum_problems(path, {name: checksums[name] for name in mine}))
+        problems = sorted(problem for problems in everyone for problem in problems)
+        if problems:
+            message = [str(files.damaged_checkpoint_error(self.args.load, tag, problems))
+                       if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(message, src=0)  # the last good checkpoint as rank 0 sees the folder
+            raise CheckpointError(message[0])
+        size = sum(metadata["files"].get(name, 0) for name in checksums)
+        return (f"checksums of {len(checksums)} file{'s' if len(checksums) != 1 else ''} ({size / 2 ** 20:.1f} MiB) "
+                f"verified in {time.perf_counter() - start:.2f} s")
 
     def _load_universal(self, path, tag, load_optimizer):
         """DeepSpeed's universal loading, each parameter read from the folder the saving run named it by; every
@@ -563,6 +592,11 @@ class CheckpointManager:
         self.rng_state_to_restore = files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
         same = (candidates[0]["dp"], candidates[0].get("sp", 0)) == (me["dp"], me["sp"])
         return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
+
+
+def _merged(checksums_by_rank):
+    """One {name: checksum} of the ranks' (each rank names only the files it wrote)."""
+    return {name: checksum for checksums in checksums_by_rank for name, checksum in checksums.items()}
 
 
 def _zero_groups(optimizer):

@@ -356,11 +356,14 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
     os.makedirs(tmp_path)
     optimizer = full.optimizer if with_optimizer else None
     source_state = FullState(**{**full.__dict__, "optimizer": optimizer})
+    checksums = {}
     for tp_rank in range(tp_size):
         for pp_rank in range(pp_size):
             rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank)
-            torch.save({"model": rank.weights, "optimizer": rank.optimizer, "optimizer_step": rank.optimizer_step},
-                       os.path.join(tmp_path, files.sharded_file_name(tp_rank, pp_rank)))
+            name = files.sharded_file_name(tp_rank, pp_rank)
+            checksums[name] = files.write_torch_file(
+                {"model": rank.weights, "optimizer": rank.optimizer, "optimizer_step": rank.optimizer_step},
+                os.path.join(tmp_path, name))
     checkpoint_layout = {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size,
                          "data_parallel_size": None, "zero_stage": None,
                          "precision": full.args.get("params_dtype", "float32"),
@@ -371,6 +374,6 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
                                   has_optimizer_states=optimizer is not None, has_rng_states=False,
                                   optimizer_step=full.optimizer_step if optimizer is not None else None,
                                   converted_from=source)
-    files.finish_folder(tmp_path, metadata)
+    files.finish_folder(tmp_path, metadata, checksums)
     files.publish(save_dir, tmp_tag, tag, tag if tag == files.RELEASE_TAG else str(full.iteration))
     return os.path.join(save_dir, tag)

@@ -37,12 +37,24 @@ def test_a_background_write_that_fails_marks_the_rank_failed(tmp_path):
     """Rank 0's publishing stops waiting for the other ranks at once; wait() raises the failure."""
     writer, full = async_save.BackgroundWriter(), _full_disk_file(tmp_path)
     writer.save({"weights": torch.ones(1000)}, full)
-    writer.run_after_all(lambda failed: async_save.mark_finished(str(tmp_path), 1, failed))
+    writer.run_after_all(lambda failed: async_save.mark_finished(writer, str(tmp_path), 1, failed))
     with pytest.raises(OSError) as raised:
         writer.wait()
     assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, full)
-    async_save.mark_finished(str(tmp_path), 0, failed=False)
-    assert async_save.wait_for_every_rank(str(tmp_path), 2, timeout=60) is False
+    async_save.mark_written(str(tmp_path), 0, {})
+    assert async_save.wait_for_every_rank(str(tmp_path), 2, timeout=60) is None
+
+
+def test_a_marker_that_cannot_be_written_marks_the_rank_failed(tmp_path):
+    """The disk fills after a rank's files: its marker (the files' checksums) fails, a failure marker (an empty
+    file) takes its place, so rank 0 stops waiting at once."""
+    marker = async_save.marker_name(1)
+    _full_disk_file(tmp_path, f"{marker}{files.TMP_SUFFIX}.{os.getpid()}")  # the marker's temporary name
+    with pytest.raises(OSError) as raised:
+        async_save.mark_written(str(tmp_path), 1, {"a.pt": "crc32:00000000"})
+    assert raised.value.errno == errno.ENOSPC and not (tmp_path / marker).exists()
+    async_save.mark_written(str(tmp_path), 0, {})
+    assert async_save.wait_for_every_rank(str(tmp_path), 2, timeout=60) is None
 
 
 @pytest.mark.e2e
