@@ -66,3 +66,26 @@ def test_long_context_bench_finds_the_longest_sequence_per_sequence_parallel_siz
     tight = subprocess.run(command + ["--sp-sizes", "1", "--budget-gib", "0.01"], cwd=REPO, capture_output=True,
                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert tight.returncode == 0 and "none fits" in tight.stdout, tight.stdout[-2000:]
+
+
+def test_reshard_memory_bench_prints_the_checkpoint_the_share_and_the_load_s_extra_memory(tmp_path):
+    """Saved at TP 1 x PP 2 on 2 ranks, resumed at TP 2 x PP 1 and started fresh there: the checkpoint's size,
+    a rank's share, the peaks with and without the load and the load's extra memory print, all positive."""
+    command = [sys.executable, "bench/reshard_memory.py", "--num-layers", "2", "--hidden-size", "256",
+               "--num-attention-heads", "4", "--vocab-size", "4096", "--ranks", "2", "--saved", "1x2",
+               "--targets", "2x1", "--folder", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    number = r"([0-9][0-9,.]*)"
+    patterns = {"checkpoint": rf"checkpoint on disk: {number} GiB \({number} bytes\)",
+                "share": rf"target TP 2 x PP 1 x DP 1:\n  a rank's share: {number} parameters x 16 bytes = "
+                         rf"{number} GiB",
+                "peaks": rf"fresh start {number} GiB, with the load {number} GiB \({number} GiB right before it\); "
+                         rf"load {number} s",
+                "extra": rf"the load's extra memory: {number} GiB = {number} x the checkpoint, {number} x the rank's "
+                         rf"share"}
+    for name, pattern in patterns.items():
+        found = re.search(pattern, out)
+        assert found and all(float(value.replace(",", "")) > 0 for value in found.groups()), f"{name}:\n{out}"

@@ -36,7 +36,7 @@ from megatron_ds.checkpointing import async_save, files, layout, universal
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
-from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
+from megatron_ds.checkpointing.state import read_loss_scaler, read_rank_state, read_resharded_rank_state
 from megatron_ds.core import parallel_state
 from megatron_ds.optimizer_param_scheduler import Position, lr_schedule_from_args, schedule_to_resume
 
@@ -224,8 +224,9 @@ class CheckpointManager:
         """What DeepSpeed writes into its model-states files besides the model: our progress and metadata (a
         universal checkpoint made from these files keeps only them), and, for ds_to_universal, how each
         parameter is split (not for MoE: ds_to_universal cannot tell experts of different EP ranks apart)."""
+        portable = {key: value for key, value in metadata.items() if key != "ranks"}  # each rank's names: not needed
         state = {"megatron_ds": {**dataclasses.asdict(progress), "args": metadata["args"],
-                                 universal.METADATA_KEY: metadata},
+                                 universal.METADATA_KEY: portable},
                  "iteration": progress.iteration}
         if not self.args.moe:
             if self.universal_info is None:
@@ -369,6 +370,7 @@ class CheckpointManager:
         args = self.args
         if not args.load:
             return TrainingProgress()
+        peak_before = _peak_resident_gib_of_any_rank()  # before anything of the checkpoint is read
         found = [None]
         if dist.get_rank() == 0:
             try:
@@ -382,6 +384,7 @@ class CheckpointManager:
         for note in notes:
             _print_rank_0(f"note: {note}")
         if tag is None:
+            _print_rank_0(f"no checkpoint loaded: peak resident memory of a rank so far {peak_before:.2f} GiB")
             return TrainingProgress()
         path = os.path.join(args.load, tag)
         self._check_compatible(path, metadata)
@@ -407,6 +410,8 @@ class CheckpointManager:
             state = self._read_this_rank(path, metadata, load_optimizer, resharded)
             load_optimizer = load_optimizer and state.optimizer is not None
             self._place_rank_state(state, load_optimizer)
+            if load_optimizer:
+                self._restore_loss_scale(path, metadata)
         self.engine.lr_scheduler.resume(schedule, position)  # after the optimizer states: they hold the saved LR
         self.engine.global_steps = progress.iteration
         self.engine.global_samples = progress.consumed_train_samples
@@ -424,7 +429,8 @@ class CheckpointManager:
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
                       f"{schedule_source}{' (--finetune: iteration 0)' if finetune else ''}"
                       f"{' (--reset-iteration: iteration 0)' if args.reset_iteration and not finetune else ''}; "
-                      f"{verified}; peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB")
+                      f"{verified}; peak resident memory of a rank so far {_peak_resident_gib_of_any_rank():.2f} GiB "
+                      f"({peak_before:.2f} GiB before the load)")
         return progress
 
     def _resolve_checkpoint(self):
@@ -575,6 +581,14 @@ class CheckpointManager:
             _place_optimizer_state(optimizer, names, state)
         elif hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()  # fp32 master weights from the loaded weights
+
+    def _restore_loss_scale(self, path, metadata):
+        """fp16 to fp16: the dynamic loss scale goes on where it was (DeepSpeed's own load does the same), instead of
+        restarting at --initial-loss-scale and skipping steps to come down again."""
+        optimizer = self.engine.optimizer
+        if self.args.fp16 and hasattr(optimizer, "loss_scaler"):
+            for attribute, value in read_loss_scaler(path, metadata).items():
+                setattr(optimizer, attribute, value)
 
     def _stage_rng_state(self, path, metadata):
         """Read this rank's RNG states (restored by restore_rng right before training)."""

@@ -188,7 +188,7 @@ def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
 
 class _ZeroPartitions:
     """DeepSpeed's ZeRO-1/2 (or BF16 optimizer) files of a checkpoint, each read once: a parameter group's
-    flat fp32 partitions and Adam moments concatenated over the ranks that share it, cut at the parameters."""
+    flat fp32 partitions and Adam moments, read over the ranks that share it, cut at the parameters."""
 
     def __init__(self, path, lay):
         self.path = path
@@ -204,21 +204,50 @@ class _ZeroPartitions:
 
     def cut(self, group, ranks, shapes):
         """({local name: {fp32, exp_avg, exp_avg_sq}}, step) of `group` over `ranks` [(dp, mp_rank)] in partition
-        order; None before the first optimizer step."""
+        order; None before the first optimizer step. A parameter inside one partition is a view of it (no copy);
+        only one that straddles two partitions is copied together. Callers merge or copy the tensors."""
         partitions = [self._partition(dp, mp) for dp, mp in ranks]
         base_states = [p["base_optimizer_state"]["state"].get(group, {}) for p in partitions]
         if not base_states[0]:
             return None
-        flats = {"fp32": torch.cat([p["single_partition_of_fp32_groups"][group].detach().float() for p in partitions]),
-                 "exp_avg": torch.cat([s["exp_avg"] for s in base_states]),
-                 "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in base_states])}
+        flats = {"fp32": [p["single_partition_of_fp32_groups"][group].detach().float() for p in partitions],
+                 "exp_avg": [s["exp_avg"] for s in base_states], "exp_avg_sq": [s["exp_avg_sq"] for s in base_states]}
+        starts = [0]
+        for flat in flats["fp32"]:
+            starts.append(starts[-1] + flat.numel())
         alignment = partitions[0].get("param_alignment_paddings")
         states, offset = {}, 0
         for index, (local, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
-            states[local] = {key: flat.narrow(0, offset, numel).view(tuple(shape)).clone() for key, flat in flats.items()}
+            states[local] = {key: _span(pieces, starts, offset, numel).view(tuple(shape)) for key, pieces in flats.items()}
             offset += numel + (alignment[group][index] if alignment else 0)
         return states, int(base_states[0]["step"])
+
+
+def _span(pieces, starts, offset, numel):
+    """Elements [offset, offset + numel) of the concatenation of pieces (piece i begins at starts[i])."""
+    parts = []
+    for piece, begin in zip(pieces, starts):
+        low, high = max(offset, begin), min(offset + numel, begin + piece.numel())
+        if low < high:
+            parts.append(piece.narrow(0, low - begin, high - low))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def read_loss_scaler(path, metadata):
+    """{attribute: value} of DeepSpeed's ZeRO optimizer for fp16's loss scaling (`loss_scaler`,
+    `dynamic_loss_scale`), as DeepSpeed restores them at a same-layout load: every ZeRO file holds the same ones,
+    the first is read (memory-mapped). {} for any checkpoint but fp16 with ZeRO 1/2."""
+    lay = _layout(metadata)
+    if metadata["format"] != files.FORMAT_DEEPSPEED or lay.get("precision") != "float16" or \
+            lay["zero_stage"] not in (1, 2):
+        return {}
+    first = os.path.join(path, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    try:
+        saved = torch.load(first, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+    except Exception as error:
+        raise CheckpointError(f"checkpoint file {first} is damaged: {error}") from None
+    return {key: saved[key] for key in ("loss_scaler", "dynamic_loss_scale") if saved.get(key) is not None}
 
 
 def _read_plain_optimizer(mp_state, entry, weights, canonical):
@@ -278,16 +307,13 @@ def read_full_state(path, metadata, with_optimizer=True):
 def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_optimizer=True):
     """The RankState of one rank of another layout, read from the checkpoint folder `path`. target: (tp_size,
     tp_rank, sharded_experts) of that rank; names: the canonical names it holds. Only the saved pipeline stages
-    holding those names are read (every saved TP rank of them); each tensor is merged over the saved TP ranks,
-    its vocabulary rows padded or cut to vocab_rows, and split for the target rank. So a rank holds whole
-    tensors of its own layers only, never the whole model (unless it holds all of it)."""
+    holding those names are read (every saved TP rank of them), one stage at a time: each tensor is merged over
+    the saved TP ranks, its vocabulary rows padded or cut to vocab_rows, split for the target rank, and the
+    stage's files are let go before the next stage is read. So a rank holds one saved stage and its own share at
+    most, never the whole model (unless one stage is all of it)."""
     args = metadata["args"]
     saved_tp = metadata["layout"]["tensor_model_parallel_size"]
-    saved_pp = metadata["layout"]["pipeline_model_parallel_size"]
-    tied = not args.get("untie_embeddings_and_output_weights")
-    stage_of = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied)[0] for name in names}
-    shards = {stage: [read_rank_state(path, metadata, tp, stage, with_optimizer) for tp in range(saved_tp)]
-              for stage in sorted(set(stage_of.values()))}
+    stage_of = _stage_to_read(names, args, metadata["layout"]["pipeline_model_parallel_size"])
     swiglu = bool(args.get("swiglu"))
     saved_rule = lambda name: layout.partition_rule(name, swiglu, bool(args.get("enable_expert_tensor_parallelism")))  # noqa: E731
     tp_size, tp_rank, sharded_experts = target
@@ -298,13 +324,29 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
             full = layout.pad_vocab_rows(full, vocab_rows)
         return layout.split_tensor(full, layout.partition_rule(name, swiglu, sharded_experts), tp_size, tp_rank)
 
-    weights = {name: reshard([shard.weights[name] for shard in shards[stage_of[name]]], name) for name in names}
-    optimizer, steps = None, set()
-    if with_optimizer and all(shard.optimizer is not None for stage in shards.values() for shard in stage):
-        optimizer = {name: {key: reshard([shard.optimizer[name][key] for shard in shards[stage_of[name]]], name)
-                            for key in OPTIMIZER_KEYS} for name in names}
-        steps = {shard.optimizer_step for stage in shards.values() for shard in stage}
-    return RankState(weights, optimizer, _agreed_step(path, steps) if steps else None)
+    weights, optimizer, steps = {}, {} if with_optimizer else None, set()
+    for stage in sorted(set(stage_of.values())):
+        shards = [read_rank_state(path, metadata, tp, stage, with_optimizer) for tp in range(saved_tp)]
+        if optimizer is not None and any(shard.optimizer is None for shard in shards):
+            optimizer = None  # saved before the first optimizer step
+        for name in [name for name in names if stage_of[name] == stage]:
+            weights[name] = reshard([shard.weights.pop(name) for shard in shards], name)
+            if optimizer is not None:
+                states = [shard.optimizer.pop(name) for shard in shards]
+                optimizer[name] = {key: reshard([state[key] for state in states], name) for key in OPTIMIZER_KEYS}
+        if optimizer is not None:
+            steps.update(shard.optimizer_step for shard in shards)
+        del shards
+    return RankState(weights, optimizer, _agreed_step(path, steps) if optimizer else None)
+
+
+def _stage_to_read(names, args, saved_pp):
+    """{name: the saved pipeline stage to read it from}: a tensor two stages hold (the tied embedding, on the first
+    and the last) is read from a stage this rank reads anyway, so no stage is read for it alone."""
+    tied = not args.get("untie_embeddings_and_output_weights")
+    holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied) for name in names}
+    needed = {stages[0] for stages in holding.values() if len(stages) == 1}
+    return {name: next((stage for stage in stages if stage in needed), stages[0]) for name, stages in holding.items()}
 
 
 def _agreed_step(path, steps):
