@@ -438,7 +438,12 @@ class CheckpointManager:
         args = self.args
         if args.load_universal_checkpoint:
             return (*universal.resolve(args.load), [])
-        return files.resolve_checkpoint(args.load, args.load_iteration)
+        tag, metadata, notes = files.resolve_checkpoint(args.load, args.load_iteration)
+        skipped = universal.pointer_tag(args.load) if args.universal_checkpoint else None
+        if skipped and tag:
+            notes.append(f"--universal-checkpoint: {universal.POINTER} names {skipped}, older than {tag} (saved since "
+                         f"the conversion): loading {tag}")
+        return tag, metadata, notes
 
     def _verify_checksums(self, tag, metadata):
         """Every rank reads its share of the checkpoint's files and compares each one's checksum with the one written;

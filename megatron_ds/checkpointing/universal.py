@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import constants as ds
 
 from megatron_ds.checkpointing import layout
-from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.files import CheckpointError, iteration_of, read_pointer
 
 POINTER = "latest_universal"
 FORMAT = "deepspeed universal"
@@ -93,6 +93,18 @@ def pointer_tag(load_dir):
     if not path or not os.path.isfile(path):
         return None
     return open(path).read().strip() or None
+
+
+def tag_to_load(load_dir):
+    """The universal folder --universal-checkpoint loads, or None: none in load_dir, or the run's own pointers name
+    a newer checkpoint (a run resumed from the universal checkpoint has saved since: a restart with the same
+    script goes on from its own save, not back to the conversion)."""
+    tag = pointer_tag(load_dir)
+    ours = read_pointer(load_dir) if tag else None
+    converted = re.match(r"^global_step(\d+)", tag or "")
+    if ours is not None and converted and iteration_of(ours) > int(converted.group(1)):
+        return None
+    return tag
 
 
 def resolve(load_dir):

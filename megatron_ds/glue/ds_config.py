@@ -183,14 +183,15 @@ def reconcile_with_deepspeed_config(args):
 def _load_universal(args, config, path, zero_stage, errors):
     """Whether --load is a DeepSpeed universal checkpoint to load through DeepSpeed's universal loading:
     --universal-checkpoint (or the JSON's "checkpoint.load_universal") and ds_to_universal's pointer in --load.
-    Without the pointer, --universal-checkpoint loads our own checkpoints (resharded as needed)."""
+    Without the pointer, or when our own pointers name a newer checkpoint (saved since the conversion),
+    --universal-checkpoint loads our own checkpoints (resharded as needed)."""
     from megatron_ds.checkpointing import universal
     block = config.get("checkpoint", {})
     asked_in_json = isinstance(block, dict) and block.get("load_universal") is True
     if not (args.universal_checkpoint or asked_in_json):
         return False
-    found = universal.pointer_tag(args.load) is not None
-    if asked_in_json and not found:
+    found = universal.tag_to_load(args.load) is not None
+    if asked_in_json and universal.pointer_tag(args.load) is None:
         errors.append(f"\"checkpoint.load_universal\": true in {path}, but --load {args.load} has no "
                       f"{universal.POINTER} (run python -m deepspeed.checkpoint.ds_to_universal first)")
     if found and zero_stage not in (1, 2):
@@ -288,8 +289,9 @@ def build_deepspeed_config(args):
                 config.setdefault("communication_data_type", "fp32")
     elif args.fp16:
         config["fp16"] = _fp16_block(args, config.get("fp16", {}))
-    if args.load_universal_checkpoint:
-        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+    if args.load_universal_checkpoint or "load_universal" in config.get("checkpoint", {}):
+        # the JSON's value is replaced too: DeepSpeed must not read our own checkpoints as universal ones
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": bool(args.load_universal_checkpoint)}
     if args.deepspeed_activation_checkpointing:
         config["activation_checkpointing"] = {
             **config.get("activation_checkpointing", {}),

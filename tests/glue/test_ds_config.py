@@ -224,3 +224,16 @@ def test_unknown_deepspeed_keys_named_with_the_closest_known_one(parse):
     assert 'unknown DeepSpeed key "trian_batch_size" (did you mean "train_batch_size"?)' in message
     assert 'unknown DeepSpeed key "zero_optimization.reduce_bucket_sise" (did you mean "reduce_bucket_size"?)' \
         in message
+
+
+def test_a_newer_checkpoint_of_our_own_wins_over_the_universal_one(parse, tmp_path):
+    """A run resumed from global_step5_universal and saved at 8: restarting with the same flags (or the JSON's
+    load_universal) goes on from global_step8, not back to the conversion."""
+    load = tmp_path / "checkpoints"
+    load.mkdir()
+    (load / "latest_universal").write_text("global_step5_universal")
+    (load / "latest").write_text("global_step8")
+    args = parse("--universal-checkpoint", "--load", str(load))
+    assert not args.load_universal_checkpoint and "checkpoint" not in args.effective_deepspeed_config
+    args = parse("--load", str(load), ds={"checkpoint": {"load_universal": True}})
+    assert args.effective_deepspeed_config["checkpoint"] == {"load_universal": False}
