@@ -30,8 +30,9 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("p
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
+            output, _ = process.communicate()
+            raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n"
+                                 f"{output[-12000:]}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 

@@ -4,7 +4,9 @@ Imports nothing heavy at module level: `prepare_host()` must run before DeepSpee
 DeepSpeed picks its accelerator at import time.
 """
 import datetime
+import faulthandler
 import os
+import signal
 import socket
 
 import torch
@@ -18,10 +20,12 @@ def local_world_size(environ=None):
 
 
 def prepare_host():
-    """Without CUDA: DeepSpeed's CPU accelerator. Threads per rank = cores / local ranks unless the user set
-    OMP_NUM_THREADS (eight ranks on two cores run ~13x faster with one thread each than with two)."""
+    """Without CUDA: DeepSpeed's CPU accelerator. SIGUSR1 prints every thread's stack to stderr. Threads per
+    rank = cores / local ranks unless the user set OMP_NUM_THREADS (eight ranks on two cores run ~13x faster
+    with one thread each than with two)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, for a hang
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // local_world_size())
         os.environ["OMP_NUM_THREADS"] = str(threads)
