@@ -31,6 +31,9 @@ from megatron_ds.core import fusions  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
 SIZES = {  # sequence, micro batch, hidden, heads, ffn, vocab
+    "tiny": dict(s=32, b=2, h=64, heads=4, ffn=256, vocab=256),         # the tests' models
+    "h256": dict(s=512, b=4, h=256, heads=4, ffn=704, vocab=8192),
+    "h512": dict(s=512, b=4, h=512, heads=8, ffn=1408, vocab=8192),     # the README's LLaMA-style row
     "small": dict(s=256, b=2, h=1024, heads=8, ffn=2816, vocab=32000),
     "large": dict(s=2048, b=4, h=4096, heads=32, ffn=11008, vocab=128256),
 }
@@ -54,6 +57,7 @@ def build_cases(size, dtype, device):
     rotary = RotaryEmbedding(d).to(device)
     cos, sin = rotary(s, device)
     target = torch.randint(0, vocab, (s, b), device=device)
+    seed = fusions.flash_attention.draw_seed(device)
     return {
         "scale_mask_softmax": Case(lambda: dict(scores=_leaf((b, heads, s, s), dtype, device)),
                                    lambda fn, t: fn(t["scores"], causal, 1 / math.sqrt(d), False)),
@@ -73,6 +77,8 @@ def build_cases(size, dtype, device):
         "swiglu": Case(lambda: dict(x=_leaf((s, b, 2 * ffn), dtype, device)), lambda fn, t: fn(t["x"])),
         "cross_entropy": Case(lambda: dict(logits=_leaf((s, b, vocab), dtype, device, scale=3.0)),
                               lambda fn, t: fn(t["logits"], target)),
+        "flash_attention": Case(lambda: {name: _leaf((b, heads, s, d), dtype, device) for name in "qkv"},
+                                lambda fn, t: fn(t["q"], t["k"], t["v"], 0.1, seed)),
     }
 
 

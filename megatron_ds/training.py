@@ -22,7 +22,8 @@ from megatron_ds.checkpointing.files import CheckpointSaveError
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.core.transformer.fused_ops import describe_fused_ops
+from megatron_ds.compile_watch import CompileWatch
+from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_ops
 from megatron_ds.core.transformer.moe import (AuxiliaryLossGradient, auxiliary_loss_of, forget_auxiliary_losses,
                                               moe_layers)
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
@@ -163,6 +164,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     experts = moe_layers(engine.module) if args.moe else None
     skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
     profiler = IterationProfiler(args, dist.get_rank())
+    compile_watch = CompileWatch(bool(compiled_ops(transformer_config_from_args(args))))
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -181,12 +183,15 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         engine.lr_scheduler.seq_length = seq_length  # its token count
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
+        compile_watch.before_iteration()
         loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True, experts=experts)
+        compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += batch_size
         progress.consumed_train_tokens += batch_size * seq_length
         logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum, moe_loss)
+        _log_compile(compile_line)
         _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
         _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
@@ -194,9 +199,15 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             progress.consumed_valid_samples += args.eval_iters * batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
             return progress
+    _log_compile(compile_watch.summary())
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+def _log_compile(line):
+    if line:
+        print_rank_0(f"megatron_ds: {line}")
 
 
 class NonFiniteTraining(RuntimeError):
@@ -286,9 +297,11 @@ def log_startup(args, config, engine, peak, peak_source):
         _log_experts(args, config)
     print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
+    compiling = (f"; {len(compiled_ops(config))} compiled on first use, the cost reported after 2 iterations"
+                 if compiled_ops(config) else "")
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
                  f"{describe_fused_ops(config)} "
-                 f"optimizer={optimizer_description(args, device().type)}")
+                 f"optimizer={optimizer_description(args, device().type)}{compiling}")
 
 
 def _log_parameters_per_stage(engine):

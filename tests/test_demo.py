@@ -14,15 +14,15 @@ pytestmark = pytest.mark.e2e  # launches several real processes
 def test_demo_trains_and_loss_falls(tmp_path):
     environment = {**os.environ, "VENV": sys.prefix, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     board = tmp_path / "board"
-    result = subprocess.run(["bash", "scripts/demo.sh", "--train-iters", "40", "--log-interval", "5",
-                             "--eval-interval", "40", "--tensorboard-dir", str(board)],
+    result = subprocess.run(["bash", "scripts/demo.sh", "--train-iters", "30", "--log-interval", "5",
+                             "--eval-interval", "30", "--tensorboard-dir", str(board)],
                             cwd=REPO, env=environment, timeout=400, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     assert result.returncode == 0, result.stdout[-4000:]
     trajectory = losses(result.stdout)
-    assert sorted(trajectory) == list(range(5, 41, 5)), result.stdout[-4000:]
-    assert trajectory[40] < trajectory[5] - 0.5, trajectory
-    assert "validation loss at iteration 40" in result.stdout
+    assert sorted(trajectory) == list(range(5, 31, 5)), result.stdout[-4000:]
+    assert trajectory[30] < trajectory[5] - 0.5, trajectory
+    assert "validation loss at iteration 30" in result.stdout
 
     png = tmp_path / "metrics.png"
     plot = subprocess.run([sys.executable, "tools/plot_metrics.py", "--tensorboard-dir", str(board),

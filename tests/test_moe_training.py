@@ -34,7 +34,7 @@ def _losses(output, iterations=range(1, ITERATIONS + 1)):
     return lm, moe
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2])  # EP 4: across TP ranks in the next test
 def test_expert_parallel_sizes_train_the_same_model(ep):
     expected_lm, expected_moe = _losses(_run(1))
     lm, moe = _losses(_run(ep))
@@ -86,7 +86,7 @@ def _grad_norms(output):
     return re.findall(r" iteration\s+\d+/\s*\d+ \|.*? grad norm: (\S+) \|", output)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("ep", [2])  # EP 1 at PP 2: resumed in test_resume_at_pp2_ep2_...
 def test_moe_layers_in_pipeline_stages_train_the_same_model(ep):
     expected_lm, expected_moe = _losses(_run(1))
     lm, moe = _losses(_run(ep, *PIPELINE))

@@ -50,8 +50,7 @@ def saved_at_tp2_pp2(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(1, 2, 2), (1, 1, 4), (2, 1, 2), (4, 1, 1)],
-                         ids=["tp1-pp2-dp2", "tp1-pp1-dp4", "tp2-pp1-dp2", "tp4-pp1"])
+@pytest.mark.parametrize("tp, pp, dp", [(1, 2, 2), (1, 1, 4), (4, 1, 1)], ids=["tp1-pp2-dp2", "tp1-pp1-dp4", "tp4-pp1"])
 def test_tp2_pp2_checkpoint_continues_at_another_layout(saved_at_tp2_pp2, tp, pp, dp):
     straight = run_layout("gpt2", 2, 2, 1)
     observed, output = _resume(saved_at_tp2_pp2, tp * pp * dp, _layout(tp, pp))

@@ -52,9 +52,11 @@ def _add_model_args(parser):
         group.add_argument(flag, action="store_true", help="fused attention: --attention-backend sdpa (the default)")
     group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
                        help="accepted: Q K^T is never scaled by the layer number here (the softmax runs in fp32)")
-    group.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa",
+    group.add_argument("--attention-backend", choices=["sdpa", "local", "flash"], default="sdpa",
                        help="sdpa: torch's scaled_dot_product_attention (flash/memory-efficient kernels, no "
-                            "s x s tensor kept); local: explicit softmax(QK^T)V")
+                            "s x s tensor kept); local: explicit softmax(QK^T)V; flash: megatron_ds's blocked "
+                            "causal attention with a hashed dropout mask, in --fusion-backend's implementation "
+                            "(sdpa becomes it where --fusion-backend auto compiles on a CPU)")
 
 
 def _add_fusion_args(parser):

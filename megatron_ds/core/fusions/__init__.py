@@ -13,10 +13,11 @@ Ops (all backends of an op share its signature):
     bias_dropout_add(x, bias, residual, p, training)
     swiglu(x)
     cross_entropy(logits, target, chunk_rows=None)
+    flash_attention(query, key, value, dropout_p, seed) (causal; seed from flash_attention.draw_seed)
 
 The references compute in fp32 yet save for backward only what the fused kernels save (inputs or outputs
 in their own dtype, 1-byte dropout masks). Every dropout, fused or not, draws its mask with
-dropout.dropout_keep_mask.
+dropout.dropout_keep_mask, except flash_attention's, a hash of one seed drawn per call (flash_attention.py).
 """
 from megatron_ds.core.fusions.backends import (BACKENDS, FLAG, FusedOp, auto_order, get_fused_op, is_available,
                                                registered_ops, select_backend, unavailable_reason)
@@ -34,3 +35,5 @@ from megatron_ds.core.fusions.fused_rope import (rotary_pos_emb_compile, rotary_
 from megatron_ds.core.fusions.fused_softmax import (causal_mask, scale_mask_softmax_compile,
                                                     scale_mask_softmax_reference, scale_mask_softmax_triton)
 from megatron_ds.core.fusions.fused_swiglu import swiglu_compile, swiglu_reference, swiglu_triton
+from megatron_ds.core.fusions.flash_attention import (flash_attention_compile, flash_attention_reference,
+                                                      flash_attention_triton)

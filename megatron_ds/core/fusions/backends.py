@@ -3,15 +3,16 @@
 `apex` (NVIDIA apex's norm kernels). `select_backend` resolves a `--fusion-backend` value per op once, at
 start-up (transformer/fused_ops.py does it for the model and logs the choices).
 
-`auto` prefers, on CUDA: triton, then apex (norms only), then compile, then reference. On CPU it is the
-reference: a cold torch.compile costs 1-40 s per op and rank. Ask for `compile` where it pays: in
-bench/ops.py it ran rms_norm, swiglu, rotary_pos_emb, bias_gelu and cross_entropy faster than the
-reference on one CPU thread, scale_mask_softmax, layer_norm and bias_dropout_add no faster. Triton never
-runs on CPU outside tests (its interpreter checks numerics; it is not a kernel).
+`auto` prefers, on CUDA: triton, then apex (norms only), then compile, then reference, unless an op names
+its own CUDA order. On CPU it compiles the ops that bench/ops.py measured faster compiled on one CPU thread
+(`FusedOp.faster_compiled_on_cpu`) once the model is wide enough (`CPU_COMPILE_MIN_HIDDEN`): compilation
+costs seconds per op and process, which a small model's iterations never earn back. Triton never runs on
+CPU outside tests (its interpreter checks numerics; it is not a kernel).
 """
 import functools
 import importlib
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional, Tuple
@@ -23,10 +24,11 @@ from megatron_ds.core.fusions._triton import TRITON_IMPORT_ERROR, interpreter_pr
 FLAG = "--fusion-backend"
 BACKENDS = ("auto", "triton", "compile", "apex", "reference")
 CUDA_PREFERENCE = ("triton", "apex", "compile", "reference")
+CPU_COMPILE_MIN_HIDDEN = 512
 
 # op modules, imported on first use of the registry (they import this module)
 _OP_MODULES = ("fused_softmax", "fused_layer_norm", "fused_rope", "fused_bias_gelu", "fused_bias_dropout_add",
-               "fused_swiglu", "fused_cross_entropy")
+               "fused_swiglu", "fused_cross_entropy", "flash_attention")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class FusedOp:
     name: str
     implementations: Mapping[str, Callable]
     checks: Mapping[str, Callable[[str], Optional[str]]] = field(default_factory=dict)
+    faster_compiled_on_cpu: bool = False
+    cuda_preference: Tuple[str, ...] = CUDA_PREFERENCE
 
 
 class _State:
@@ -120,14 +124,18 @@ def _op(op_name: str) -> FusedOp:
     return ops[op_name]
 
 
-def auto_order(op_name: str, device=None) -> Tuple[str, ...]:
-    """The backends `auto` tries for op_name on device, best first."""
-    if _device_type(device) != "cuda":
-        return ("reference",)
-    return tuple(backend for backend in CUDA_PREFERENCE if backend in _op(op_name).implementations)
+def auto_order(op_name: str, device=None, hidden_size: Optional[int] = None) -> Tuple[str, ...]:
+    """The backends `auto` tries for op_name on device, best first, for a model of hidden_size (None: unknown,
+    which on CPU means the reference)."""
+    op = _op(op_name)
+    if _device_type(device) == "cuda":
+        return tuple(backend for backend in op.cuda_preference if backend in op.implementations)
+    if op.faster_compiled_on_cpu and hidden_size is not None and hidden_size >= CPU_COMPILE_MIN_HIDDEN:
+        return ("compile", "reference")
+    return ("reference",)
 
 
-def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
+def select_backend(op_name: str, requested: str = "auto", device=None, hidden_size: Optional[int] = None) -> str:
     """The backend that serves op_name for a --fusion-backend value. An explicit backend that cannot run
     raises ValueError saying why; `auto` takes the best available one and warns once when it falls back."""
     if requested not in BACKENDS:
@@ -137,7 +145,7 @@ def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
         if reason:
             raise ValueError(f"{FLAG} {requested}: cannot use {requested} for {op_name}: {reason}")
         return requested
-    order = auto_order(op_name, device)
+    order = auto_order(op_name, device, hidden_size)
     for backend in order:
         reason = unavailable_reason(op_name, backend, device)
         if reason is None:
@@ -153,6 +161,15 @@ def select_backend(op_name: str, requested: str = "auto", device=None) -> str:
     return backend
 
 
-def get_fused_op(op_name: str, requested: str = "auto", device=None) -> Callable:
-    """The callable implementing op_name under select_backend(op_name, requested, device)."""
-    return _op(op_name).implementations[select_backend(op_name, requested, device)]
+def get_fused_op(op_name: str, requested: str = "auto", device=None, hidden_size: Optional[int] = None) -> Callable:
+    """The callable implementing op_name under select_backend(op_name, requested, device, hidden_size)."""
+    return _op(op_name).implementations[select_backend(op_name, requested, device, hidden_size)]
+
+
+def compile_statistics() -> Tuple[int, float]:
+    """(graphs torch.compile has built in this process, seconds it spent building them)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0, 0.0
+    return (dynamo_utils.counters["stats"]["unique_graphs"],
+            sum(dynamo_utils.compilation_time_metrics.get("_compile.compile_inner", [])))

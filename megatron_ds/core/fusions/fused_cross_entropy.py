@@ -185,4 +185,4 @@ def cross_entropy_triton(logits, target, chunk_rows=None):
 
 OPS = (FusedOp("cross_entropy",
                {"reference": cross_entropy_reference, "triton": cross_entropy_triton,
-                "compile": cross_entropy_compile}),)
+                "compile": cross_entropy_compile}, faster_compiled_on_cpu=True),)

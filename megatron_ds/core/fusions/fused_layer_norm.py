@@ -184,5 +184,6 @@ OPS = (
     FusedOp("layer_norm", {"reference": layer_norm_reference, "triton": layer_norm_triton,
                            "compile": layer_norm_compile, "apex": layer_norm_apex}, checks={"apex": _apex_reason}),
     FusedOp("rms_norm", {"reference": rms_norm_reference, "triton": rms_norm_triton,
-                         "compile": rms_norm_compile, "apex": rms_norm_apex}, checks={"apex": _apex_reason}),
+                         "compile": rms_norm_compile, "apex": rms_norm_apex}, checks={"apex": _apex_reason},
+            faster_compiled_on_cpu=True),
 )

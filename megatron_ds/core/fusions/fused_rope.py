@@ -118,4 +118,4 @@ def rotary_pos_emb_triton(q, k, cos, sin):
 
 OPS = (FusedOp("rotary_pos_emb",
                {"reference": rotary_pos_emb_reference, "triton": rotary_pos_emb_triton,
-                "compile": rotary_pos_emb_compile}),)
+                "compile": rotary_pos_emb_compile}, faster_compiled_on_cpu=True),)

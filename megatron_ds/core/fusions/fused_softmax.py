@@ -142,4 +142,4 @@ def scale_mask_softmax_triton(scores, mask=None, scale: float = 1.0, causal: boo
 
 OPS = (FusedOp("scale_mask_softmax",
                {"reference": scale_mask_softmax_reference, "triton": scale_mask_softmax_triton,
-                "compile": scale_mask_softmax_compile}),)
+                "compile": scale_mask_softmax_compile}, faster_compiled_on_cpu=True),)

@@ -92,4 +92,5 @@ def swiglu_triton(x):
     return _SwiGLU.apply(x)
 
 
-OPS = (FusedOp("swiglu", {"reference": swiglu_reference, "triton": swiglu_triton, "compile": swiglu_compile}),)
+OPS = (FusedOp("swiglu", {"reference": swiglu_reference, "triton": swiglu_triton, "compile": swiglu_compile},
+               faster_compiled_on_cpu=True),)

@@ -1,7 +1,10 @@
 """Self-attention: QKV column-parallel (each TP rank owns whole query groups), core attention on this
 rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads.
 With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
-the TP rank's heads, through DeepSpeed's DistributedAttention."""
+the TP rank's heads, through DeepSpeed's DistributedAttention. The flash backend, and the sdpa backend where
+--fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model), run causal
+attention through that op: blocked, with a hashed dropout mask drawn as one seed per call; batches with a
+document mask (--reset-attention-mask) go through sdpa."""
 import math
 
 import torch
@@ -10,11 +13,12 @@ from deepspeed.sequence.layer import DistributedAttention
 
 from megatron_ds.core.fusions import scale_mask_softmax_reference
 from megatron_ds.core.fusions.dropout import dropout
+from megatron_ds.core.fusions.flash_attention import draw_seed
 from megatron_ds.core.parallel_state import (get_sequence_parallel_group, get_sequence_parallel_rank,
                                              get_sequence_parallel_world_size, get_tensor_model_parallel_world_size)
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
-from megatron_ds.core.transformer.fused_ops import op_implementation
+from megatron_ds.core.transformer.fused_ops import op_implementation, runs_flash_attention
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -38,7 +42,7 @@ def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softm
     return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p)
 
 
-_BACKENDS = {"local": local_attention, "sdpa": sdpa_attention}
+_BACKENDS = {"local": local_attention, "sdpa": sdpa_attention, "flash": sdpa_attention}  # flash: masked batches
 
 
 class SelfAttention(torch.nn.Module):
@@ -69,6 +73,7 @@ class SelfAttention(torch.nn.Module):
             self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
                                                 scatter_idx=2, gather_idx=0)
         self.softmax = op_implementation(config, "scale_mask_softmax")
+        self.flash_attention = op_implementation(config, "flash_attention") if runs_flash_attention(config) else None
         self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
     def _split_qkv(self, mixed):
@@ -108,5 +113,12 @@ class SelfAttention(torch.nn.Module):
     def _core_attention(self, query, key, value, attention_mask):
         """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank."""
         with get_cuda_rng_tracker().fork():
+            if self.flash_attention is not None and attention_mask is None:
+                return self._flash_attention(query, key, value)
             return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
                                        self.training, self.softmax)
+
+    def _flash_attention(self, query, key, value):
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        seed = draw_seed(query.device) if dropout_p else torch.zeros((), dtype=torch.int64, device=query.device)
+        return self.flash_attention(query, key, value, dropout_p, seed)

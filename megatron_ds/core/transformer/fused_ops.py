@@ -1,6 +1,8 @@
 """Which core.fusions implementation each op of the model runs: the backend the registry selects for
-config.fusion_backend (`auto` is the reference on a CPU), or the reference when the op's fusion flag is off
-or when apex, which serves the norms only, is asked for another op."""
+config.fusion_backend (`auto` on a CPU compiles the ops that gain from it once the model is wide enough),
+or the reference when the op's fusion flag is off or when apex, which serves the norms only, is asked for
+another op. Causal attention runs flash_attention where runs_flash_attention says so (its eager reference
+only under --attention-backend flash: sdpa is faster)."""
 import torch
 
 from megatron_ds.core.fusions import get_fused_op, select_backend
@@ -8,7 +10,8 @@ from megatron_ds.core.fusions import get_fused_op, select_backend
 FUSION_FLAGS = {"scale_mask_softmax": "masked_softmax_fusion", "layer_norm": "persist_layer_norm",
                 "rms_norm": "persist_layer_norm", "rotary_pos_emb": "apply_rope_fusion",
                 "bias_gelu": "bias_gelu_fusion", "swiglu": "bias_swiglu_fusion",
-                "bias_dropout_add": "bias_dropout_fusion", "cross_entropy": "cross_entropy_fusion"}
+                "bias_dropout_add": "bias_dropout_fusion", "cross_entropy": "cross_entropy_fusion",
+                "flash_attention": "masked_softmax_fusion"}
 _APEX_OPS = ("layer_norm", "rms_norm")
 
 
@@ -21,12 +24,14 @@ def op_backend(config, op_name):
     requested = config.fusion_backend
     if not getattr(config, FUSION_FLAGS[op_name]) or (requested == "apex" and op_name not in _APEX_OPS):
         return "reference"
-    return select_backend(op_name, requested, _device())
+    if op_name == "flash_attention" and config.attention_backend == "local":
+        return "reference"
+    return select_backend(op_name, requested, _device(), config.hidden_size)
 
 
 def op_implementation(config, op_name):
     """The callable the model runs for op_name (signatures in core/fusions/__init__.py)."""
-    return get_fused_op(op_name, op_backend(config, op_name), _device())
+    return get_fused_op(op_name, op_backend(config, op_name), _device(), config.hidden_size)
 
 
 def fusion_errors(config):
@@ -40,6 +45,32 @@ def fusion_errors(config):
     return errors
 
 
+def runs_flash_attention(config):
+    """Whether causal attention runs the flash_attention op: asked for, or sdpa's where the op is compiled
+    or a kernel (not its eager reference, slower than sdpa's own)."""
+    return config.attention_backend == "flash" or (
+        config.attention_backend == "sdpa" and op_backend(config, "flash_attention") != "reference")
+
+
+def model_ops(config):
+    """The fused ops this model runs (its norm, its MLP's activation, RoPE if any, the attention's)."""
+    used = {"scale_mask_softmax": config.attention_backend == "local",
+            "layer_norm": config.normalization == "LayerNorm", "rms_norm": config.normalization == "RMSNorm",
+            "rotary_pos_emb": config.position_embedding_type == "rope",
+            "bias_gelu": not config.gated_linear_unit, "swiglu": config.gated_linear_unit,
+            "flash_attention": runs_flash_attention(config)}
+    return [op for op in FUSION_FLAGS if used.get(op, True)]
+
+
 def describe_fused_ops(config):
-    """'op=backend ...' for the start-up log: what each op of the model runs."""
-    return " ".join(f"{op}={op_backend(config, op)}" for op in FUSION_FLAGS)
+    """'op=backend ...' for the start-up log: the ops the model runs and their backends; core_attention is
+    the attention backend (sdpa, local) or flash_attention/<backend>."""
+    described = [f"{op}={op_backend(config, op)}" for op in model_ops(config) if op != "flash_attention"]
+    attention = (f"flash_attention/{op_backend(config, 'flash_attention')}" if runs_flash_attention(config)
+                 else config.attention_backend)
+    return " ".join(described + [f"core_attention={attention}"])
+
+
+def compiled_ops(config):
+    """The ops of the model that run through torch.compile."""
+    return [op for op in model_ops(config) if op_backend(config, op) == "compile"]

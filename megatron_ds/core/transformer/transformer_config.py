@@ -6,7 +6,7 @@ import torch
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
-ATTENTION_BACKENDS = ("sdpa", "local")
+ATTENTION_BACKENDS = ("sdpa", "local", "flash")
 FUSION_BACKENDS = ("auto", "triton", "compile", "apex", "reference")
 
 

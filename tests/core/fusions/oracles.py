@@ -60,3 +60,24 @@ def textbook_partial_rope(x, positions, rotary_dim, base=10000.0):
     theta = positions.double()[:, None] * frequencies[None, :]                       # [s, half]
     rotated = pairs * torch.polar(torch.ones_like(theta), theta)[:, None, None, :]
     return torch.cat((rotated.real, rotated.imag, x64[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+
+def fmix32(x: int) -> int:
+    """murmur3's 32-bit finaliser on Python ints."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def textbook_causal_attention(query, key, value, keep=None, dropout_p=0.0):
+    """softmax(q k^T / sqrt(d)) with causal masking aligned to the last key, dropout by a given keep mask
+    [b, heads, sq, sk], times v; all in fp64, returned in query's dtype."""
+    sq, sk = query.size(-2), key.size(-2)
+    scores = query.double() @ key.double().transpose(-1, -2) / query.size(-1) ** 0.5
+    future = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1 + sk - sq)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    if keep is not None:
+        probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
+    return (probs @ value.double()).to(query.dtype)

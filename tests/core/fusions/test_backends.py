@@ -9,7 +9,8 @@ from megatron_ds.core.fusions import backends, fused_layer_norm
 from megatron_ds.core.fusions._triton import interpreter_problem
 
 OPS = ["scale_mask_softmax", "layer_norm", "rms_norm", "rotary_pos_emb", "bias_gelu", "bias_dropout_add", "swiglu",
-       "cross_entropy"]
+       "cross_entropy", "flash_attention"]
+COMPILED_ON_CPU = {"scale_mask_softmax", "rms_norm", "rotary_pos_emb", "swiglu", "cross_entropy", "flash_attention"}
 
 
 @pytest.fixture(autouse=True)
@@ -17,10 +18,10 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(backends, "_STATE", backends._State())
 
 
-def _auto_choices(device):
+def _auto_choices(device, hidden_size=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chosen = {op: backends.select_backend(op, "auto", device) for op in OPS}
+        chosen = {op: backends.select_backend(op, "auto", device, hidden_size) for op in OPS}
     return chosen, [str(w.message) for w in caught]
 
 
@@ -73,15 +74,27 @@ def test_explicit_apex_raises_without_cuda_or_apex(monkeypatch):
         backends.select_backend("rms_norm", "apex", "cuda")
 
 
-def test_auto_on_cpu_is_the_reference():
-    chosen, warned = _auto_choices("cpu")
-    assert set(chosen.values()) == {"reference"} and not warned
-    assert all(backends.auto_order(op, "cpu") == ("reference",) for op in OPS)
+def test_auto_on_cpu_compiles_the_ops_that_gain_once_the_model_is_wide_enough():
+    wide = backends.CPU_COMPILE_MIN_HIDDEN
+    for hidden_size in (None, 64, wide - 1):
+        chosen, warned = _auto_choices("cpu", hidden_size)
+        assert set(chosen.values()) == {"reference"} and not warned
+    chosen, warned = _auto_choices("cpu", wide)
+    assert {op for op, backend in chosen.items() if backend == "compile"} == COMPILED_ON_CPU and not warned
+    assert {op for op, backend in chosen.items() if backend == "reference"} == set(OPS) - COMPILED_ON_CPU
 
 
-def test_auto_on_cuda_prefers_triton(monkeypatch):
+def test_auto_on_cpu_without_a_compiler_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(backends, "_cxx_compiler", lambda: None)
+    chosen, warned = _auto_choices("cpu", 4096)
+    assert set(chosen.values()) == {"reference"}
+    assert len(warned) == 1 and "compile unavailable (torch.compile on CPU needs a C++ compiler" in warned[0]
+
+
+def test_auto_on_cuda_prefers_triton_and_leaves_attention_to_sdpa(monkeypatch):
     monkeypatch.setattr(backends, "TRITON_IMPORT_ERROR", None)
     chosen, warned = _auto_choices("cuda")
+    assert chosen.pop("flash_attention") == "reference"
     assert set(chosen.values()) == {"triton"} and not warned
 
 
@@ -97,6 +110,14 @@ def test_auto_on_cuda_without_triton_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(fused_layer_norm, "APEX_IMPORT_ERROR", None)
     chosen, _ = _auto_choices("cuda")
     assert chosen["layer_norm"] == chosen["rms_norm"] == "apex" and chosen["swiglu"] == "reference"
+
+
+def test_compile_statistics_count_graphs_and_seconds():
+    before_graphs, before_seconds = backends.compile_statistics()
+    doubled = torch.compile(lambda x: x * 2 + 1, dynamic=True)
+    assert torch.equal(doubled(torch.arange(3.0)), torch.tensor([1.0, 3.0, 5.0]))
+    graphs, seconds = backends.compile_statistics()
+    assert graphs == before_graphs + 1 and seconds > before_seconds
 
 
 def test_explicit_compile_without_a_compiler_raises(monkeypatch):

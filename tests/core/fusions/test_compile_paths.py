@@ -77,3 +77,10 @@ def test_cross_entropy(dtype):
     target = torch.randint(0, 1000, (5, 3), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     assert_matches(lambda x: fusions.cross_entropy_compile(x, target, chunk_rows=4),
                    lambda x: textbook_vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype)
+
+
+def test_flash_attention_with_dropout():
+    """Blocks of 128 queries and a shorter last one; the compiled blocks draw the reference's mask."""
+    query, key, value = (leaf((1, 2, 140, 8), torch.float32, DEVICE, seed=seed) for seed in (0, 1, 2))
+    assert_matches(fusions.flash_attention_compile, fusions.flash_attention_reference,
+                   [query, key, value, 0.5, torch.tensor(2024, device=DEVICE)])

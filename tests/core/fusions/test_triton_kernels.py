@@ -10,6 +10,8 @@ import torch
 
 from megatron_ds.core import fusions
 from megatron_ds.core.fusions._triton import TRITON_IMPORT_ERROR, interpreter_problem
+from megatron_ds.core.fusions.flash_attention import (drop_threshold, flash_attention_reference,
+                                                     flash_attention_triton, keep_mask)
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 from tests.core.fusions.common import assert_matches, leaf
 from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy
@@ -127,6 +129,48 @@ def test_cross_entropy(triton_device, dtype, shape, vocab):
     target = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(9)).to(triton_device)
     assert_matches(lambda x: fusions.cross_entropy_triton(x, target),
                    lambda x: textbook_vocab_parallel_cross_entropy(x, target), [logits], dtype=dtype)
+
+
+ATTENTION_SEED = 0xDEADBEEF  # above 2**31: the top bit goes through the kernels' uint32 hash
+
+
+def _attention(fn, p, seed):
+    return lambda q, k, v: fn(q, k, v, p, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("b, heads, sq, sk, d", [
+    (2, 3, 37, 37, 24),  # several blocks, none full; d not a power of two
+    (1, 2, 5, 19, 16),   # fewer queries than keys: causal from the bottom right
+    (2, 1, 1, 1, 8),     # sequence length 1
+])
+def test_flash_attention(triton_device, dtype, p, b, heads, sq, sk, d):
+    q = leaf((b, heads, sq, d), dtype, triton_device)
+    k = leaf((b, heads, sk, d), dtype, triton_device, seed=10)
+    v = leaf((b, heads, sk, d), dtype, triton_device, seed=11)
+    seed = torch.tensor(ATTENTION_SEED, device=triton_device)
+    assert_matches(_attention(flash_attention_triton, p, seed), _attention(flash_attention_reference, p, seed),
+                   [q, k, v])
+
+
+def test_flash_attention_drops_the_hashed_positions(triton_device):
+    """Zero queries (uniform probabilities) and one-hot values make the output the dropped probabilities
+    themselves: they are nonzero exactly where keep_mask keeps a visible key. At p = 0.5 the gradients of random
+    inputs match the reference's too, which a different mask in backward could not give."""
+    b, heads, sq, sk = 2, 2, 20, 40
+    seed = torch.tensor(ATTENTION_SEED, device=triton_device)
+    q = torch.zeros(b, heads, sq, sk, device=triton_device)
+    one_hot = torch.eye(sk, device=triton_device).expand(b, heads, sk, sk)
+    out = flash_attention_triton(q, leaf((b, heads, sk, sk), torch.float32, triton_device), one_hot, 0.5, seed)
+    rows, keys = torch.arange(b * heads * sq, device=triton_device), torch.arange(sk, device=triton_device)
+    keep = keep_mask(seed, rows, keys, drop_threshold(0.5)).view(b, heads, sq, sk)
+    visible = keys[None, :] <= torch.arange(sq, device=triton_device)[:, None] + sk - sq
+    assert torch.equal(out != 0, keep & visible)
+    inputs = [leaf((b, heads, sq, 16), torch.float32, triton_device)] + \
+        [leaf((b, heads, sk, 16), torch.float32, triton_device, seed=i) for i in (10, 11)]
+    assert_matches(_attention(flash_attention_triton, 0.5, seed), _attention(flash_attention_reference, 0.5, seed),
+                   inputs)
 
 
 def test_interpreter_in_fresh_process():

@@ -3,16 +3,17 @@ import pytest
 import torch
 
 from megatron_ds.core.fusions import is_available, registered_ops, unavailable_reason
+from megatron_ds.core.fusions.backends import CPU_COMPILE_MIN_HIDDEN
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.core.transformer.fused_ops import (FUSION_FLAGS, describe_fused_ops, fusion_errors,
-                                                    op_implementation)
+from megatron_ds.core.transformer.fused_ops import (FUSION_FLAGS, compiled_ops, describe_fused_ops, fusion_errors,
+                                                    op_implementation, runs_flash_attention)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choices")
 
 
-def _config(fusion_backend, **flags):
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, fusion_backend=fusion_backend,
-                             **flags)
+def _config(fusion_backend, hidden_size=16, **flags):
+    return TransformerConfig(num_layers=1, hidden_size=hidden_size, num_attention_heads=4,
+                             fusion_backend=fusion_backend, **flags)
 
 
 def _implementations(config):
@@ -24,10 +25,30 @@ def _registered(backend):
 
 
 @pytest.mark.parametrize("fusion_backend", ["auto", "reference"])
-def test_auto_on_cpu_and_reference_run_the_registry_references(fusion_backend):
+def test_auto_on_cpu_for_a_narrow_model_and_reference_run_the_registry_references(fusion_backend):
     config = _config(fusion_backend)
     assert _implementations(config) == _registered("reference")
-    assert describe_fused_ops(config) == " ".join(f"{op}=reference" for op in FUSION_FLAGS)
+    assert not runs_flash_attention(config) and not compiled_ops(config)
+    assert describe_fused_ops(config) == ("layer_norm=reference bias_gelu=reference bias_dropout_add=reference "
+                                          "cross_entropy=reference core_attention=sdpa")
+
+
+@pytest.mark.skipif(not is_available("swiglu", "compile", "cpu"),
+                    reason=str(unavailable_reason("swiglu", "compile", "cpu")))
+def test_auto_on_cpu_compiles_a_wide_model_s_ops_and_its_attention():
+    llama = dict(normalization="RMSNorm", gated_linear_unit=True, position_embedding_type="rope")
+    config = _config("auto", hidden_size=CPU_COMPILE_MIN_HIDDEN, **llama)
+    assert compiled_ops(config) == ["rms_norm", "rotary_pos_emb", "swiglu", "cross_entropy", "flash_attention"]
+    assert describe_fused_ops(config) == ("rms_norm=compile rotary_pos_emb=compile swiglu=compile bias_dropout_add="
+                                          "reference cross_entropy=compile core_attention=flash_attention/compile")
+    gpt2_local = _config("auto", hidden_size=CPU_COMPILE_MIN_HIDDEN, attention_backend="local")
+    assert compiled_ops(gpt2_local) == ["scale_mask_softmax", "cross_entropy"]
+    assert describe_fused_ops(gpt2_local).endswith("core_attention=local")
+
+
+def test_the_flash_backend_runs_the_op_even_as_its_reference():
+    config = _config("reference", attention_backend="flash")
+    assert runs_flash_attention(config) and describe_fused_ops(config).endswith("core_attention=flash_attention/reference")
 
 
 @pytest.mark.skipif(not is_available("swiglu", "compile", "cpu"),

@@ -1,0 +1,398 @@
+"""Causal attention with dropout on the probabilities, computed in blocks of queries so that the [s, s]
+probabilities of all heads are never held at once, flash-style: forward saves q, k, v, the output and one
+fp32 log-sum-exp per query row; backward recomputes the probabilities block by block.
+
+    flash_attention(query, key, value, dropout_p, seed) -> context      (all [b, heads, s, d])
+
+The dropout mask is not drawn element by element from a generator: it is a counter-based hash of
+(seed, row, key) where row = (batch * heads + head) * s + query. `seed` is a 0-d int64 tensor in
+[0, 2**32) drawn once per call from the device's generator (`draw_seed`), so activation recompute and
+the TP RNG tracker replay it as they replay any draw, every backend (reference, compile, triton) computes
+the same mask bit for bit, and nothing but the seed is kept for backward. A key is dropped when
+hash < p * 2**32: the keep rate is 1 - p to within 2**-32.
+
+The hash is murmur3's 32-bit finaliser applied twice: fmix32(fmix32(row ^ seed) + key * 0x9E3779B9).
+PyTorch has no wrapping 32-bit multiply, so the reference multiplies in int64 by 16-bit halves (exact);
+the Triton kernel multiplies uint32 values, which wrap.
+
+Matmuls run in the input dtype (fp32 accumulation), softmax and its statistics in fp32, as scaled dot
+product attention's math path does.
+
+The triton backend is flash attention proper: a forward kernel per query block (online softmax, key blocks in
+the causal future skipped), and a backward of one kernel for dQ over query blocks, which also stores
+delta = rowsum(dO * O), then one for dK and dV over key blocks; both regenerate the keep mask from the hash.
+"""
+import math
+
+import torch
+
+from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl, triton
+from megatron_ds.core.fusions.backends import FusedOp, compiled
+
+BLOCK_QUERIES = 128
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+
+
+def draw_seed(device) -> torch.Tensor:
+    """A 0-d int64 tensor in [0, 2**32) from device's generator (no host sync on CUDA)."""
+    return torch.empty((), dtype=torch.int64, device=device).random_(0, 2 ** 32)
+
+
+def drop_threshold(p: float) -> int:
+    """Hash values below this are dropped."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return min(int(round(p * 2 ** 32)), _M32)
+
+
+def _mul32(x, constant: int):
+    """x * constant mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    low, high = x & 0xFFFF, x >> 16
+    return (low * constant + (((high * constant) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, _FMIX[0])
+    x = x ^ (x >> 13)
+    x = _mul32(x, _FMIX[1])
+    return x ^ (x >> 16)
+
+
+def keep_mask(seed, rows, keys, threshold: int):
+    """[len(rows), len(keys)] bool: True where the (row, key) pair is kept. rows and keys are int64 index vectors."""
+    row_hash = _fmix32(rows ^ seed)
+    return _fmix32((row_hash[:, None] + keys[None, :] * _GOLDEN) & _M32) >= threshold
+
+
+def _block_probabilities(q, k, positions, sq, sk, lse=None):
+    """fp32 softmax probabilities [b, h, bq, kend] of one block of queries at `positions` (causal), and their
+    log-sum-exp (given in backward, where the forward's is reused)."""
+    scale = 1.0 / math.sqrt(q.size(-1))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    keys = torch.arange(k.size(-2), device=q.device)
+    scores = scores.masked_fill(keys[None, :] > positions[:, None] + (sk - sq), float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]), lse
+
+
+def _block_keep(q_block, k_part, positions, sq, seed, threshold):
+    """The keep mask of one block of queries at `positions`: [b, h, bq, kend]."""
+    b, heads, bq, _ = q_block.shape
+    head_rows = torch.arange(b * heads, device=q_block.device)[:, None] * sq
+    rows = (head_rows + positions[None, :]).reshape(-1)
+    keys = torch.arange(k_part.size(-2), device=q_block.device)
+    return keep_mask(seed, rows, keys, threshold).view(b, heads, bq, -1)
+
+
+def _forward_block(q_block, k_part, v_part, positions, sq, sk, seed, threshold, keep_scale):
+    probs, lse = _block_probabilities(q_block, k_part, positions, sq, sk)
+    if threshold:
+        probs = torch.where(_block_keep(q_block, k_part, positions, sq, seed, threshold), probs * keep_scale, 0.0)
+    return torch.matmul(probs.to(v_part.dtype), v_part), lse
+
+
+def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, sq, sk, seed, threshold, keep_scale):
+    """Gradients of one block of queries: dq for the block, dk and dv contributions over its keys."""
+    scale = 1.0 / math.sqrt(q_block.size(-1))
+    probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, lse)
+    grad_dropped = torch.matmul(grad_block, v_part.transpose(-1, -2)).float()
+    if threshold:
+        keep = _block_keep(q_block, k_part, positions, sq, seed, threshold)
+        dropped = torch.where(keep, probs * keep_scale, 0.0)
+        grad_probs = torch.where(keep, grad_dropped * keep_scale, 0.0)
+    else:
+        dropped, grad_probs = probs, grad_dropped
+    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True)) * scale
+    grad_scores = grad_scores.to(q_block.dtype)
+    grad_q = torch.matmul(grad_scores, k_part)
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_block)
+    grad_v = torch.matmul(dropped.to(grad_block.dtype).transpose(-1, -2), grad_block)
+    return grad_q, grad_k, grad_v
+
+
+def _blocks(sq, sk, device):
+    """(start, end, keys, positions) of each block of queries: the keys it can see (causal) and the query
+    positions as a tensor (an int would make torch.compile specialise the first block on 0)."""
+    positions = torch.arange(sq, device=device)
+    for start in range(0, sq, BLOCK_QUERIES):
+        end = min(sq, start + BLOCK_QUERIES)
+        yield start, end, min(sk, end + sk - sq), positions[start:end]
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, dropout_p, seed, compile_blocks):
+        forward_block = compiled(_forward_block) if compile_blocks else _forward_block
+        sq, sk = query.size(-2), key.size(-2)
+        threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+        for start, end, keys, positions in _blocks(sq, sk, query.device):
+            out[:, :, start:end], lse[:, :, start:end] = forward_block(
+                query[:, :, start:end], key[:, :, :keys], value[:, :, :keys], positions, sq, sk, seed, threshold,
+                keep_scale)
+        ctx.save_for_backward(query, key, value, lse, seed)
+        ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, lse, seed = ctx.saved_tensors
+        backward_block = compiled(_backward_block) if ctx.compile_blocks else _backward_block
+        sq, sk = query.size(-2), key.size(-2)
+        grad_out = grad_out.contiguous()
+        grad_q = torch.empty_like(query)
+        grad_k = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+        grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+        for start, end, keys, positions in _blocks(sq, sk, query.device):
+            dq, dk, dv = backward_block(query[:, :, start:end], key[:, :, :keys], value[:, :, :keys],
+                                        grad_out[:, :, start:end], lse[:, :, start:end], positions, sq, sk, seed,
+                                        ctx.threshold, ctx.keep_scale)
+            grad_q[:, :, start:end] = dq
+            grad_k[:, :, :keys] += dk
+            grad_v[:, :, :keys] += dv
+        return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None
+
+
+def _check(query, key, value):
+    if query.dim() != 4 or key.shape != value.shape or query.shape[:2] != key.shape[:2] \
+            or query.size(-1) != key.size(-1) or query.size(-2) > key.size(-2):
+        raise ValueError(f"flash_attention expects query [b, heads, sq, d] and key, value [b, heads, sk, d] with "
+                         f"sq <= sk; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+
+
+def flash_attention_reference(query, key, value, dropout_p: float, seed):
+    """Blocked causal attention with hashed dropout, in eager PyTorch."""
+    _check(query, key, value)
+    return _BlockedAttention.apply(query, key, value, dropout_p, seed, False)
+
+
+def flash_attention_compile(query, key, value, dropout_p: float, seed):
+    """The same blocks, each block's forward and backward math through torch.compile (one fused loop for the
+    mask, the softmax and the dropout between the matmuls)."""
+    _check(query, key, value)
+    return _BlockedAttention.apply(query, key, value, dropout_p, seed, True)
+
+
+def _device_function(fn):
+    """A function the kernels call. Unlike a kernel it is jitted at import, in the mode triton was imported in
+    (as triton jits its own tl functions); without triton it stays plain Python and is never called."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_device_function
+def _fmix32_u32(x):
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@_device_function
+def _keep_tile(SEED, rows, keys, threshold):
+    """keep_mask of a tile in uint32 arithmetic, which wraps as the hash needs: [len(rows), len(keys)] bool."""
+    seed = tl.load(SEED).to(tl.uint32)
+    row_hash = _fmix32_u32(rows.to(tl.uint32) ^ seed)
+    return _fmix32_u32(row_hash[:, None] + keys.to(tl.uint32)[None, :] * 0x9E3779B9) >= threshold
+
+
+@_device_function
+def _load_tile(ptr, rows, n_rows, channels, d):
+    """Rows of a contiguous [n_rows, d] matrix, zero outside it."""
+    inside = (rows < n_rows)[:, None] & (channels < d)[None, :]
+    return tl.load(ptr + rows[:, None] * d + channels[None, :], mask=inside, other=0.0)
+
+
+@_device_function
+def _store_tile(ptr, value, rows, n_rows, channels, d):
+    inside = (rows < n_rows)[:, None] & (channels < d)[None, :]
+    tl.store(ptr + rows[:, None] * d + channels[None, :], value.to(ptr.dtype.element_ty), mask=inside)
+
+
+@_device_function
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32; fp32 inputs multiply in full precision ("ieee", not tf32), as torch.matmul's
+    default. UPCAST (the interpreter): its tl.dot multiplies bf16 bit patterns as integers (triton-lang/triton#11584),
+    so operands go to fp32 first, which is exact for the products."""
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@_device_function
+def _scores(q, k, queries, keys, sq, sk, scale, UPCAST: tl.constexpr):
+    """Scaled fp32 scores of a tile, -inf past sk and in a query's causal future."""
+    scores = _dot(q, tl.trans(k), UPCAST) * scale
+    visible = (keys[None, :] <= queries[:, None] + (sk - sq)) & (keys < sk)[None, :]
+    return tl.where(visible, scores, float("-inf"))
+
+
+@_device_function
+def _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED, threshold, keep_scale,
+                    DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
+    """The recomputed probabilities after dropout, and the scores' gradient dS, of one [queries, keys] tile."""
+    probs = tl.exp(_scores(q, k, queries, keys, sq, sk, scale, UPCAST) - lse[:, None])
+    grad_probs = _dot(do, tl.trans(v), UPCAST)
+    dropped = probs
+    if DROPOUT:
+        keep = _keep_tile(SEED, rows, keys, threshold)
+        dropped = tl.where(keep, probs * keep_scale, 0.0)
+        grad_probs = tl.where(keep, grad_probs * keep_scale, 0.0)
+    return dropped, probs * (grad_probs - delta[:, None]) * scale
+
+
+@kernel
+def _attention_forward(Q, K, V, OUT, LSE, SEED, sq, sk, d, scale, threshold, keep_scale, DROPOUT: tl.constexpr,
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One block of queries of one (batch, head): online softmax over the key blocks it can see."""
+    head = tl.program_id(1).to(tl.int64)  # over b * heads
+    queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = head * sq + queries
+    channels = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # every row sees key 0 (rows past sq see every key), so row_max is finite from the first block on
+    for start in range(0, tl.minimum(sk, (tl.program_id(0) + 1) * BLOCK_M + sk - sq), BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k = _load_tile(K + head * sk * d, keys, sk, channels, d)
+        v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+        scores = _scores(q, k, queries, keys, sq, sk, scale, UPCAST)
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        correction = tl.exp(row_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        if DROPOUT:  # after the sum: the softmax normalises over every key, dropped or not
+            probs = tl.where(_keep_tile(SEED, rows, keys, threshold), probs * keep_scale, 0.0)
+        acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, UPCAST)
+        row_max = new_max
+    _store_tile(OUT + head * sq * d, acc / row_sum[:, None], queries, sq, channels, d)
+    tl.store(LSE + rows, row_max + tl.log(row_sum), mask=queries < sq)
+
+
+@kernel
+def _attention_backward_q(Q, K, V, OUT, DO, LSE, DELTA, DQ, SEED, sq, sk, d, scale, threshold, keep_scale,
+                          DROPOUT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """dQ of one block of queries over the key blocks it can see. Also stores its rows' delta = rowsum(dO * O),
+    which _attention_backward_kv, launched after it, reads."""
+    head = tl.program_id(1).to(tl.int64)
+    queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = head * sq + queries
+    channels = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
+    do = _load_tile(DO + head * sq * d, queries, sq, channels, d)
+    out = _load_tile(OUT + head * sq * d, queries, sq, channels, d)
+    delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
+    tl.store(DELTA + rows, delta, mask=queries < sq)
+    lse = tl.load(LSE + rows, mask=queries < sq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, tl.minimum(sk, (tl.program_id(0) + 1) * BLOCK_M + sk - sq), BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k = _load_tile(K + head * sk * d, keys, sk, channels, d)
+        v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+        _, grad_scores = _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED,
+                                         threshold, keep_scale, DROPOUT, UPCAST)
+        dq += _dot(grad_scores.to(k.dtype), k, UPCAST)
+    _store_tile(DQ + head * sq * d, dq, queries, sq, channels, d)
+
+
+@kernel
+def _attention_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, SEED, sq, sk, d, scale, threshold, keep_scale,
+                           DROPOUT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """dK and dV of one block of keys over the query blocks that can see it."""
+    head = tl.program_id(1).to(tl.int64)
+    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    channels = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + head * sk * d, keys, sk, channels, d)
+    v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    first_query = tl.maximum(tl.program_id(0) * BLOCK_N - (sk - sq), 0) // BLOCK_M * BLOCK_M
+    # rows past sq load dO = 0 and delta = 0: they add nothing
+    for start in range(first_query, sq, BLOCK_M):
+        queries = start + tl.arange(0, BLOCK_M)
+        rows = head * sq + queries
+        q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
+        do = _load_tile(DO + head * sq * d, queries, sq, channels, d)
+        lse = tl.load(LSE + rows, mask=queries < sq, other=0.0)
+        delta = tl.load(DELTA + rows, mask=queries < sq, other=0.0)
+        dropped, grad_scores = _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED,
+                                               threshold, keep_scale, DROPOUT, UPCAST)
+        dv += _dot(tl.trans(dropped.to(do.dtype)), do, UPCAST)
+        dk += _dot(tl.trans(grad_scores.to(q.dtype)), q, UPCAST)
+    _store_tile(DK + head * sk * d, dk, keys, sk, channels, d)
+    _store_tile(DV + head * sk * d, dv, keys, sk, channels, d)
+
+
+def _meta(threshold: int, device: torch.device, d: int) -> dict:
+    """The kernels' constexpr arguments. The interpreter (any device but CUDA) gets tl.dot's smallest tiles (16),
+    which keeps tests quick."""
+    interpreter = device.type != "cuda"
+    block_d = max(16, next_power_of_2(d))
+    block = 16 if interpreter else 64 if block_d <= 128 else 32
+    return dict(DROPOUT=threshold > 0, UPCAST=interpreter, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+
+
+def _launch_args(query, key, seed, threshold, keep_scale):
+    """The kernels' arguments from SEED to keep_scale. Without dropout the kernels never read SEED, and seed may
+    be None: any pointer will do."""
+    sq, d = query.shape[-2:]
+    return (query if seed is None else seed, sq, key.size(-2), d, 1.0 / math.sqrt(d), threshold, keep_scale)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Forward: _attention_forward. Backward: _attention_backward_q (dQ, delta), then _attention_backward_kv."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, dropout_p, seed):
+        check_device(query, key, value, seed, op="flash_attention")
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        b, heads, sq, d = query.shape
+        ctx.threshold, ctx.keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+        out = torch.empty_like(query)
+        lse = torch.empty((b, heads, sq), dtype=torch.float32, device=query.device)
+        if out.numel():
+            meta = _meta(ctx.threshold, query.device, d)
+            _attention_forward[(cdiv(sq, meta["BLOCK_M"]), b * heads)](
+                query, key, value, out, lse, *_launch_args(query, key, seed, ctx.threshold, ctx.keep_scale), **meta)
+        ctx.save_for_backward(query, key, value, out, lse, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, seed = ctx.saved_tensors
+        if not out.numel():
+            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None
+        grad_out = grad_out.contiguous()
+        b, heads, sq, d = query.shape
+        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        delta = torch.empty_like(lse)
+        args = _launch_args(query, key, seed, ctx.threshold, ctx.keep_scale)
+        meta = _meta(ctx.threshold, query.device, d)
+        _attention_backward_q[(cdiv(sq, meta["BLOCK_M"]), b * heads)](
+            query, key, value, out, grad_out, lse, delta, grad_q, *args, **meta)
+        _attention_backward_kv[(cdiv(key.size(-2), meta["BLOCK_N"]), b * heads)](
+            query, key, value, grad_out, lse, delta, grad_k, grad_v, *args, **meta)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def flash_attention_triton(query, key, value, dropout_p: float, seed):
+    """Triton kernels, forward and backward (seed may be None when dropout_p is 0)."""
+    _check(query, key, value)
+    return _TritonAttention.apply(query, key, value, dropout_p, seed)
+
+
+# On CUDA, `auto` leaves attention to scaled_dot_product_attention (flash and cuDNN kernels, with dropout)
+OPS = (FusedOp("flash_attention", {"reference": flash_attention_reference, "triton": flash_attention_triton,
+                                   "compile": flash_attention_compile},
+               faster_compiled_on_cpu=True, cuda_preference=("reference",)),)
