@@ -5,7 +5,7 @@ transformers model in the same loop), all measured in one run.
     python bench/train_throughput.py                       # GPT-2-style, ~44M parameters, seq 512, bf16
     python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
     python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
-    python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2
+    python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2, in every round
 
 --family gpt2 is GPT-2's layout (LayerNorm, GELU MLP, learned absolute positions, biases, tied
 embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, untied embeddings, GQA with
@@ -19,7 +19,7 @@ embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, unti
     # GPT-2-style: h 640, 8 layers, 10 heads, s 512, b 4, V 8192, dropout 0.1 / 0.1
     python bench/train_throughput.py --family gpt2 --hidden-size 640 --num-layers 8 --num-attention-heads 10 \
         --seq-length 512 --micro-batch-size 4 --vocab-size 8192 --hidden-dropout 0.1 --attention-dropout 0.1 \
-        --iterations 10 --baseline hf
+        --iterations 10 --baseline hf --layouts 1x1 2x1
 
 MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
 peak). The loops use fp32 master weights with bf16 compute (autocast), scaled_dot_product_attention
@@ -27,7 +27,9 @@ peak). The loops use fp32 master weights with bf16 compute (autocast), scaled_do
 apex is absent). The HF models are built from their configs (GPT2LMHeadModel, LlamaForCausalLM), randomly
 initialised; nothing is downloaded. LlamaForCausalLM has no hidden dropout, so --family llama --baseline
 hf needs --hidden-dropout 0. Times are medians over the iterations after two warm-up ones, and the
-figures printed are medians over --rounds alternations of all of them.
+figures printed are medians over --rounds alternations of all of them. With dropout, every round also runs
+pretrain.py without it, and the dropout's cost in tokens/s prints; other --layouts print their tokens/s over
+TP=PP=1's.
 """
 import argparse
 import os
@@ -51,6 +53,7 @@ NORM_EPSILON = 1e-5  # pretrain.py's --norm-epsilon default
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 ENGINE, PLAIN, HF = "pretrain.py", "plain loop", "HF loop"
+NO_DROPOUT = "pretrain.py without dropout"
 
 
 def gemm_tflops(dtype, device, size=2048, repeats=10):
@@ -287,10 +290,15 @@ def baselines(args):
     return {PLAIN: PlainModel, **({HF: HFModel} if args.baseline == "hf" else {})}
 
 
+def layout_name(tp, pp):
+    return f"pretrain.py TP={tp} PP={pp}"
+
+
 def measure_rounds(args, device):
-    """GEMM rate, pretrain.py and each baseline loop, alternated --rounds times so that the machine's noise
-    falls on all alike. Returns per-round {"gemm": TFLOP/s, name: seconds per iteration}, {name: parameter
-    count} and the profile table (first round, with --profile)."""
+    """GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other --layouts and (with dropout)
+    without dropout, alternated --rounds times so that the machine's noise falls on all alike. Returns
+    per-round {"gemm": TFLOP/s, name: seconds per iteration}, {name: parameter count} and the profile table
+    (first round, with --profile)."""
     rounds, parameters, profile = [], {}, ""
     for index in range(args.rounds):
         gemm = gemm_tflops(torch.bfloat16, device)
@@ -298,6 +306,11 @@ def measure_rounds(args, device):
         round_ = {"gemm": gemm, ENGINE: engine}
         for name, model_class in baselines(args).items():
             round_[name], parameters[name] = loop_seconds(model_class, args, device)
+        for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
+            round_[layout_name(tp, pp)] = engine_seconds(args, gemm, layout=(tp, pp))[0]
+        if args.hidden_dropout or args.attention_dropout:
+            without = argparse.Namespace(**{**vars(args), "hidden_dropout": 0.0, "attention_dropout": 0.0})
+            round_[NO_DROPOUT] = engine_seconds(without, gemm)[0]
         rounds.append(round_)
         profile = profile or table
         times = ", ".join(f"{name} {round_[name] * 1000:.1f} ms/iter" for name in round_ if name != "gemm")
@@ -324,7 +337,7 @@ def report(args, rounds, parameters, peak, device):
     """Each run's median ms/iter, tokens/s, TFLOP/s and MFU, then pretrain.py's tokens/s over each loop's."""
     flops = model_flops_per_sample(args) * args.micro_batch_size
     tokens = args.micro_batch_size * args.seq_length
-    seconds = {name: statistics.median(round_[name] for round_ in rounds) for name in rounds[0] if name != "gemm"}
+    seconds = {name: statistics.median(round_[name] for round_ in rounds) for name in (ENGINE, *baselines(args))}
     labels = {ENGINE: "pretrain.py (DeepSpeed, TP=PP=1)", PLAIN: "plain PyTorch loop",
               HF: f"HF transformers loop ({hf_class_name(args)})"}
     print(describe(args, parameters, peak, device))
@@ -399,22 +412,42 @@ def main(argv=None):
     report(args, rounds, parameters, peak, device)
     if profile:
         print(profile)
-    report_other_layouts(args, peak)
+    report_other_layouts(args, rounds, peak)
+    report_dropout_cost(rounds)
     return 0
 
 
-def report_other_layouts(args, peak):
-    """pretrain.py at each --layouts TPxPP other than 1x1, measured once; TFLOP/s and GEMM share are for all
-    ranks together, against the one-device GEMM rate (on a CPU the ranks share its cores)."""
+def _tokens_per_second_ratio(rounds, name, micro_batches=1):
+    """name's tokens/s over pretrain.py at TP=PP=1's: of the medians, and the range over the rounds."""
+    per_round = sorted(micro_batches * round_[ENGINE] / round_[name] for round_ in rounds)
+    median = micro_batches * statistics.median(r[ENGINE] for r in rounds) / statistics.median(r[name] for r in rounds)
+    return f"{median:.3f} (per round {per_round[0]:.3f}-{per_round[-1]:.3f})"
+
+
+def report_other_layouts(args, rounds, peak):
+    """pretrain.py at each --layouts TPxPP other than 1x1; TFLOP/s and GEMM share are for all ranks together,
+    against the one-device GEMM rate (on a CPU the ranks share its cores)."""
     flops_per_micro_batch = model_flops_per_sample(args) * args.micro_batch_size
     tokens_per_micro_batch = args.micro_batch_size * args.seq_length
     for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
         micro_batches = micro_batches_per_iteration(args, pp)
-        seconds, _, _ = engine_seconds(args, peak, layout=(tp, pp))
+        seconds = statistics.median(round_[layout_name(tp, pp)] for round_ in rounds)
         tflops = flops_per_micro_batch * micro_batches / seconds / 1e12
-        print(f"  pretrain.py TP={tp} PP={pp} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
+        print(f"  {layout_name(tp, pp)} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
               f"{seconds * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / seconds:9.1f} tokens/s  "
               f"{tflops:.3f} TFLOP/s  of one device's GEMM rate {100 * tflops / peak:5.1f}%")
+        print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: "
+              f"{_tokens_per_second_ratio(rounds, layout_name(tp, pp), micro_batches)}")
+
+
+def report_dropout_cost(rounds):
+    """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
+    if NO_DROPOUT not in rounds[0]:
+        return
+    ratio = statistics.median(r[NO_DROPOUT] for r in rounds) / statistics.median(r[ENGINE] for r in rounds)
+    per_round = sorted(r[NO_DROPOUT] / r[ENGINE] for r in rounds)
+    print(f"  pretrain.py with dropout / without tokens/s: {ratio:.3f} (per round {per_round[0]:.3f}-"
+          f"{per_round[-1]:.3f}): dropout costs {100 * (1 - ratio):.1f}%")
 
 
 def layout(text):

@@ -351,12 +351,13 @@ def pretrain(argv=None, start_time=None):
     problems = data_problems(args)  # every rank reads the indices itself: no process group to hang
     if problems:
         return _refuse(problems)
-    init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.distributed_port)
+    all_reduce_note = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
+                                       args.distributed_port, args.tensor_model_parallel_size)
     if not _storage_ready(args) or not _claim_save_folder(args):
         return 2
     watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
     try:
-        status = _pretrain(args, watchdog, start_time)
+        status = _pretrain(args, watchdog, start_time, all_reduce_note)
     except BaseException as error:
         watchdog.report_failure(error)  # the other ranks stop within seconds instead of hanging
         raise
@@ -411,7 +412,7 @@ def _claim_save_folder(args):
     return True
 
 
-def _pretrain(args, watchdog, start_time=None):
+def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
     _configure_logging()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                              sequence_parallel_size=args.ds_sequence_parallel_size)
@@ -419,6 +420,8 @@ def _pretrain(args, watchdog, start_time=None):
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
         mend_token_split()
     _log_placement(args)
+    if all_reduce_note:
+        print_rank_0(f"megatron_ds: {all_reduce_note}")
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args)

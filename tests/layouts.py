@@ -32,6 +32,9 @@ def _launch_layout(family, tp, pp, dp, extra):
                                          "--make-vocab-size-divisible-by", str(256 // tp), *extra]
     result = launch(tp * pp * dp, flags)
     assert result.returncode == 0, result.stdout[-4000:]
+    # TP over every rank of one host: DeepSpeed's shared-memory all-reduce (this CPU has its avx512bw kernels)
+    shared_memory = "go through DeepSpeed's shared-memory all-reduce" in result.stdout
+    assert shared_memory == (tp == tp * pp * dp > 1), result.stdout[-4000:]
     trajectory = losses(result.stdout)
     assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
     return trajectory

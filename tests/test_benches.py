@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     """LLaMA-style with attention dropout against the plain loop and the HF transformers loop: one row per
     run, the same parameter count in all three, and pretrain.py's tokens/s over each loop's as a positive
-    figure; with the profile table and pretrain.py at TP 2."""
+    figure; with the profile table, pretrain.py at TP 2 and without dropout, each against pretrain.py at TP 1
+    with it."""
     command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf",
                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
                "--seq-length", "32", "--vocab-size", "256", "--attention-dropout", "0.1", "--iterations", "5",
@@ -33,6 +34,10 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     assert "parameter counts differ" not in out, out
     ratios = dict(re.findall(r"pretrain\.py / (plain loop|HF loop) tokens/s: ([0-9.]+) \(per round", out))
     assert sorted(ratios) == ["HF loop", "plain loop"] and all(float(r) > 0 for r in ratios.values()), out
+    tensor_parallel = re.search(r"pretrain\.py TP=2 PP=1 / TP=1 PP=1 tokens/s: ([0-9.]+) \(per round", out)
+    dropout = re.search(r"pretrain\.py with dropout / without tokens/s: ([0-9.]+) \(per round [0-9.]+-[0-9.]+\): "
+                        r"dropout costs -?[0-9.]+%", out)
+    assert tensor_parallel and float(tensor_parallel[1]) > 0 and dropout and float(dropout[1]) > 0, out
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
 

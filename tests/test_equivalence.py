@@ -41,3 +41,12 @@ def test_bf16_pipeline_tracks_fp32():
     observed = run_layout("llama", 2, 2, 1, ["--bf16"])
     for iteration, loss in expected.items():
         assert observed[iteration] == pytest.approx(loss, rel=2e-2), (iteration, observed, expected)
+
+
+def test_flash_attention_op_at_tp2_trains_like_sdpa_on_one_rank():
+    """--attention-backend flash (the blocked op, GQA's key and value heads unexpanded, split over TP) computes
+    the attention sdpa does."""
+    expected = reference("llama")
+    observed = run_layout("llama", 2, 1, 1, ["--attention-backend", "flash"])
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-4), (iteration, observed, expected)

@@ -37,13 +37,13 @@ def test_memory_savers_leave_losses_unchanged(layout, name, flags):
         assert observed[iteration] == pytest.approx(loss, rel=1e-5), (iteration, observed, expected)
 
 
-@pytest.mark.parametrize("dropout,base,recompute", [(DROPOUT, [], SELECTIVE), (DROPOUT, [], FULL_UNIFORM),
-                                                    (DROPOUT, SP, SP + FULL_BLOCK_DISTRIBUTED[:-1]),
-                                                    (FLASH_DROPOUT, [], SELECTIVE)],
-                         ids=["selective", "full", "sp-full", "flash-selective"])
-def test_recompute_with_dropout_is_identical(dropout, base, recompute):
+@pytest.mark.parametrize("family,dropout,base,recompute", [
+    ("gpt2", DROPOUT, [], SELECTIVE), ("gpt2", DROPOUT, [], FULL_UNIFORM),
+    ("gpt2", DROPOUT, SP, SP + FULL_BLOCK_DISTRIBUTED[:-1]), ("llama", FLASH_DROPOUT, [], SELECTIVE)],
+    ids=["selective", "full", "sp-full", "llama-gqa-flash-selective"])
+def test_recompute_with_dropout_is_identical(family, dropout, base, recompute):
     """Dropout masks are replayed exactly in recompute (the RNG tracker states are restored; the flash
-    attention op's mask is a hash of a seed drawn from them)."""
-    expected = _baseline("gpt2", (2, 1, 1), dropout + base)
-    observed = run_layout("gpt2", 2, 1, 1, dropout + recompute)
+    attention op's mask is a hash of a seed drawn from them, here with GQA's key and value heads unexpanded)."""
+    expected = _baseline(family, (2, 1, 1), dropout + base)
+    observed = run_layout(family, 2, 1, 1, dropout + recompute)
     assert observed == expected

@@ -2,7 +2,10 @@
 probabilities of all heads are never held at once, flash-style: forward saves q, k, v, the output and one
 fp32 log-sum-exp per query row; backward recomputes the probabilities block by block.
 
-    flash_attention(query, key, value, dropout_p, seed) -> context      (all [b, heads, s, d])
+    flash_attention(query, key, value, dropout_p, seed) -> context [b, heads, sq, d]
+
+query is [b, heads, sq, d]; key and value [b, groups, sk, d], where groups divides heads (grouped-query
+attention: the heads of a group share its key and value, never expanded to every head).
 
 The dropout mask is not drawn element by element from a generator: it is a counter-based hash of
 (seed, row, key) where row = (batch * heads + head) * s + query. `seed` is a 0-d int64 tensor in
@@ -68,8 +71,8 @@ def keep_mask(seed, rows, keys, threshold: int):
 
 
 def _block_probabilities(q, k, positions, sq, sk, lse=None):
-    """fp32 softmax probabilities [b, h, bq, kend] of one block of queries at `positions` (causal), and their
-    log-sum-exp (given in backward, where the forward's is reused)."""
+    """fp32 softmax probabilities [b, g, rows, kend] of one block's query rows at `positions` (causal), and
+    their log-sum-exp (given in backward, where the forward's is reused)."""
     scale = 1.0 / math.sqrt(q.size(-1))
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     keys = torch.arange(k.size(-2), device=q.device)
@@ -79,29 +82,27 @@ def _block_probabilities(q, k, positions, sq, sk, lse=None):
     return torch.exp(scores - lse[..., None]), lse
 
 
-def _block_keep(q_block, k_part, positions, sq, seed, threshold):
-    """The keep mask of one block of queries at `positions`: [b, h, bq, kend]."""
-    b, heads, bq, _ = q_block.shape
-    head_rows = torch.arange(b * heads, device=q_block.device)[:, None] * sq
-    rows = (head_rows + positions[None, :]).reshape(-1)
-    keys = torch.arange(k_part.size(-2), device=q_block.device)
-    return keep_mask(seed, rows, keys, threshold).view(b, heads, bq, -1)
+def _block_keep(rows, keys, seed, threshold):
+    """The keep mask [b, g, rows, keys] of one block, from its hash rows [b, g, rows]."""
+    key_index = torch.arange(keys, device=rows.device)
+    return keep_mask(seed, rows.reshape(-1), key_index, threshold).view(*rows.shape, keys)
 
 
-def _forward_block(q_block, k_part, v_part, positions, sq, sk, seed, threshold, keep_scale):
+def _forward_block(q_block, k_part, v_part, positions, rows, sq, sk, seed, threshold, keep_scale):
     probs, lse = _block_probabilities(q_block, k_part, positions, sq, sk)
     if threshold:
-        probs = torch.where(_block_keep(q_block, k_part, positions, sq, seed, threshold), probs * keep_scale, 0.0)
+        probs = torch.where(_block_keep(rows, k_part.size(-2), seed, threshold), probs * keep_scale, 0.0)
     return torch.matmul(probs.to(v_part.dtype), v_part), lse
 
 
-def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, sq, sk, seed, threshold, keep_scale):
-    """Gradients of one block of queries: dq for the block, dk and dv contributions over its keys."""
+def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, rows, sq, sk, seed, threshold,
+                    keep_scale):
+    """Gradients of one block: dq for its query rows, dk and dv contributions over its keys."""
     scale = 1.0 / math.sqrt(q_block.size(-1))
     probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, lse)
     grad_dropped = torch.matmul(grad_block, v_part.transpose(-1, -2)).float()
     if threshold:
-        keep = _block_keep(q_block, k_part, positions, sq, seed, threshold)
+        keep = _block_keep(rows, k_part.size(-2), seed, threshold)
         dropped = torch.where(keep, probs * keep_scale, 0.0)
         grad_probs = torch.where(keep, grad_dropped * keep_scale, 0.0)
     else:
@@ -114,27 +115,55 @@ def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, sq, sk,
     return grad_q, grad_k, grad_v
 
 
-def _blocks(sq, sk, device):
-    """(start, end, keys, positions) of each block of queries: the keys it can see (causal) and the query
-    positions as a tensor (an int would make torch.compile specialise the first block on 0)."""
-    positions = torch.arange(sq, device=device)
-    for start in range(0, sq, BLOCK_QUERIES):
-        end = min(sq, start + BLOCK_QUERIES)
-        yield start, end, min(sk, end + sk - sq), positions[start:end]
+class _Blocks:
+    """The blocks of queries of one call, in the grouped layout: the heads that share a key and value head
+    (GQA's group; one head without GQA) and a block of their queries form one matmul's rows, [b, g, hpg x bq].
+    Each block sees the keys up to its last query (causal); positions and hash rows are tensors (an int
+    position would make torch.compile specialise the first block on 0)."""
+
+    def __init__(self, query, key):
+        self.b, heads, self.sq, self.d = query.shape
+        self.groups, self.sk = key.size(1), key.size(2)
+        self.per_group = heads // self.groups
+        device = query.device
+        self.positions = torch.arange(self.sq, device=device)
+        head = torch.arange(heads, device=device).view(1, self.groups, self.per_group)
+        self.head_rows = ((torch.arange(self.b, device=device).view(-1, 1, 1) * heads + head) * self.sq)[..., None]
+
+    def __iter__(self):
+        for start in range(0, self.sq, BLOCK_QUERIES):
+            end = min(self.sq, start + BLOCK_QUERIES)
+            positions = self.positions[start:end]
+            rows = (self.head_rows + positions).reshape(self.b, self.groups, -1)
+            yield slice(start, end), min(self.sk, end + self.sk - self.sq), positions.repeat(self.per_group), rows
+
+    def grouped(self, tensor):
+        """[b, heads, s, ...] -> [b, g, hpg, s, ...] (a view)."""
+        return tensor.view(self.b, self.groups, self.per_group, *tensor.shape[2:])
+
+    def rows_of(self, grouped, block):
+        """The block's [b, g, hpg x bq, ...] rows of a grouped tensor."""
+        part = grouped[:, :, :, block]
+        return part.reshape(self.b, self.groups, -1, *part.shape[4:])
 
 
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, dropout_p, seed, compile_blocks):
         forward_block = compiled(_forward_block) if compile_blocks else _forward_block
-        sq, sk = query.size(-2), key.size(-2)
+        # once here, not in every block's matmuls: the model passes [s, b, heads, d] tensors permuted to heads-first
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        blocks = _Blocks(query, key)
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-        for start, end, keys, positions in _blocks(sq, sk, query.device):
-            out[:, :, start:end], lse[:, :, start:end] = forward_block(
-                query[:, :, start:end], key[:, :, :keys], value[:, :, :keys], positions, sq, sk, seed, threshold,
-                keep_scale)
+        grouped_query, grouped_out, grouped_lse = (blocks.grouped(t) for t in (query, out, lse))
+        for block, keys, positions, rows in blocks:
+            out_rows, lse_rows = forward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys],
+                                               value[:, :, :keys], positions, rows, blocks.sq, blocks.sk, seed,
+                                               threshold, keep_scale)
+            grouped_out[:, :, :, block] = out_rows.view_as(grouped_out[:, :, :, block])
+            grouped_lse[:, :, :, block] = lse_rows.view_as(grouped_lse[:, :, :, block])
         ctx.save_for_backward(query, key, value, lse, seed)
         ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
         return out
@@ -143,26 +172,28 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, lse, seed = ctx.saved_tensors
         backward_block = compiled(_backward_block) if ctx.compile_blocks else _backward_block
-        sq, sk = query.size(-2), key.size(-2)
-        grad_out = grad_out.contiguous()
+        blocks = _Blocks(query, key)
         grad_q = torch.empty_like(query)
         grad_k = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
         grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-        for start, end, keys, positions in _blocks(sq, sk, query.device):
-            dq, dk, dv = backward_block(query[:, :, start:end], key[:, :, :keys], value[:, :, :keys],
-                                        grad_out[:, :, start:end], lse[:, :, start:end], positions, sq, sk, seed,
-                                        ctx.threshold, ctx.keep_scale)
-            grad_q[:, :, start:end] = dq
+        grouped = [blocks.grouped(t) for t in (query, grad_out.contiguous(), lse, grad_q)]
+        grouped_query, grouped_grad_out, grouped_lse, grouped_grad_q = grouped
+        for block, keys, positions, rows in blocks:
+            dq, dk, dv = backward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys], value[:, :, :keys],
+                                        blocks.rows_of(grouped_grad_out, block), blocks.rows_of(grouped_lse, block),
+                                        positions, rows, blocks.sq, blocks.sk, seed, ctx.threshold, ctx.keep_scale)
+            grouped_grad_q[:, :, :, block] = dq.view_as(grouped_grad_q[:, :, :, block])
             grad_k[:, :, :keys] += dk
             grad_v[:, :, :keys] += dv
         return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None
 
 
 def _check(query, key, value):
-    if query.dim() != 4 or key.shape != value.shape or query.shape[:2] != key.shape[:2] \
-            or query.size(-1) != key.size(-1) or query.size(-2) > key.size(-2):
-        raise ValueError(f"flash_attention expects query [b, heads, sq, d] and key, value [b, heads, sk, d] with "
-                         f"sq <= sk; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if query.dim() != 4 or key.shape != value.shape or query.size(0) != key.size(0) \
+            or query.size(1) % key.size(1) or query.size(-1) != key.size(-1) or query.size(-2) > key.size(-2):
+        raise ValueError(f"flash_attention expects query [b, heads, sq, d] and key, value [b, groups, sk, d] with "
+                         f"groups dividing heads and sq <= sk; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}")
 
 
 def flash_attention_reference(query, key, value, dropout_p: float, seed):
@@ -387,8 +418,12 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def flash_attention_triton(query, key, value, dropout_p: float, seed):
-    """Triton kernels, forward and backward (seed may be None when dropout_p is 0)."""
+    """Triton kernels, forward and backward (seed may be None when dropout_p is 0). The kernels take a key and
+    value head per query head: grouped ones are repeated (and their gradients summed by autograd)."""
     _check(query, key, value)
+    per_group = query.size(1) // key.size(1)
+    if per_group > 1:
+        key, value = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
     return _TritonAttention.apply(query, key, value, dropout_p, seed)
 
 

@@ -2,7 +2,9 @@
 
 Each pair is a private autograd Function behind a snake_case wrapper. Every collective is skipped
 when the tensor-parallel group has a single rank. "Last dim" operators split hidden features (TP);
-"first dim" operators split the sequence (sequence parallelism, [s, b, h] tensors).
+"first dim" operators split the sequence (sequence parallelism, [s, b, h] tensors). The TP all-reduce
+can be replaced (`use_tensor_parallel_all_reduce`: the glue installs DeepSpeed's shared-memory one where
+it applies).
 """
 import torch
 import torch.distributed as dist
@@ -11,11 +13,23 @@ from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, ge
                                              get_tensor_model_parallel_world_size)
 
 
+def _process_group_all_reduce(tensor):
+    dist.all_reduce(tensor, group=get_tensor_model_parallel_group())
+
+
+_ALL_REDUCE = {"tensor_parallel": _process_group_all_reduce}
+
+
+def use_tensor_parallel_all_reduce(all_reduce=None):
+    """Sum in place over the TP group with all_reduce(tensor) from now on; None restores the process group's."""
+    _ALL_REDUCE["tensor_parallel"] = all_reduce or _process_group_all_reduce
+
+
 def _reduce(tensor):
     if get_tensor_model_parallel_world_size() == 1:
         return tensor
     tensor = tensor.contiguous()
-    dist.all_reduce(tensor, group=get_tensor_model_parallel_group())
+    _ALL_REDUCE["tensor_parallel"](tensor)
     return tensor
 
 

@@ -76,20 +76,23 @@ class SelfAttention(torch.nn.Module):
         self.flash_attention = op_implementation(config, "flash_attention") if runs_flash_attention(config) else None
         self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
-    def _split_qkv(self, mixed):
-        """[s, b, groups*(heads_per_group+2)*d] -> q [s, b, heads, d], k and v expanded to [s, b, heads, d]."""
+    def _split_qkv(self, mixed, expand=True):
+        """[s, b, groups*(heads_per_group+2)*d] -> q [s, b, heads, d], k and v expanded to [s, b, heads, d]
+        (without expand: [s, b, groups, d])."""
         s, b, _ = mixed.shape
         grouped = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
         query, key, value = grouped.split([self.heads_per_group, 1, 1], dim=3)
-        if self.heads_per_group == 1:  # multi-head attention: views, so backward keeps only the QKV output
-            return query.squeeze(3), key.squeeze(3), value.squeeze(3)
-        expand = (s, b, self.num_groups, self.heads_per_group, self.head_dim)
         heads = (s, b, self.num_heads, self.head_dim)
-        return (query.reshape(heads), key.expand(expand).reshape(heads), value.expand(expand).reshape(heads))
+        if self.heads_per_group == 1 or not expand:  # k and v views, so backward keeps only the QKV output
+            return query.reshape(heads), key.squeeze(3), value.squeeze(3)
+        per_head = (s, b, self.num_groups, self.heads_per_group, self.head_dim)
+        return (query.reshape(heads), key.expand(per_head).reshape(heads), value.expand(per_head).reshape(heads))
 
     def forward(self, hidden_states, attention_mask=None):
         mixed, _ = self.linear_qkv(hidden_states)
-        query, key, value = self._split_qkv(mixed)
+        # the flash op takes GQA's key and value heads as they are; the other paths want one per query head
+        grouped = self.flash_attention is not None and self.ulysses is None and attention_mask is None
+        query, key, value = self._split_qkv(mixed, expand=not grouped)
         if self.rotary is not None:  # each token at its place in the whole sequence (Ulysses: after the slices before)
             s = query.size(0)
             cos, sin = self.rotary(s, query.device, offset=self.sequence_rank * s)

@@ -49,6 +49,18 @@ def test_reference_is_the_textbook_attention(b, heads, sq, sk, d, dropout_p):
                    [query, key, value, dropout_p, seed])
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_grouped_keys_and_values_are_the_textbook_attention_of_the_repeated_ones(dropout_p):
+    """GQA: 6 heads over 2 key/value groups; the mask is the one of the expanded layout (rows by query head)."""
+    query, key, value = leaf((2, 6, 150, 8), torch.float32, "cpu"), *_qkv(2, 2, 150, 150, 8)[1:]
+    seed = torch.tensor(77)
+    keep = _mask(2, 6, 150, 150, seed, dropout_p) if dropout_p else None
+    assert_matches(fa.flash_attention_reference,
+                   lambda q, k, v, p, s: textbook_causal_attention(q, k.repeat_interleave(3, 1),
+                                                                   v.repeat_interleave(3, 1), keep, p),
+                   [query, key, value, dropout_p, seed])
+
+
 def test_reference_in_bf16_tracks_sdpa_without_dropout():
     query, key, value = _qkv(2, 4, 200, 200, 32, torch.bfloat16)
     assert_matches(fa.flash_attention_reference,

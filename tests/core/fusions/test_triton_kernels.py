@@ -140,15 +140,16 @@ def _attention(fn, p, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.0, 0.1])
-@pytest.mark.parametrize("b, heads, sq, sk, d", [
-    (2, 3, 37, 37, 24),  # several blocks, none full; d not a power of two
-    (1, 2, 5, 19, 16),   # fewer queries than keys: causal from the bottom right
-    (2, 1, 1, 1, 8),     # sequence length 1
+@pytest.mark.parametrize("b, heads, groups, sq, sk, d", [
+    (2, 3, 3, 37, 37, 24),  # several blocks, none full; d not a power of two
+    (1, 2, 2, 5, 19, 16),   # fewer queries than keys: causal from the bottom right
+    (2, 1, 1, 1, 1, 8),     # sequence length 1
+    (1, 4, 2, 20, 20, 16),  # grouped keys and values (GQA)
 ])
-def test_flash_attention(triton_device, dtype, p, b, heads, sq, sk, d):
+def test_flash_attention(triton_device, dtype, p, b, heads, groups, sq, sk, d):
     q = leaf((b, heads, sq, d), dtype, triton_device)
-    k = leaf((b, heads, sk, d), dtype, triton_device, seed=10)
-    v = leaf((b, heads, sk, d), dtype, triton_device, seed=11)
+    k = leaf((b, groups, sk, d), dtype, triton_device, seed=10)
+    v = leaf((b, groups, sk, d), dtype, triton_device, seed=11)
     seed = torch.tensor(ATTENTION_SEED, device=triton_device)
     assert_matches(_attention(flash_attention_triton, p, seed), _attention(flash_attention_reference, p, seed),
                    [q, k, v])
