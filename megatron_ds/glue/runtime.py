@@ -39,12 +39,13 @@ def device():
 def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, tensor_parallel_size=1):
     """Initialize torch.distributed through DeepSpeed (nccl on GPUs, gloo on CPUs), whichever launcher
     started us (torchrun, deepspeed, mpirun, srun: see launcher_env). On CPUs, when the TP group is the whole
-    world on this one host, TP all-reduces go through DeepSpeed's shared-memory all-reduce (8x gloo's speed
-    for a 2.6 MB bf16 tensor between two ranks here; a one-time ~26 s JIT build, cached afterwards). Returns a
-    line for the log saying so, else None."""
+    world on this one host and every rank has a core of its own, TP all-reduces go through DeepSpeed's
+    shared-memory all-reduce (8x gloo's speed for a 2.6 MB bf16 tensor between two ranks here; a one-time
+    ~26 s JIT build, cached afterwards). Its waits spin, so with more ranks than cores they would take the
+    cores from the ranks still computing. Returns a line for the log saying so, else None."""
     import deepspeed
     launcher = export_launcher_environment(distributed_port)
-    shared_memory = (not torch.cuda.is_available() and
+    shared_memory = (not torch.cuda.is_available() and launcher.local_world_size <= available_cores() and
                      launcher.world_size == launcher.local_world_size == tensor_parallel_size > 1)
     if torch.cuda.is_available():
         torch.cuda.set_device(launcher.local_rank)
@@ -72,6 +73,11 @@ def _use_shared_memory_all_reduce():
     dtypes = "fp32, bf16 and fp16" if backend.shm_vector_kernel_level >= 2 else "fp32 (bf16 and fp16: gloo)"
     return (f"TP all-reduces ({dtypes}) go through DeepSpeed's shared-memory all-reduce: the TP group is all "
             f"{dist.get_world_size()} ranks, on this host")
+
+
+def available_cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def free_port():
