@@ -348,9 +348,7 @@ def report(args, rounds, parameters, peak, device):
         print(f"  {labels[name]:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  "
               f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
     for name in (name for name in seconds if name != ENGINE):
-        per_round = sorted(round_[name] / round_[ENGINE] for round_ in rounds)
-        print(f"  pretrain.py / {name} tokens/s: {seconds[name] / seconds[ENGINE]:.3f} "
-              f"(per round {per_round[0]:.3f}-{per_round[-1]:.3f})")
+        print(f"  pretrain.py / {name} tokens/s: {_ratio_text(*_seconds_ratio(rounds, name, ENGINE))}")
 
 
 def parse_args(argv):
@@ -417,11 +415,15 @@ def main(argv=None):
     return 0
 
 
-def _tokens_per_second_ratio(rounds, name, micro_batches=1):
-    """name's tokens/s over pretrain.py at TP=PP=1's: of the medians, and the range over the rounds."""
-    per_round = sorted(micro_batches * round_[ENGINE] / round_[name] for round_ in rounds)
-    median = micro_batches * statistics.median(r[ENGINE] for r in rounds) / statistics.median(r[name] for r in rounds)
-    return f"{median:.3f} (per round {per_round[0]:.3f}-{per_round[-1]:.3f})"
+def _seconds_ratio(rounds, numerator, denominator, scale=1.0):
+    """scale x numerator's seconds over denominator's: of the medians, then the lowest and highest round's."""
+    per_round = sorted(scale * round_[numerator] / round_[denominator] for round_ in rounds)
+    median = scale * statistics.median(r[numerator] for r in rounds) / statistics.median(r[denominator] for r in rounds)
+    return median, per_round[0], per_round[-1]
+
+
+def _ratio_text(median, lowest, highest):
+    return f"{median:.3f} (per round {lowest:.3f}-{highest:.3f})"
 
 
 def report_other_layouts(args, rounds, peak):
@@ -436,18 +438,17 @@ def report_other_layouts(args, rounds, peak):
         print(f"  {layout_name(tp, pp)} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
               f"{seconds * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / seconds:9.1f} tokens/s  "
               f"{tflops:.3f} TFLOP/s  of one device's GEMM rate {100 * tflops / peak:5.1f}%")
-        print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: "
-              f"{_tokens_per_second_ratio(rounds, layout_name(tp, pp), micro_batches)}")
+        ratio = _seconds_ratio(rounds, ENGINE, layout_name(tp, pp), scale=micro_batches)
+        print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: {_ratio_text(*ratio)}")
 
 
 def report_dropout_cost(rounds):
     """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
     if NO_DROPOUT not in rounds[0]:
         return
-    ratio = statistics.median(r[NO_DROPOUT] for r in rounds) / statistics.median(r[ENGINE] for r in rounds)
-    per_round = sorted(r[NO_DROPOUT] / r[ENGINE] for r in rounds)
-    print(f"  pretrain.py with dropout / without tokens/s: {ratio:.3f} (per round {per_round[0]:.3f}-"
-          f"{per_round[-1]:.3f}): dropout costs {100 * (1 - ratio):.1f}%")
+    ratio = _seconds_ratio(rounds, NO_DROPOUT, ENGINE)
+    print(f"  pretrain.py with dropout / without tokens/s: {_ratio_text(*ratio)}: dropout costs "
+          f"{100 * (1 - ratio[0]):.1f}%")
 
 
 def layout(text):

@@ -297,8 +297,8 @@ def log_startup(args, config, engine, peak, peak_source):
         _log_experts(args, config)
     print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
-    compiling = (f"; {len(compiled_ops(config))} compiled on first use, the cost reported after 2 iterations"
-                 if compiled_ops(config) else "")
+    compiled = compiled_ops(config)
+    compiling = f"; {len(compiled)} compiled on first use, the cost reported after 2 iterations" if compiled else ""
     print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
                  f"{describe_fused_ops(config)} "
                  f"optimizer={optimizer_description(args, device().type)}{compiling}")
