@@ -301,7 +301,7 @@ def measure_rounds(args, device):
     (first round, with --profile)."""
     rounds, parameters, profile = [], {}, ""
     for index in range(args.rounds):
-        gemm = gemm_tflops(torch.bfloat16, device)
+        gemm = gemm_tflops(torch.bfloat16, device, args.gemm_size)
         engine, table, parameters[ENGINE] = engine_seconds(args, gemm, profile=args.profile and index == 0)
         round_ = {"gemm": gemm, ENGINE: engine}
         for name, model_class in baselines(args).items():
@@ -371,6 +371,9 @@ def parse_args(argv):
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
                              "transformers model of the same shapes in the same loop")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and the loops")
+    parser.add_argument("--gemm-size", type=int, default=2048,
+                        help="the square bf16 matmul the GEMM rate is measured on (a CPU without bf16 matmul "
+                             "instructions takes seconds for each at 2048)")
     parser.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1)],
                         help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the loops), "
                              "e.g. 1x1 2x1 1x2")

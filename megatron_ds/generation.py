@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_ds.checkpointing import layout
 from megatron_ds.checkpointing.state import FullState, rank_state_of
-from megatron_ds.core import parallel_state
+from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
 from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -78,12 +78,10 @@ def setup_expert_parallel(expert_parallel_size, expert_tensor_parallel=False):
     """What pretrain.py's engine does for DeepSpeed's MoE layers, for generation without one: the expert-parallel
     groups (the data-parallel ranks, all generating the same tokens, exchange them in the all-to-alls), our model
     parallel unit for the TP token split, and its mends (glue/moe_token_gather.py)."""
-    import deepspeed
-
     from megatron_ds.glue.moe_token_gather import mend_token_split
     from megatron_ds.glue.mpu import ModelParallelUnit
     parallel_state.initialize_expert_parallel(expert_parallel_size, expert_tensor_parallel)
-    deepspeed.utils.groups.mpu = ModelParallelUnit()
+    deepspeed_internals.set_model_parallel_unit(ModelParallelUnit())
     mend_token_split()
 
 

@@ -31,8 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ds.core import parallel_state
+from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import model_flops_per_iteration
+from megatron_ds.glue.runtime import device, print_rank_0
 
 # --timing-log-level of each timer, in the order Megatron prints them
 TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2, "batch-generator": 2,
@@ -49,16 +50,6 @@ def logging_rank(topology):
 def is_logging_rank():
     """Whether this rank prints the iteration lines and writes the scalars."""
     return dist.get_rank() == logging_rank(parallel_state.get_topology())
-
-
-def _print_rank_0(message):
-    if dist.get_rank() == 0:
-        print(f"megatron_ds: {message}", flush=True)
-
-
-def _device():
-    from megatron_ds.glue.runtime import device
-    return device()
 
 
 # --- timers -------------------------------------------------------------------------------------------
@@ -115,7 +106,7 @@ class Timers:
     def min_max(self, iterations):
         """{name: (min, max) seconds per iteration across the ranks that timed it}; resets. Every rank calls it."""
         names = list(self.elapsed)
-        local = torch.tensor([self.elapsed[name] for name in names], dtype=torch.float64, device=_device())
+        local = torch.tensor([self.elapsed[name] for name in names], dtype=torch.float64, device=device())
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         table = torch.stack(gathered).cpu()
@@ -145,8 +136,8 @@ def instrument_engine(engine, timers):
                  schedule.ReduceTiedGrads: ("embedding-grads-all-reduce",),
                  schedule.ReduceGrads: ("grads-all-reduce",),
                  schedule.OptimizerStep: ("optimizer",)}
-        engine._INSTRUCTION_MAP = {instruction: timers.timed(names.get(instruction, ()), method, training)
-                                   for instruction, method in type(engine)._INSTRUCTION_MAP.items()}
+        deepspeed_internals.wrap_pipeline_instructions(
+            engine, lambda instruction, method: timers.timed(names.get(instruction, ()), method, training))
         return
     for attribute, names in (("forward", ("forward-backward", "forward-compute")),
                              ("backward", ("forward-backward", "backward-compute")),
@@ -169,7 +160,7 @@ def _counted_parameters(engine):
 def params_norm(engine):
     """L2 norm of the whole model's parameters (Megatron's params norm). Every rank calls it."""
     dp_first = parallel_state.get_sequence_data_parallel_rank() == 0  # one of the replicas (SP x DP)
-    total = torch.zeros((), dtype=torch.float64, device=_device())
+    total = torch.zeros((), dtype=torch.float64, device=device())
     for param in _counted_parameters(engine):
         partitioned = hasattr(param, "ds_tensor")  # ZeRO-3: each data-parallel rank holds a partition
         if partitioned or dp_first:
@@ -186,13 +177,13 @@ def optimizer_pieces(engine):
     data-parallel rank; a plain torch optimizer steps the parameters, the same on every data-parallel rank
     (counted on the first)."""
     optimizer = engine.optimizer
-    flats = (getattr(optimizer, "single_partition_of_fp32_groups", None)
-             or getattr(optimizer, "fp32_groups_flat_partition", None))
+    groups = deepspeed_internals.fp32_partition_groups(optimizer)
     params = list(_counted_parameters(engine))
-    if flats is not None:
+    if groups:
+        flats = [flat for _, flat in groups]
         pieces = []
         for param in params:
-            mapping = getattr(param, "_hp_mapping", None)
+            mapping = deepspeed_internals.hp_mapping(param)
             if mapping is not None:  # None: no part of this parameter in this rank's partition
                 address = mapping.hp_fragment_address
                 pieces.append((flats[mapping.param_group_index], address.start, address.numel))
@@ -219,9 +210,9 @@ def optimizer_state_norms(engine):
     optimizer_pieces knows). Every rank calls it."""
     pieces = optimizer_pieces(engine)  # now: a checkpoint load may have re-linked DeepSpeed's fragments
     state = _torch_optimizer(engine).state
-    sums = torch.zeros(8, dtype=torch.float64, device=_device())  # l2^2 of 4 kinds, then l1 of 4 kinds
-    maxima = torch.zeros(4, dtype=torch.float64, device=_device())
-    has_moments = torch.zeros(1, dtype=torch.int32, device=_device())
+    sums = torch.zeros(8, dtype=torch.float64, device=device())  # l2^2 of 4 kinds, then l1 of 4 kinds
+    maxima = torch.zeros(4, dtype=torch.float64, device=device())
+    has_moments = torch.zeros(1, dtype=torch.int32, device=device())
     for tensor, start, numel in pieces:
         moments = state.get(tensor, {})
         weight = _piece(tensor, start, numel).float()
@@ -258,7 +249,7 @@ class GradientZeroCounter:
     def __init__(self, engine):
         self.engine = engine
         self.spans = None  # id(stepped tensor) -> [(start, numel)], at the first step (after any checkpoint load)
-        self.count = torch.zeros((), dtype=torch.float64, device=_device())
+        self.count = torch.zeros((), dtype=torch.float64, device=device())
         self.counted_step = None
         _torch_optimizer(engine).register_step_pre_hook(self._count)
 
@@ -294,20 +285,19 @@ class GradientZeroCounter:
 class ScalarWriters:
     """TensorBoard and Weights & Biases writers of the logging rank; the same scalars go to both."""
 
-    def __init__(self, args):
+    def __init__(self, config):
         self.tensorboard = self.wandb = None
-        if args.tensorboard_dir:
+        if config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
-        if args.wandb_project:
+            self.tensorboard = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
+        if config.wandb_project:
             import wandb
 
-            from megatron_ds.checkpointing.files import args_to_dict
-            folder = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+            folder = config.wandb_save_dir or (os.path.join(config.save, "wandb") if config.save else None)
             if folder:
                 os.makedirs(folder, exist_ok=True)
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=folder,
-                                    config=args_to_dict(args))
+            self.wandb = wandb.init(project=config.wandb_project, name=config.wandb_exp_name or None, dir=folder,
+                                    config=dict(config.command_line))
 
     def write(self, scalars, iteration):
         values = {name: float(value) for name, value in scalars.items() if value is not None}
@@ -328,17 +318,18 @@ class MetricsLogger:
     """Megatron's iteration line on the logging rank, its timers, and the scalars (see the module docstring).
     With the engine given, the statistics and timers the flags ask for are set up on it."""
 
-    def __init__(self, args, config, peak_tflops, engine=None):
-        self.args = args
+    def __init__(self, config, model, peak_tflops, engine=None):
+        """config: the run's LoggingConfig; model: its TransformerConfig."""
+        self.config = config
         # model FLOPs of one sample by sequence length (one length, or the curriculum's few)
         self.flops_per_sample = functools.lru_cache(maxsize=None)(
-            lambda seq_length: model_flops_per_iteration(config, args.padded_vocab_size, 1, seq_length))
+            lambda seq_length: model_flops_per_iteration(model, config.padded_vocab_size, 1, seq_length))
         self.peak_tflops = peak_tflops
-        self.writing = bool(args.tensorboard_dir or args.wandb_project)  # the same on every rank
-        self.writers = ScalarWriters(args) if self.writing and is_logging_rank() else None
-        cuda = torch.cuda.is_available() and _device().type == "cuda"
-        self.timers = Timers(args.timing_log_level, torch.cuda.synchronize if cuda else None)
-        self.memory = args.log_memory_to_tensorboard and cuda
+        self.writing = bool(config.tensorboard_dir or config.wandb_project)  # the same on every rank
+        self.writers = ScalarWriters(config) if self.writing and is_logging_rank() else None
+        cuda = torch.cuda.is_available() and device().type == "cuda"
+        self.timers = Timers(config.timing_log_level, torch.cuda.synchronize if cuda else None)
+        self.memory = config.log_memory_to_tensorboard and cuda
         self.optimizer_statistics = False  # the optimizer's layout is one optimizer_pieces knows
         self.zero_counter = None
         if engine is not None:
@@ -350,54 +341,53 @@ class MetricsLogger:
         self.interval_start = time.perf_counter()
 
     def _set_up(self, engine, cuda):
-        args = self.args
+        config = self.config
         if self.timers.active:
             instrument_engine(engine, self.timers)
         notes = []
-        if args.log_optimizer_states_to_tensorboard or args.log_num_zeros_in_grad:
+        if config.log_optimizer_states_to_tensorboard or config.log_num_zeros_in_grad:
             self.optimizer_statistics = optimizer_pieces(engine) is not None
             if not self.optimizer_statistics:
                 flags = [flag for flag, given in (("--log-optimizer-states-to-tensorboard",
-                                                   args.log_optimizer_states_to_tensorboard),
-                                                  ("--log-num-zeros-in-grad", args.log_num_zeros_in_grad)) if given]
+                                                   config.log_optimizer_states_to_tensorboard),
+                                                  ("--log-num-zeros-in-grad", config.log_num_zeros_in_grad)) if given]
                 notes.append(f"{' and '.join(flags)}: not available with DeepSpeed's {type(engine.optimizer).__name__} "
-                             f"(ZeRO stage {args.zero_stage}); not logged")
-            elif args.log_num_zeros_in_grad:
+                             f"(ZeRO stage {config.zero_stage}); not logged")
+            elif config.log_num_zeros_in_grad:
                 self.zero_counter = GradientZeroCounter(engine)
-        if args.log_memory_to_tensorboard and not cuda:
+        if config.log_memory_to_tensorboard and not cuda:
             notes.append("--log-memory-to-tensorboard: no CUDA device, so no device memory scalars (CPU run)")
         tensorboard_flags = [f"--log-{flag.replace('_', '-')}-to-tensorboard"
                              for flag in ("timers", "batch_size", "validation_ppl", "optimizer_states", "memory",
-                                          "world_size") if getattr(args, f"log_{flag}_to_tensorboard")]
-        if (args.wandb_exp_name or args.wandb_save_dir) and not args.wandb_project:
+                                          "world_size") if getattr(config, f"log_{flag}_to_tensorboard")]
+        if (config.wandb_exp_name or config.wandb_save_dir) and not config.wandb_project:
             notes.append("--wandb-exp-name / --wandb-save-dir without --wandb-project: Weights & Biases is off")
         if tensorboard_flags and not self.writing:
             notes.append(f"{', '.join(tensorboard_flags)} without --tensorboard-dir or --wandb-project: nothing is "
                          f"written")
         for note in notes:
-            _print_rank_0(f"note: {note}")
+            print_rank_0(f"note: {note}")
 
-    def iteration(self, iteration, loss, lr, engine, batch_size, progress, curriculum=None, moe_loss=None):
-        """progress: the TrainingProgress after this iteration; curriculum: the legacy sequence-length
-        curriculum, whose current length the iteration trained on; moe_loss: the MoE auxiliary loss."""
-        args = self.args
-        seq_length = args.seq_length if curriculum is None else curriculum.length
+    def iteration(self, plan, loss, lr, engine, progress, moe_loss=None):
+        """plan: the IterationPlan the iteration ran; progress: the TrainingProgress after it; moe_loss: the MoE
+        auxiliary loss."""
+        config, iteration, batch_size, seq_length = self.config, plan.iteration, plan.global_batch_size, plan.seq_length
         self.losses.append(loss)
         if moe_loss is not None:
             self.moe_losses.append(moe_loss)
         self.tokens += batch_size * seq_length
         self.flops += self.flops_per_sample(seq_length) * batch_size
-        if iteration % args.log_interval:
+        if iteration % config.log_interval:
             return
         iterations = len(self.losses)
         elapsed = time.perf_counter() - self.interval_start
-        tflops = self.flops / elapsed / args.world_size / 1e12
+        tflops = self.flops / elapsed / config.world_size / 1e12
         scalars = {"lm loss": sum(self.losses) / iterations, "learning-rate": lr,
                    "consumed-samples": progress.consumed_train_samples,
                    "consumed-tokens": progress.consumed_train_tokens, "loss-scale": loss_scale(engine),
                    "grad-norm": engine.get_global_grad_norm(), "tokens-per-second": self.tokens / elapsed,
                    "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
-        if curriculum is not None:
+        if plan.by_curriculum:
             scalars["curriculum-seqlen"] = seq_length
         if self.moe_losses:
             scalars["moe loss"] = sum(self.moe_losses) / len(self.moe_losses)
@@ -413,22 +403,22 @@ class MetricsLogger:
         self._start_interval()
 
     def _statistics(self, engine):
-        args, scalars = self.args, {}
-        if args.log_params_norm:
+        config, scalars = self.config, {}
+        if config.log_params_norm:
             scalars["params-norm"] = params_norm(engine)
         if self.zero_counter is not None:
             scalars["num-zeros"] = self.zero_counter.total()
-        if args.log_optimizer_states_to_tensorboard and self.writing and self.optimizer_statistics:
+        if config.log_optimizer_states_to_tensorboard and self.writing and self.optimizer_statistics:
             scalars.update(optimizer_state_norms(engine))
         return scalars
 
     def _tensorboard_only(self, batch_size, seconds, timers):
-        args, scalars = self.args, {}
-        if args.log_batch_size_to_tensorboard:
+        config, scalars = self.config, {}
+        if config.log_batch_size_to_tensorboard:
             scalars["batch-size"] = batch_size
-        if args.log_world_size_to_tensorboard:
-            scalars["world-size"] = args.world_size
-        if args.log_timers_to_tensorboard:
+        if config.log_world_size_to_tensorboard:
+            scalars["world-size"] = config.world_size
+        if config.log_timers_to_tensorboard:
             scalars["iteration-time"] = seconds
             scalars.update({f"{name}-time": slowest for name, (_, slowest) in timers.items()})
         if self.memory:
@@ -439,18 +429,18 @@ class MetricsLogger:
         return scalars
 
     def _line(self, iteration, seconds, batch_size, s, engine):
-        args = self.args
+        config = self.config
         grad_norm = "nan" if s["grad-norm"] is None else f"{float(s['grad-norm']):.3f}"
         optional = ""
         if s.get("num-zeros") is not None:
             optional += f" num zeros: {s['num-zeros']:.1f} |"
         if s.get("params-norm") is not None:
             optional += f" params norm: {s['params-norm']:.3f} |"
-        skipped = f" number of skipped iterations: {engine.skipped_steps} |" if args.fp16 else ""
+        skipped = f" number of skipped iterations: {engine.skipped_steps} |" if config.fp16 else ""
         if s.get("curriculum-seqlen") is not None:
             optional += f" curriculum seqlen: {s['curriculum-seqlen']} |"
         moe = f" moe loss: {s['moe loss']:.6E} |" if s.get("moe loss") is not None else ""
-        return (f" iteration {iteration}/{args.train_iters} | consumed samples: {s['consumed-samples']} |"
+        return (f" iteration {iteration}/{config.train_iters} | consumed samples: {s['consumed-samples']} |"
                 f" consumed tokens: {s['consumed-tokens']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
                 f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |{moe}"
@@ -465,7 +455,7 @@ class MetricsLogger:
                   flush=True)
             if self.writers is not None:
                 scalars = {"validation lm loss": loss}
-                if self.args.log_validation_ppl_to_tensorboard:
+                if self.config.log_validation_ppl_to_tensorboard:
                     scalars["validation ppl"] = ppl
                 self.writers.write(scalars, iteration)
 
@@ -486,5 +476,4 @@ def loss_scale(engine):
     """What DeepSpeed multiplies the loss by before backward: fp16's loss scale, else 1."""
     if not engine.fp16_enabled():
         return 1.0
-    optimizer = engine.optimizer
-    return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
+    return deepspeed_internals.loss_scale(engine.optimizer)

@@ -8,7 +8,7 @@
   CPU for 45M parameters, 210 ms per step against 30 ms fused;
 - --fusion-backend reference: torch's for-loop AdamW, the plain definition the fused ones are held to;
 - DeepSpeed's CPU Adam (`deepspeed.ops.adam.DeepSpeedCPUAdam`, AdamW mode) with --cpu-optimizer or when the
-  DeepSpeed JSON offloads the optimizer to the CPU (args.cpu_adam, resolved in megatron_ds.arguments.resolve):
+  DeepSpeed JSON offloads the optimizer to the CPU (cpu_adam, resolved in megatron_ds.arguments.resolve):
   DeepSpeed refuses ZeRO-Offload with any other client optimizer. Its C++ op is compiled with ninja on first
   use and cached in ~/.cache/torch_extensions.
 
@@ -45,23 +45,25 @@ def parameter_groups(model, weight_decay):
     return groups
 
 
-def optimizer_description(args, device_type):
+def optimizer_description(optimization, device_type):
     """For the start-up log: 'AdamW:<implementation>' or 'SGD'."""
-    if args.optimizer == "sgd":
+    if optimization.optimizer == "sgd":
         return "SGD"
-    return f"AdamW:{adam_implementation(args.fusion_backend, device_type, args.cpu_adam)}"
+    return f"AdamW:{adam_implementation(optimization.fusion_backend, device_type, optimization.cpu_adam)}"
 
 
-def build_optimizer(model, args, device_type):
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(parameter_groups(model, args.weight_decay), lr=args.lr, momentum=args.sgd_momentum)
-    return build_adamw(model, args, device_type)
+def build_optimizer(model, optimization, device_type):
+    if optimization.optimizer == "sgd":
+        return torch.optim.SGD(parameter_groups(model, optimization.weight_decay), lr=optimization.lr,
+                               momentum=optimization.sgd_momentum)
+    return build_adamw(model, optimization, device_type)
 
 
-def build_adamw(model, args, device_type):
-    groups = parameter_groups(model, args.weight_decay)
-    options = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    implementation = adam_implementation(args.fusion_backend, device_type, args.cpu_adam)
+def build_adamw(model, optimization, device_type):
+    groups = parameter_groups(model, optimization.weight_decay)
+    options = dict(lr=optimization.lr, betas=(optimization.adam_beta1, optimization.adam_beta2),
+                   eps=optimization.adam_eps)
+    implementation = adam_implementation(optimization.fusion_backend, device_type, optimization.cpu_adam)
     if implementation == "deepspeed-cpu-adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **options)

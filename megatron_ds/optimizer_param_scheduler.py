@@ -12,10 +12,10 @@ of training progress:
 
 The first iteration runs at the LR of position 0 (0 with a warmup). The scheduler is DeepSpeed's client
 lr_scheduler: DeepSpeed calls step() after each applied optimizer step, which moves the position on by one
-iteration, the global batch (train() sets `global_batch_size` each iteration: the ramp-up changes it) and
-its tokens. The decay runs from the end of the warmup to the decay's amount; when the two phases count
-different units, the end of the warmup is taken in the decay's unit where a run from the start reaches it
-(through the batch schedule's ramp-up).
+iteration, the global batch (train() hands it each iteration's IterationPlan: the ramp-up changes the batch,
+the curriculum the sequence length) and its tokens. The decay runs from the end of the warmup to the decay's
+amount; when the two phases count different units, the end of the warmup is taken in the decay's unit where a
+run from the start reaches it (through the batch schedule's ramp-up).
 
 Megatron-DeepSpeed's scheduler (megatron/optimizer_param_scheduler.py, stepped in training.py) differs:
 - with --train-iters it counts samples too (the iterations x the global batch): the same LR without a
@@ -125,8 +125,12 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, schedule, seq_length, batch_schedule):
         self.optimizer, self.seq_length, self.batch_schedule = optimizer, seq_length, batch_schedule
-        self.global_batch_size = batch_schedule.global_batch_size(0)  # of the steps to come; train() keeps it current
+        self.global_batch_size = batch_schedule.global_batch_size(0)  # of the steps to come (begin_iteration)
         self.resume(schedule, Position())
+
+    def begin_iteration(self, plan):
+        """The iteration to come (an IterationPlan): its step counts the plan's global batch and tokens."""
+        self.global_batch_size, self.seq_length = plan.global_batch_size, plan.seq_length
 
     def resume(self, schedule, position):
         """Follow schedule from position on (the start, or where a checkpoint left off)."""

@@ -40,12 +40,13 @@ def profile_errors(args):
 class IterationProfiler:
     """Call begin(iteration) before and end(iteration) after each training iteration."""
 
-    def __init__(self, args, rank):
-        self.active = bool(args.profile) and rank in args.profile_ranks
+    def __init__(self, logging, rank):
+        """logging: the run's LoggingConfig (the profiler's flags and --tensorboard-dir)."""
+        self.active = bool(logging.profile) and rank in logging.profile_ranks
         self.rank = rank
-        self.start, self.stop = args.profile_step_start, args.profile_step_end
-        self.use_torch = args.use_pytorch_profiler
-        self.folder = args.profile_dir or args.tensorboard_dir or "."
+        self.start, self.stop = logging.profile_step_start, logging.profile_step_end
+        self.use_torch = logging.use_pytorch_profiler
+        self.folder = logging.profile_dir or logging.tensorboard_dir or "."
         self.recording, self.recorder = False, None
 
     def begin(self, iteration):

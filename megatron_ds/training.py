@@ -15,11 +15,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from megatron_ds.batch_schedule import build_batch_schedule
-from megatron_ds.arguments import ArgumentsError, parse_args, transformer_config_from_args
+from megatron_ds.arguments import ArgumentsError, parse_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress, folder_lock
 from megatron_ds.checkpointing.files import CheckpointSaveError
-from megatron_ds.core import parallel_state
+from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.compile_watch import CompileWatch
@@ -34,23 +33,19 @@ from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
-from megatron_ds.glue.runtime import device, init_distributed, local_world_size
+from megatron_ds.glue.runtime import device, init_distributed, local_world_size, print_rank_0
 from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
+from megatron_ds.iteration_plan import plan_iteration
 from megatron_ds.metrics import MetricsLogger, logging_rank, loss_scale
 from megatron_ds.optimizer import build_optimizer, optimizer_description
-from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler, lr_schedule_from_args
+from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.planning.cli import model_spec
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
 from megatron_ds.throughput import peak_tflops_per_device
-
-
-def print_rank_0(message):
-    if dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def build_model(args, config):
@@ -65,16 +60,16 @@ def build_model(args, config):
     return model
 
 
-def build_optimizer_and_scheduler(args, model):
-    optimizer = build_optimizer(model, args, device().type)
-    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_from_args(args), args.seq_length,
-                                        build_batch_schedule(args))
+def build_optimizer_and_scheduler(optimization, model):
+    optimizer = build_optimizer(model, optimization, device().type)
+    scheduler = OptimizerParamScheduler(optimizer, optimization.lr_schedule, optimization.seq_length,
+                                        optimization.batch_schedule)
     return optimizer, scheduler
 
 
 def setup_engine(args, config):
     model = build_model(args, config).to(device())
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model)
+    optimizer, scheduler = build_optimizer_and_scheduler(args.optimization, model)
     pipelined = args.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=copy.deepcopy(args.effective_deepspeed_config),  # DeepSpeed may edit it
@@ -154,17 +149,16 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     once --train-tokens are consumed; checkpoints (a CheckpointManager) saves at intervals, on a signal and
     at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
-    batch_schedule = build_batch_schedule(args)
     curriculum = (SequenceLengthCurriculum(args.curriculum_learning_legacy, args.seq_length)
                   if args.curriculum_learning_legacy else None)
-    train_iterator = batch_iterator(datasets.get("train"), args, progress.consumed_train_samples, device(),
+    train_iterator = batch_iterator(datasets.get("train"), args.data, progress.consumed_train_samples, device(),
                                     curriculum)
-    valid_iterator = batch_iterator(datasets.get("valid"), args, progress.consumed_valid_samples, device())
-    evaluating = will_evaluate(args)
+    valid_iterator = batch_iterator(datasets.get("valid"), args.data, progress.consumed_valid_samples, device())
+    evaluating = will_evaluate(args.data)
     experts = moe_layers(engine.module) if args.moe else None
     skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
-    profiler = IterationProfiler(args, dist.get_rank())
-    compile_watch = CompileWatch(bool(compiled_ops(transformer_config_from_args(args))))
+    profiler = IterationProfiler(args.logging, dist.get_rank())
+    compile_watch = CompileWatch(bool(compiled_ops(args.model)))
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -173,30 +167,26 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             break
         if watchdog is not None:
             watchdog.activity = f"iteration {iteration}"
-        batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
-        if deepspeed_train_batch_size(args, batch_size) != engine.train_batch_size():
-            # ramp-up: more micro-batches, same micro-batch size
-            engine.set_train_batch_size(deepspeed_train_batch_size(args, batch_size))
-        engine.lr_scheduler.global_batch_size = batch_size  # what its step counts in samples and tokens
-        accumulation_steps = engine.gradient_accumulation_steps()
-        seq_length = _sequence_length(engine, curriculum, iteration, args.seq_length)
-        engine.lr_scheduler.seq_length = seq_length  # its token count
+        plan = plan_iteration(iteration, progress, args.optimization.batch_schedule, args.micro_batch_size,
+                              args.data_parallel_size, _sequence_length(engine, curriculum, iteration, args.seq_length),
+                              by_curriculum=curriculum is not None)
+        _begin_iteration(args, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
         compile_watch.before_iteration()
-        loss, moe_loss = run_global_batch(engine, train_iterator, accumulation_steps, train=True, experts=experts)
+        loss, moe_loss = run_global_batch(engine, train_iterator, plan.micro_batches, train=True, experts=experts)
         compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
         progress.iteration = iteration
-        progress.consumed_train_samples += batch_size
-        progress.consumed_train_tokens += batch_size * seq_length
-        logger.iteration(iteration, loss, lr, engine, batch_size, progress, curriculum, moe_loss)
+        progress.consumed_train_samples += plan.global_batch_size
+        progress.consumed_train_tokens += plan.tokens
+        logger.iteration(plan, loss, lr, engine, progress, moe_loss)
         _log_compile(compile_line)
         _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
         _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
-            logger.validation(iteration, evaluate(args, engine, valid_iterator, accumulation_steps, curriculum))
-            progress.consumed_valid_samples += args.eval_iters * batch_size
+            logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
+            progress.consumed_valid_samples += args.eval_iters * plan.global_batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
             return progress
     _log_compile(compile_watch.summary())
@@ -205,9 +195,17 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     return progress
 
 
+def _begin_iteration(args, engine, plan):
+    """Hand the plan to DeepSpeed's engine (the ramp-up changes its batch: more micro-batches of the same size)
+    and to the LR scheduler (its step counts the plan's samples and tokens)."""
+    if deepspeed_train_batch_size(args, plan.global_batch_size) != engine.train_batch_size():
+        engine.set_train_batch_size(deepspeed_train_batch_size(args, plan.global_batch_size))
+    engine.lr_scheduler.begin_iteration(plan)
+
+
 def _log_compile(line):
     if line:
-        print_rank_0(f"megatron_ds: {line}")
+        print_rank_0(line)
 
 
 class NonFiniteTraining(RuntimeError):
@@ -273,35 +271,35 @@ def _train_tokens_reached(args, progress):
     before each iteration, as its loop condition). Every rank counts the same batches, so all stop together."""
     if args.train_tokens is None or progress.consumed_train_tokens < args.train_tokens:
         return False
-    print_rank_0(f"megatron_ds: --train-tokens {args.train_tokens} reached: {progress.consumed_train_tokens} tokens "
+    print_rank_0(f"--train-tokens {args.train_tokens} reached: {progress.consumed_train_tokens} tokens "
                  f"consumed at iteration {progress.iteration}")
     return True
 
 
 def log_startup(args, config, engine, peak, peak_source):
     sequence = f"SP {args.ds_sequence_parallel_size} x " if args.ds_sequence_parallel_size > 1 else ""
-    print_rank_0(f"megatron_ds: world size {args.world_size} = TP {args.tensor_model_parallel_size} x {sequence}PP "
+    print_rank_0(f"world size {args.world_size} = TP {args.tensor_model_parallel_size} x {sequence}PP "
                  f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; global batch "
                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
                  f"gradient accumulation {engine.gradient_accumulation_steps()}; padded vocab "
                  f"{args.padded_vocab_size}; dtype {str(args.params_dtype).replace('torch.', '')}; "
                  f"ZeRO stage {args.zero_stage}")
     for axis, groups in parallel_state.all_groups_by_axis().items():
-        print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
+        print_rank_0(f"{axis}-parallel groups: {groups}")
     if config.is_moe:
         for axis, groups in parallel_state.expert_groups_by_axis(config.moe_expert_parallel_size,
                                                                  config.moe_expert_tensor_parallel).items():
-            print_rank_0(f"megatron_ds: {axis}-parallel groups: {groups}")
+            print_rank_0(f"{axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
     if config.is_moe:
         _log_experts(args, config)
-    print_rank_0(f"megatron_ds: effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
-    print_rank_0(f"megatron_ds: MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
+    print_rank_0(f"effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
+    print_rank_0(f"MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     compiled = compiled_ops(config)
     compiling = f"; {len(compiled)} compiled on first use, the cost reported after 2 iterations" if compiled else ""
-    print_rank_0(f"megatron_ds: fused ops (--fusion-backend {args.fusion_backend}): "
+    print_rank_0(f"fused ops (--fusion-backend {args.fusion_backend}): "
                  f"{describe_fused_ops(config)} "
-                 f"optimizer={optimizer_description(args, device().type)}{compiling}")
+                 f"optimizer={optimizer_description(args.optimization, device().type)}{compiling}")
 
 
 def _log_parameters_per_stage(engine):
@@ -315,14 +313,14 @@ def _log_parameters_per_stage(engine):
         if data_rank == 0:
             per_stage[stage] = per_stage.get(stage, 0) + count
     for stage in sorted(per_stage):
-        print_rank_0(f"megatron_ds: parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
+        print_rank_0(f"parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
 
 
 def _log_experts(args, config):
     """Total and active parameters (the planner's count: the one formula), and the experts' placement."""
-    spec = model_spec(args)
+    spec = model_spec(args, config)
     counts = sorted({config.experts_in_layer(n) for n in range(1, config.num_layers + 1)} - {1})
-    print_rank_0(f"megatron_ds: Mixture of Experts: {total_parameters(spec):,} parameters in all, "
+    print_rank_0(f"Mixture of Experts: {total_parameters(spec):,} parameters in all, "
                  f"{active_parameters(spec):,} active per token (top-{config.moe_router_topk} of "
                  f"{'/'.join(map(str, counts))} experts every {config.expert_interval} layers); "
                  f"{'/'.join(str(count // config.moe_expert_parallel_size) for count in counts)} experts per "
@@ -344,11 +342,14 @@ def _configure_logging():
 def pretrain(argv=None, start_time=None):
     """start_time: time.time() when the job started (default: now); --exit-duration-in-mins counts from it."""
     start_time = time.time() if start_time is None else start_time
+    version_problems = deepspeed_internals.deepspeed_version_errors()  # before anything leans on DeepSpeed
+    if version_problems:
+        return _refuse(version_problems)
     try:
         args = parse_args(argv)
     except ArgumentsError as error:
         return _refuse([str(error)])
-    problems = data_problems(args)  # every rank reads the indices itself: no process group to hang
+    problems = data_problems(args.data)  # every rank reads the indices itself: no process group to hang
     if problems:
         return _refuse(problems)
     all_reduce_note = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
@@ -367,7 +368,7 @@ def pretrain(argv=None, start_time=None):
     watchdog.stop()  # before the last barrier: after it, rank 0 (the store's host) may be gone
     dist.barrier()
     if status == 0:
-        print_rank_0("megatron_ds: training done")
+        print_rank_0("training done")
     return status
 
 
@@ -381,9 +382,8 @@ def _refuse(problems):
 def _storage_ready(args):
     """Every rank checks the folders it writes (glue/storage.py) and learns every rank's problems, so all stop
     together, before training; returns whether training may go on."""
-    topology = parallel_state.build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             dist.get_world_size(), args.ds_sequence_parallel_size)
-    size = checkpoint_bytes(model_spec(args), args.zero_stage) if args.save else 0
+    topology = parallel_state.topology_of(args.parallel)
+    size = checkpoint_bytes(model_spec(args, args.model), args.zero_stage) if args.save else 0
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, storage_problems(args, dist.get_rank(), logging_rank(topology), size))
     problems = list(dict.fromkeys(problem for problems in everyone for problem in problems))
@@ -408,30 +408,29 @@ def _claim_save_folder(args):
         print(f"megatron_ds: error: {text}", file=sys.stderr, flush=True)
         return False
     if text:
-        print_rank_0(f"megatron_ds: WARNING: {text}")
+        print_rank_0(f"WARNING: {text}")
     return True
 
 
 def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
     _configure_logging()
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             sequence_parallel_size=args.ds_sequence_parallel_size)
+    parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel))
     if args.moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
         mend_token_split()
     _log_placement(args)
     if all_reduce_note:
-        print_rank_0(f"megatron_ds: {all_reduce_note}")
+        print_rank_0(all_reduce_note)
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)
-    config = transformer_config_from_args(args)
+    config = args.model
     watchdog.activity = "building the model and the DeepSpeed engine"
     engine = setup_engine(args, config)
     peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
     log_startup(args, config, engine, peak, peak_source)
     watchdog.activity = "building the datasets"
-    datasets = build_datasets(args)
-    logger = MetricsLogger(args, config, peak, engine)
+    datasets = build_datasets(args.data)
+    logger = MetricsLogger(args.logging, config, peak, engine)
     checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config, start_time)
     watchdog.activity = "loading the checkpoint"
     try:
@@ -452,7 +451,7 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
 def _log_placement(args):
     warning = tensor_parallel_placement_warning(args.tensor_model_parallel_size, local_world_size())
     for text in args.warnings + ((warning,) if warning else ()):
-        print_rank_0(f"megatron_ds: WARNING: {text}")
+        print_rank_0(f"WARNING: {text}")
     lines = describe_ranks() if args.print_topology else []
     for line in lines:
-        print_rank_0(f"megatron_ds: {line}")
+        print_rank_0(line)

@@ -21,7 +21,8 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf",
                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
                "--seq-length", "32", "--vocab-size", "256", "--attention-dropout", "0.1", "--iterations", "5",
-               "--rounds", "1", "--profile", "--profile-dir", str(tmp_path), "--layouts", "1x1", "2x1"]
+               "--rounds", "1", "--gemm-size", "256", "--profile", "--profile-dir", str(tmp_path), "--layouts", "1x1",
+               "2x1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -61,7 +61,7 @@ def test_timer_report_is_megatrons():
 
 def _line(**statistics):
     logger = metrics.MetricsLogger.__new__(metrics.MetricsLogger)
-    logger.args = SimpleNamespace(train_iters=10, fp16=False)
+    logger.config = SimpleNamespace(train_iters=10, fp16=False)
     scalars = {"consumed-samples": 16, "consumed-tokens": 512, "learning-rate": 3e-3, "lm loss": 5.25,
                "loss-scale": 1.0, "grad-norm": 1.5,
                "tokens-per-second": 100.0, "tflops-per-device": 0.01, "mfu": 0.1, **statistics}

@@ -36,7 +36,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() e
 
 import deepspeed  # noqa: E402 (after DS_ACCELERATOR)
 
-from megatron_ds.core import parallel_state  # noqa: E402
+from megatron_ds.core import deepspeed_internals, parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.tensor_parallel.random import use_deepspeed_checkpointing  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
@@ -118,9 +118,7 @@ def _deepspeed_checkpoint_inputs(grad_fn):
         if node is None or node in seen:
             continue
         seen.add(node)
-        for tensor in getattr(node, "deepspeed_saved_tensors", None) or ():
-            if torch.is_tensor(tensor):
-                kept.append(tensor.saved_data if getattr(tensor, "saved_data", None) is not None else tensor)
+        kept += deepspeed_internals.checkpoint_saved_inputs(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return kept
 

@@ -9,7 +9,8 @@ import os
 import torch
 
 from megatron_ds.batch_schedule import rampup_errors
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, stages_without_experts
+from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
@@ -37,25 +38,28 @@ def size_errors(args):
                   "train_tokens", "lr_decay_samples", "lr_decay_tokens"))
 
 
+def parallel_layout(args, zero_stage=None) -> ParallelLayout:
+    """The flags' parallel degrees (zero_stage: once reconciled with the DeepSpeed JSON)."""
+    return ParallelLayout(world_size=args.world_size, tensor=args.tensor_model_parallel_size,
+                          pipeline=args.pipeline_model_parallel_size, ulysses=args.ds_sequence_parallel_size,
+                          expert=args.moe_expert_parallel_size,
+                          expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
+                          sequence_parallel=bool(args.sequence_parallel), zero_stage=zero_stage)
+
+
+def model_shape(args) -> ModelShape:
+    return ModelShape(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+                      seq_length=args.seq_length, num_experts=tuple(args.num_experts),
+                      expert_interval=args.expert_interval, ffn_origin=_ffn_origin(args))
+
+
 def layout_errors(args):
-    """TP, Ulysses SP and PP against the world size and the model's heads, layers and widths."""
-    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    sp = args.ds_sequence_parallel_size
-    errors = []
-    if world % (tp * sp * pp):
-        sizes = f"--tensor-model-parallel-size {tp} x " + (f"--ds-sequence-parallel-size {sp} x " if sp > 1 else "")
-        errors.append(f"{sizes}--pipeline-model-parallel-size {pp} = {tp * sp * pp} does not divide the world size "
-                      f"{world} (the number of launched ranks)")
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(args, name) % tp:
-            errors.append(f"{_flag(name)} {getattr(args, name)} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
-        errors.append(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    if args.ffn_hidden_size % tp:
-        errors.append(f"--ffn-hidden-size {args.ffn_hidden_size}{_ffn_origin(args)} is not divisible by "
-                      f"--tensor-model-parallel-size {tp}")
-    if args.no_pipeline_parallel and pp > 1:
-        errors.append(f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp}")
+    """TP, Ulysses SP, PP and EP against the world size and the model (core/parallel_layout.py)."""
+    errors = [problem.message for problem in parallel_layout(args).problems(model_shape(args))]
+    if args.no_pipeline_parallel and args.pipeline_model_parallel_size > 1:
+        errors.append(f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
+                      f"{args.pipeline_model_parallel_size}")
     return errors
 
 
@@ -103,18 +107,15 @@ def _rotary_errors(args):
 
 
 def activation_memory_errors(args):
-    """Sequence parallelism and recompute."""
-    tp = args.tensor_model_parallel_size
+    """Sequence parallelism at TP 1 (refused here; the planner only warns) and recompute; how SP splits the
+    sequence is the layout's rule."""
     errors = []
     if args.checkpoint_activations and args.recompute_granularity == "selective":
         errors.append("--checkpoint-activations (full recompute of every layer) conflicts with selective recompute "
                       "(--recompute-activations / --recompute-granularity selective)")
-    if args.sequence_parallel and tp == 1:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence across "
                       "the TP ranks)")
-    if args.sequence_parallel and args.seq_length % tp:
-        errors.append(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
-                      f"--tensor-model-parallel-size {tp}")
     if args.recompute_activations and args.recompute_granularity != "selective":
         errors.append(f"--recompute-activations (selective) conflicts with --recompute-granularity "
                       f"{args.recompute_granularity}")
@@ -122,28 +123,13 @@ def activation_memory_errors(args):
 
 
 def ulysses_errors(args):
-    """DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): each rank holds seq-length / SP tokens (split again
-    over TP with --sequence-parallel), and attention swaps them for heads: the heads of a TP rank split over
-    SP. What the split cannot carry yet is refused by name."""
-    sp, tp = args.ds_sequence_parallel_size, args.tensor_model_parallel_size
-    if sp == 1:
+    """DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): what its split cannot carry yet, refused by name (how
+    the tokens and heads split is the layout's rule)."""
+    sp = args.ds_sequence_parallel_size
+    if sp == 1 or not args.reset_attention_mask:
         return []
-    flag = f"--ds-sequence-parallel-size {sp}"
-    tokens_split = sp * tp if args.sequence_parallel else sp
-    errors = []
-    if args.seq_length % tokens_split:
-        errors.append(f"{flag}: --seq-length {args.seq_length} is not divisible by "
-                      + (f"SP {sp} x --tensor-model-parallel-size {tp} (--sequence-parallel)"
-                         if args.sequence_parallel else f"SP {sp}"))
-    if args.num_attention_heads % tp == 0 and (args.num_attention_heads // tp) % sp:
-        errors.append(f"{flag}: the {args.num_attention_heads // tp} attention heads of a TP rank "
-                      f"(--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size {tp}) do "
-                      f"not split over SP {sp}")
-    refused = (("reset_attention_mask", "--reset-attention-mask", "each rank would need the document boundaries "
-                "of the whole sequence"),
-               ("moe", "--num-experts above 1", "the MoE layers would route each rank's slice on its own"))
-    errors += [f"{flag} with {what}: not built ({why})" for name, what, why in refused if getattr(args, name, None)]
-    return errors
+    return [f"--ds-sequence-parallel-size {sp} with --reset-attention-mask: not built (each rank would need the "
+            f"document boundaries of the whole sequence)"]
 
 
 def schedule_errors(args):
@@ -204,13 +190,8 @@ def warnings(args):
 
 def batch_errors(args):
     """Batch arithmetic and the ZeRO stage, on the values reconciled with the DeepSpeed JSON."""
-    errors = []
     micro, global_batch, dp = args.micro_batch_size, args.global_batch_size, args.data_parallel_size
-    if global_batch % (micro * dp):
-        errors.append(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
-                      f"data-parallel size {dp} = {micro * dp} (data-parallel size = world size "
-                      f"{args.world_size} / (TP {args.tensor_model_parallel_size} x PP "
-                      f"{args.pipeline_model_parallel_size}))")
+    errors = [problem.message for problem in parallel_layout(args).batch_problems(micro, global_batch)]
     if args.rampup_batch_size:
         errors += rampup_errors(*args.rampup_batch_size, global_batch, micro, dp)
     return errors
@@ -219,15 +200,7 @@ def batch_errors(args):
 def zero_stage_errors(args):
     if args.zero_stage not in (0, 1, 2, 3):
         return [f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}"]
-    if args.zero_stage >= 2 and args.pipeline_model_parallel_size > 1:
-        return [f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size "
-                f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports only ZeRO "
-                f"stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
-                f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"]
-    if args.zero_stage == 3 and args.moe:
-        return [f"--zero-stage 3 with --num-experts {' '.join(map(str, args.num_experts))}: DeepSpeed's ZeRO-3 does "
-                f"not shard MoE experts; use --zero-stage 0, 1 or 2"]
-    return []
+    return [problem.message for problem in parallel_layout(args, args.zero_stage).zero_problems(model_shape(args))]
 
 
 def deepspeed_activation_checkpointing_errors(args):
@@ -338,13 +311,12 @@ _UNBUILT_FEATURES = (
 
 
 def moe_errors(args):
-    """Mixture of Experts (--num-experts > 1): the counts, the expert-parallel size against the experts and
-    the ranks it spreads them over, and the layouts not built, each by name."""
+    """Mixture of Experts (--num-experts > 1): the counts and the expert-parallel size against the experts (the
+    ranks it spreads them over are the layout's rule)."""
     counts, ep = args.num_experts, args.moe_expert_parallel_size
     flag = f"--num-experts {' '.join(map(str, counts))}"
     if not args.moe:
         return [f"{flag}: counts must be >= 1"] if min(counts) < 1 else []
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     moe_layers = args.num_layers // args.expert_interval if args.expert_interval > 0 else 0
     errors = []
     if args.expert_interval < 1:
@@ -357,41 +329,12 @@ def moe_errors(args):
                          f">= 1"]
     errors += [f"--num-experts {count} is not divisible by --moe-expert-parallel-size {ep} (each expert-parallel "
                f"rank holds the same number of experts)" for count in sorted(set(counts)) if count > 1 and count % ep]
-    stage_ranks = args.world_size // pp if args.world_size % pp == 0 else None
-    if args.enable_expert_tensor_parallelism:
-        if stage_ranks and stage_ranks % tp == 0 and (stage_ranks // tp) % ep:
-            errors.append(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size "
-                          f"{stage_ranks // tp} (world size {args.world_size} / TP {tp} / PP {pp}): with "
-                          f"--enable-expert-tensor-parallelism the experts are spread over the data-parallel ranks "
-                          f"of each TP rank")
-    elif stage_ranks and stage_ranks % ep:
-        errors.append(f"--moe-expert-parallel-size {ep} does not divide the {stage_ranks} ranks of a "
-                      f"pipeline stage (TP x DP = world size {args.world_size} / PP {pp}): the experts are spread "
-                      f"over consecutive runs of them")
     fewest = min(count for count in counts if count > 1)
     if not 1 <= args.topk <= fewest:
         errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer ({fewest})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
-    if args.sequence_parallel:
-        errors.append(f"{flag} with --sequence-parallel: DeepSpeed's MoE splits "
-                      f"replicated tokens over the TP ranks, and with sequence parallelism each TP rank holds other "
-                      f"tokens; drop --sequence-parallel")
-    return errors + _stages_without_experts(args)
-
-
-def _stages_without_experts(args):
-    """Every pipeline stage must hold an MoE layer: DeepSpeed reduces the experts' gradient norm over the
-    pipeline group on the stages that have experts only, so a stage without would leave the others waiting."""
-    pp, interval = args.pipeline_model_parallel_size, args.expert_interval
-    if pp == 1 or interval < 1 or args.num_layers % pp:
-        return []
-    empty = stages_without_experts(args.num_layers, pp, interval)
-    if not empty:
-        return []
-    return [f"--pipeline-model-parallel-size {pp} with --expert-interval {interval}: pipeline stage(s) "
-            f"{', '.join(map(str, empty))} ({args.num_layers // pp} of --num-layers {args.num_layers} each) would "
-            f"hold no MoE layer; every stage needs one (a smaller --expert-interval, or fewer stages)"]
+    return errors
 
 
 def unbuilt_feature_errors(args):

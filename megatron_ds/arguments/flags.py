@@ -7,14 +7,15 @@ import functools
 import sys
 import types
 
+from megatron_ds.core.transformer.transformer_config import (ATTENTION_BACKENDS, FUSION_BACKENDS, NORMALIZATIONS,
+                                                              POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES,
+                                                              RECOMPUTE_METHODS)
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, TOKENIZER_TYPES
-
-NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 
 
 def _normalization(text):
     """Megatron-LM's LayerNorm / RMSNorm, or Megatron-DeepSpeed's layernorm / rmsnorm."""
-    return NORMALIZATIONS.get(text.lower(), text)
+    return {name.lower(): name for name in NORMALIZATIONS}.get(text.lower(), text)
 
 
 def _add_model_args(parser):
@@ -31,11 +32,11 @@ def _add_model_args(parser):
     group.add_argument("--seq-length", type=int, required=True)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    group.add_argument("--normalization", type=_normalization, choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+    group.add_argument("--normalization", type=_normalization, choices=NORMALIZATIONS, default="LayerNorm",
                        help="LayerNorm or RMSNorm (any case: Megatron-DeepSpeed writes layernorm / rmsnorm)")
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true")
-    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+    group.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
                        default="learned_absolute")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="same as --position-embedding-type rope")
@@ -52,7 +53,7 @@ def _add_model_args(parser):
         group.add_argument(flag, action="store_true", help="fused attention: --attention-backend sdpa (the default)")
     group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
                        help="accepted: Q K^T is never scaled by the layer number here (the softmax runs in fp32)")
-    group.add_argument("--attention-backend", choices=["sdpa", "local", "flash"], default="sdpa",
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa",
                        help="sdpa: torch's scaled_dot_product_attention (flash/memory-efficient kernels, no "
                             "s x s tensor kept); local: explicit softmax(QK^T)V; flash: megatron_ds's blocked "
                             "causal attention with a hashed dropout mask, in --fusion-backend's implementation "
@@ -61,7 +62,7 @@ def _add_model_args(parser):
 
 def _add_fusion_args(parser):
     group = parser.add_argument_group("fused kernels (core/fusions)")
-    group.add_argument("--fusion-backend", choices=["auto", "triton", "compile", "apex", "reference"],
+    group.add_argument("--fusion-backend", choices=FUSION_BACKENDS,
                        default="auto", help="auto: Triton on GPUs, the model's reference code on CPUs (cold "
                        "compiles cost more than they save there); an unavailable explicit choice is an error")
     for flag, help_text in (("--no-masked-softmax-fusion", "scale + mask + softmax of the local attention"),
@@ -79,9 +80,9 @@ def _add_memory_args(parser):
                        help="split LayerNorm/dropout/residual regions along the sequence across TP ranks")
     group.add_argument("--recompute-activations", action="store_true",
                        help="selective recompute of the core attention (= --recompute-granularity selective)")
-    group.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
+    group.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None)
     group.add_argument("--recompute-method", "--activations-checkpoint-method", dest="recompute_method",
-                       choices=["uniform", "block"], default=None,
+                       choices=RECOMPUTE_METHODS, default=None,
                        help="full recompute: uniform = chunks of --recompute-num-layers layers; block = only the "
                             "first --recompute-num-layers layers of each pipeline stage (default uniform)")
     group.add_argument("--recompute-num-layers", "--activations-checkpoint-num-layers", "--checkpoint-num-layers",

@@ -10,7 +10,8 @@ function named here, and the checks in `checks.py` only read:
   3. flag checks              layout, model, activation memory, optimization, checkpoint,
                               Megatron-DeepSpeed values and features not built here (+ data files*)
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
-  5. layout_values            data-parallel size = world / (TP x PP)        (when TP x PP divides the world)
+  5. layout_values            data-parallel size = world / (TP x Ulysses SP x PP), from the ParallelLayout
+                              (core/parallel_layout.py; when TP x SP x PP divides the world)
   6. reconcile_with_deepspeed_config (glue/ds_config.py)
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
@@ -19,6 +20,9 @@ function named here, and the checks in `checks.py` only read:
                               stage, MoE capacity over TP, DeepSpeed's activation checkpointing, CPU Adam and
                               optimizer offload, the TransformerConfig (+ fused kernels, fp16, profiler*)
   9. deepspeed_config_values  the effective DeepSpeed config handed to deepspeed.initialize; the warnings
+ 10. configuration_parts      the typed parts each component receives (arguments/configs.py): model (the one
+                              TransformerConfig of the run), parallel (the ParallelLayout), data, optimization,
+                              checkpointing, logging
 
 (*) only with on_this_host=True: tools/plan.py plans for machines other than this one. Problems are
 collected and raised together as one ArgumentsError after steps 1, 6 and 8 (a later step needs the
@@ -29,7 +33,7 @@ import argparse
 
 import torch
 
-from megatron_ds.arguments import checks
+from megatron_ds.arguments import checks, configs
 from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
@@ -72,22 +76,25 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     vars(args).update(model_defaults(args))
     errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
-    if args.world_size % _model_parallel_size(args) == 0:
+    if checks.parallel_layout(args).divides_world:
         vars(args).update(layout_values(args))
         errors += _apply(args, reconcile_with_deepspeed_config(args))
     raise_if_invalid(errors)
     vars(args).update(numerics_values(args), **optimizer_values(args))
     errors = checks.batch_errors(args) if layout_known else []
-    if layout_known and not errors:
-        vars(args).update(schedule_values(args))
+    batch_schedule = build_batch_schedule(args) if layout_known and not errors else None
+    if batch_schedule is not None:
+        vars(args).update(schedule_values(args, batch_schedule))
+    model, model_errors = transformer_config(args, check_fusions=on_this_host)
     errors += (checks.zero_stage_errors(args)
                + checks.deepspeed_activation_checkpointing_errors(args)
                + checks.cpu_optimizer_errors(args, on_gpu=torch.cuda.is_available() if on_this_host else True)
-               + transformer_config_errors(args, check_fusions=on_this_host))
+               + model_errors)
     if on_this_host:
         errors += checks.this_host_errors(args)
     raise_if_invalid(errors)
     vars(args).update(deepspeed_config_values(args), warnings=tuple(checks.warnings(args)))
+    vars(args).update(configuration_parts(args, model, batch_schedule))
     return _freeze(args)
 
 
@@ -163,13 +170,8 @@ def tokenizer_values(args):
     return {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}, []
 
 
-def _model_parallel_size(args):
-    """Ranks of one model replica: TP x Ulysses SP x PP (the SP ranks of a replica read the same samples)."""
-    return args.tensor_model_parallel_size * args.ds_sequence_parallel_size * args.pipeline_model_parallel_size
-
-
 def layout_values(args):
-    return {"data_parallel_size": args.world_size // _model_parallel_size(args)}
+    return {"data_parallel_size": checks.parallel_layout(args).data_parallel}
 
 
 def numerics_values(args):
@@ -193,17 +195,24 @@ def optimizer_values(args):
     return {"offload_optimizer_device": device, "cpu_adam": bool(args.cpu_optimizer) or device == "cpu"}
 
 
-def schedule_values(args):
+def schedule_values(args, schedule):
     """With --train-samples: the iterations that consume them (Megatron's count: the ramp-up's batches, then
     whole global batches)."""
     if args.train_samples is None:
         return {}
-    schedule = build_batch_schedule(args)
     iterations = consumed = 0
     while args.rampup_batch_size and consumed <= args.rampup_batch_size[2]:
         consumed += schedule.global_batch_size(consumed)
         iterations += 1
     return {"train_iters": iterations + max(0, args.train_samples - consumed) // args.global_batch_size}
+
+
+def configuration_parts(args, model, batch_schedule):
+    """The typed parts of the configuration (arguments/configs.py), each built once here. batch_schedule: None
+    when the layout is not known (the planner's --search)."""
+    return {"model": model, "parallel": checks.parallel_layout(args, args.zero_stage),
+            "data": configs.data_config(args), "optimization": configs.optimization_config(args, batch_schedule),
+            "checkpointing": configs.checkpointing_config(args), "logging": configs.logging_config(args)}
 
 
 def deepspeed_config_values(args):
@@ -218,14 +227,14 @@ def padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size):
 
 # --- the model ----------------------------------------------------------------------------------------
 
-def transformer_config_errors(args, check_fusions):
-    """Problems building the TransformerConfig (SP and recompute combinations) and, with check_fusions,
-    explicitly requested fused kernels this machine cannot run."""
+def transformer_config(args, check_fusions):
+    """(the run's TransformerConfig or None, problems): building it checks SP and recompute combinations; with
+    check_fusions also explicitly requested fused kernels this machine cannot run."""
     try:
         config = transformer_config_from_args(args)
     except ValueError as error:
-        return [str(error)]
-    return fusion_errors(config) if check_fusions else []
+        return None, [str(error)]
+    return config, fusion_errors(config) if check_fusions else []
 
 
 def transformer_config_from_args(args) -> TransformerConfig:

@@ -5,8 +5,10 @@ model-shape comparison that guards `--load`.
     DIR/latest_checkpointed_iteration.txt   Megatron's pointer: its iteration (or "release")
     DIR/global_step{N}/                     one checkpoint (tag "release" for converted Hugging Face weights)
         megatron_ds_checkpoint.json         metadata, written last: format, iteration, data position, scheduler,
-                                            arguments, layout, and every other file of the folder with its size
-                                            ("files") and its CRC-32 ("checksums", computed while writing it)
+                                            arguments, the model ("model": its shape, which --load compares;
+                                            "model_config": the run's TransformerConfig), layout, and every
+                                            other file of the folder with its size ("files") and its CRC-32
+                                            ("checksums", computed while writing it)
         ds_config.json                      the effective DeepSpeed config of the run that saved it
         rng_state_rank_{NNNNN}.pt           every rank's RNG states (training saves only)
         ...                                 DeepSpeed's files (format "deepspeed") or
@@ -19,6 +21,7 @@ pointers on it (tests kill saves at the phases of megatron_ds.checkpointing.hook
 later (same size) no longer matches its checksum, which --load verifies before reading anything.
 """
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -28,6 +31,7 @@ import zlib
 
 import torch
 
+from megatron_ds.arguments.configs import args_to_dict  # noqa: F401 (the checkpoint's record of the arguments)
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 
@@ -360,20 +364,6 @@ def load_file(path, what="checkpoint file"):
 
 # --- arguments and model shape ----------------------------------------------------------------------
 
-def args_to_dict(args):
-    """vars(args) as JSON values (dtypes become their names)."""
-    result = {}
-    for key, value in sorted(vars(args).items()):
-        if isinstance(value, torch.dtype):
-            value = str(value).replace("torch.", "")
-        try:
-            json.dumps(value)
-        except TypeError:
-            value = repr(value)
-        result[key] = value
-    return result
-
-
 def model_shape(args):
     """The model-defining values of a run (args: a namespace or a saved dict), defaults resolved."""
     get = args.get if isinstance(args, dict) else lambda name, default=None: getattr(args, name, default)
@@ -432,9 +422,23 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
 
 
-def model_shape_differences(saved_args, args):
-    """['--hidden-size: checkpoint 64, flags 32', ...] for every model-defining value that differs."""
-    saved, current = model_shape(saved_args), model_shape(args)
+def saved_model_shape(metadata):
+    """The model a checkpoint holds as it recorded it when saved (its "model"); a value a checkpoint from before
+    that value was recorded lacks is derived from its saved arguments."""
+    recorded = {key: value for key, value in metadata.get("model", {}).items() if key != "family"}
+    return {**model_shape(metadata["args"]), **recorded}
+
+
+def config_record(config):
+    """A dataclass configuration (the run's TransformerConfig) as JSON values: dtypes by name."""
+    return {key: str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+            for key, value in dataclasses.asdict(config).items()}
+
+
+def model_shape_differences(saved, args):
+    """['--hidden-size: checkpoint 64, flags 32', ...] for every model-defining value that differs. saved: the
+    checkpoint's model (saved_model_shape)."""
+    current = model_shape(args)
     differences = [f"{_SHAPE_FLAGS[key]}: checkpoint {saved[key]}, flags {current[key]}"
                    for key in saved if saved[key] != current[key]]
     if saved["padded_vocab_size"] != current["padded_vocab_size"] and saved["padded_vocab_size"]:

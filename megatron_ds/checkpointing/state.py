@@ -69,7 +69,7 @@ def _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer):
     entry = _rank_entry(metadata, tp_rank, pp_rank)
     num_layers = metadata["args"]["num_layers"]
     pipelined = _layout(metadata)["engine"] == "pipeline"
-    moe = files.is_moe(files.model_shape(metadata["args"]))
+    moe = files.is_moe(files.saved_model_shape(metadata))
     mp_state = load_file(os.path.join(path, f"mp_rank_{entry['mp_rank']:02d}_model_states.pt"))
     if pipelined and not moe:  # DeepSpeed's MoE save keeps a pipeline's weights in the mp_rank file instead
         local_weights = _read_pipeline_layer_files(path, entry, tp_rank)
@@ -125,7 +125,7 @@ def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
 def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_layers, pipelined):
     lay = _layout(metadata)
     canonical = lambda local: layout.canonical_name(local, num_layers, pipelined)  # noqa: E731
-    moe = files.is_moe(files.model_shape(metadata["args"]))
+    moe = files.is_moe(files.saved_model_shape(metadata))
     if lay["zero_stage"] == 0:
         if moe:
             raise CheckpointError("reading the optimizer states of a Mixture of Experts saved without ZeRO (DeepSpeed's "

@@ -11,7 +11,6 @@ rank's TP and data-parallel partition), at any TP x PP x DP. The folders are nam
 (PP = 1 and PP > 1 name parameters differently): each live parameter is matched to its folder through its
 canonical name (layout.py).
 """
-import contextlib
 import os
 import re
 import zipfile
@@ -22,6 +21,7 @@ from deepspeed.checkpoint import constants as ds
 
 from megatron_ds.checkpointing import layout
 from megatron_ds.checkpointing.files import CheckpointError, iteration_of, read_pointer
+from megatron_ds.core import deepspeed_internals
 
 POINTER = "latest_universal"
 FORMAT = "deepspeed universal"
@@ -177,13 +177,7 @@ def missing_files(path, folders, wanted, with_optimizer):
     return problems
 
 
-@contextlib.contextmanager
 def named_as_saved(optimizer, folder_of):
-    """DeepSpeed finds each parameter's folder by the optimizer's param_names: name every parameter as the
-    saving run did for the load."""
-    original = optimizer.param_names
-    optimizer.param_names = {param: folder_of[param] for param in original}
-    try:
-        yield
-    finally:
-        optimizer.param_names = original
+    """A context in which DeepSpeed's universal load finds each parameter's folder: every parameter named as the
+    saving run did."""
+    return deepspeed_internals.parameters_named(optimizer, folder_of)

@@ -47,7 +47,7 @@ def _check_target(args, tp, pp, ep=None, expert_tensor_parallelism=None):
 
 
 def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
-    from megatron_ds.core.transformer.transformer_config import stages_without_experts
+    from megatron_ds.core.parallel_layout import stages_without_experts
     if not files.is_moe(shape):
         return ([f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []) + \
             ([f"--target-expert-tensor-parallelism {expert_tensor_parallelism}: the model has no experts"]

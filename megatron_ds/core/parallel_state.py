@@ -14,6 +14,9 @@ from typing import List, Optional
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
+from megatron_ds.core import deepspeed_internals
+from megatron_ds.core.parallel_layout import ParallelLayout
+
 AXES = ("pipe", "data", "seq", "model")
 
 
@@ -57,15 +60,19 @@ def sequence_data_parallel_lists(topology):
 def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size,
                    sequence_parallel_size=1):
     """The (pipe, data, seq, model) topology for a world; raises ValueError when the sizes do not divide it."""
-    model_parallel = tensor_model_parallel_size * sequence_parallel_size * pipeline_model_parallel_size
-    if min(tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size) < 1 or \
-            world_size % model_parallel:
+    return topology_of(ParallelLayout(world_size, tensor=tensor_model_parallel_size,
+                                      pipeline=pipeline_model_parallel_size, ulysses=sequence_parallel_size))
+
+
+def topology_of(layout: ParallelLayout) -> ProcessTopology:
+    """The (pipe, data, seq, model) topology of a layout; raises ValueError when its sizes do not divide the world."""
+    if min(layout.tensor, layout.pipeline, layout.ulysses) < 1 or not layout.divides_world:
         raise ValueError(
-            f"tensor_model_parallel_size ({tensor_model_parallel_size}) x sequence_parallel_size "
-            f"({sequence_parallel_size}) x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = "
-            f"{model_parallel} must be positive and divide the world size ({world_size})")
-    return ProcessTopology(axes=list(AXES), dims=[pipeline_model_parallel_size, world_size // model_parallel,
-                                                  sequence_parallel_size, tensor_model_parallel_size])
+            f"tensor_model_parallel_size ({layout.tensor}) x sequence_parallel_size ({layout.ulysses}) x "
+            f"pipeline_model_parallel_size ({layout.pipeline}) = {layout.model_parallel_size} must be positive and "
+            f"divide the world size ({layout.world_size})")
+    return ProcessTopology(axes=list(AXES), dims=[layout.pipeline, layout.data_parallel, layout.ulysses,
+                                                  layout.tensor])
 
 
 def deepspeed_topology():
@@ -314,20 +321,17 @@ def initialize_expert_parallel(expert_parallel_size, expert_tensor_parallel=Fals
     hand them to DeepSpeed under its name for them, so its MoE layers and engine use exactly these groups; with
     expert_tensor_parallel also DeepSpeed's expert TP size (its MoE then gathers each TP rank's tokens for the
     sharded experts, and its gradient norm sums the expert shards over TP)."""
-    from deepspeed.utils import groups as deepspeed_groups
     name = expert_group_name(expert_parallel_size)
     parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size, expert_tensor_parallel)
-    deepspeed_groups.expert_tensor_parallel_world_size = \
-        get_tensor_model_parallel_world_size() if expert_tensor_parallel else 1
+    deepspeed_internals.set_expert_tensor_parallel_world_size(
+        get_tensor_model_parallel_world_size() if expert_tensor_parallel else 1)
     me = dist.get_rank()
-    for lists, groups, ranks_of in ((parallel, deepspeed_groups._EXPERT_PARALLEL_GROUP,
-                                     deepspeed_groups._EXPERT_PARALLEL_GROUP_RANKS),
-                                    (data, deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP,
-                                     deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS)):
+    for lists, register in ((parallel, deepspeed_internals.register_expert_parallel_group),
+                            (data, deepspeed_internals.register_expert_data_parallel_group)):
         for ranks in lists:
             group = dist.new_group(ranks=ranks)
             if me in ranks:
-                groups[name], ranks_of[name] = group, ranks
+                register(name, group, ranks)
 
 
 def expert_groups_by_axis(expert_parallel_size, expert_tensor_parallel=False):

@@ -10,23 +10,23 @@ otherwise). With one data-parallel rank nothing is done, where DeepSpeed would r
 gradients to bf16 and back.
 """
 import torch.distributed as dist
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+from megatron_ds.core import deepspeed_internals
 
 
 def install_flat_gradient_reduction(engine, data_parallel_group):
-    """Replace the engine's gradient reduction when its optimizer is BF16_Optimizer; returns whether it did.
-    Both the plain engine (`allreduce_gradients`) and the pipeline engine (`_bf16_reduce_grads`) reach
-    the reduction through `buffered_allreduce_fallback`, so that is the one method replaced."""
-    optimizer = engine.optimizer
-    if not isinstance(optimizer, BF16_Optimizer) or optimizer.has_moe_layers or not _averages_after_sum(engine):
+    """Replace the engine's gradient reduction (plain and pipeline engine alike: the one DeepSpeed method both
+    reduce through) when its optimizer is BF16_Optimizer without MoE layers; returns whether it did."""
+    buffers = deepspeed_internals.dense_bf16_flat_gradients(engine.optimizer)
+    if buffers is None or not _averages_after_sum(engine):
         return False
 
     def reduce_flat_buffers(grads=None, elements_per_buffer=None):
         if grads is not None:
             raise ValueError("flat gradient reduction reduces the optimizer's own buffers; got explicit grads")
-        all_reduce_mean(optimizer.non_expert_gradients, data_parallel_group, engine.communication_data_type)
+        all_reduce_mean(buffers, data_parallel_group, engine.communication_data_type)
 
-    engine.buffered_allreduce_fallback = reduce_flat_buffers
+    deepspeed_internals.replace_gradient_reduction(engine, reduce_flat_buffers)
     return True
 
 

@@ -10,19 +10,19 @@ and DeepSpeed's MoE gathers the shares back afterwards (deepspeed.moe.mappings.d
   up to a multiple of TP and the gather that follows it in the layer removes them: empty slots hold no token
   and are combined into no output, so nothing else changes (and nothing at all when the capacity divides).
 """
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.moe import mappings, sharded_moe
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 
-_deepspeed_drop_tokens, _deepspeed_gather_tokens = mappings.drop_tokens, mappings.gather_tokens
+from megatron_ds.core import deepspeed_internals
+
+_deepspeed_drop_tokens, _deepspeed_gather_tokens = deepspeed_internals.moe_token_functions()
 _slots_before_padding = []  # per split not yet gathered: the slots it had before padding (None: not padded)
 
 
 def _gather_tokens_over_gloo(input_, dim=0):
     """The tensors of the TP ranks concatenated along dim, in rank order."""
-    mpu = deepspeed.utils.groups.mpu
+    mpu = deepspeed_internals.model_parallel_unit()
     input_ = input_.contiguous()
     world_size = bwc_tensor_model_parallel_world_size(mpu)
     if world_size == 1:
@@ -34,7 +34,7 @@ def _gather_tokens_over_gloo(input_, dim=0):
 
 def _drop_tokens_padded(input_, dim=0):
     """DeepSpeed's split of the token slots over TP, after padding them to a multiple of TP."""
-    tp = bwc_tensor_model_parallel_world_size(deepspeed.utils.groups.mpu)
+    tp = bwc_tensor_model_parallel_world_size(deepspeed_internals.model_parallel_unit())
     slots = input_.size(dim)
     if tp > 1 and slots % tp:
         padding = list(input_.shape)
@@ -55,6 +55,6 @@ def _gather_tokens_unpadded(input_, dim=0):
 
 def mend_token_split():
     """Install the padded split (every backend) and, when the default process group runs gloo, the gloo gather."""
-    sharded_moe.drop_tokens, sharded_moe.gather_tokens = _drop_tokens_padded, _gather_tokens_unpadded
+    deepspeed_internals.install_moe_token_functions(_drop_tokens_padded, _gather_tokens_unpadded)
     if dist.get_backend() == "gloo":
-        mappings._gather_tokens = _gather_tokens_over_gloo
+        deepspeed_internals.install_moe_tensor_parallel_gather(_gather_tokens_over_gloo)

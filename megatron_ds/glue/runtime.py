@@ -1,4 +1,4 @@
-"""Process start-up: CPU or GPU, threads per rank, and the distributed backend.
+"""Process start-up: CPU or GPU, threads per rank, and the distributed backend; printing on rank 0.
 
 Imports nothing heavy at module level: `prepare_host()` must run before DeepSpeed is imported, because
 DeepSpeed picks its accelerator at import time.
@@ -10,7 +10,9 @@ import signal
 import socket
 
 import torch
+import torch.distributed as dist
 
+from megatron_ds.core import deepspeed_internals
 from megatron_ds.glue.launcher_env import export_launcher_environment, read_launcher
 
 
@@ -36,6 +38,11 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def print_rank_0(message):
+    if dist.get_rank() == 0:
+        print(f"megatron_ds: {message}", flush=True)
+
+
 def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, tensor_parallel_size=1):
     """Initialize torch.distributed through DeepSpeed (nccl on GPUs, gloo on CPUs), whichever launcher
     started us (torchrun, deepspeed, mpirun, srun: see launcher_env). On CPUs, when the TP group is the whole
@@ -52,7 +59,7 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     elif shared_memory:
         os.environ["LOCAL_SIZE"] = str(launcher.local_world_size)  # what DeepSpeed's op reads for "all local"
     else:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its JIT build would serve nothing
+        deepspeed_internals.skip_shared_memory_comm_build()  # its JIT build would serve nothing
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
@@ -64,13 +71,12 @@ def _use_shared_memory_all_reduce():
     TP when the TP group is the world. DeepSpeed falls back to the process group itself where the CPU lacks
     the op's vector instructions for the dtype (avx2 for fp32, avx512bw for bf16 and fp16)."""
     import deepspeed.comm
-    import torch.distributed as dist
     from megatron_ds.core.tensor_parallel.mappings import use_tensor_parallel_all_reduce
-    backend = deepspeed.comm.comm.cdb
-    if backend.shm_comm_op is None or backend.shm_vector_kernel_level == 0:
+    level = deepspeed_internals.shared_memory_all_reduce_level()
+    if level == 0:
         return None
     use_tensor_parallel_all_reduce(lambda tensor: deepspeed.comm.inference_all_reduce(tensor, dist.ReduceOp.SUM))
-    dtypes = "fp32, bf16 and fp16" if backend.shm_vector_kernel_level >= 2 else "fp32 (bf16 and fp16: gloo)"
+    dtypes = "fp32, bf16 and fp16" if level >= 2 else "fp32 (bf16 and fp16: gloo)"
     return (f"TP all-reduces ({dtypes}) go through DeepSpeed's shared-memory all-reduce: the TP group is all "
             f"{dist.get_world_size()} ranks, on this host")
 

@@ -12,6 +12,7 @@ import time
 
 from megatron_ds.arguments import (ArgumentsError, build_parser, parse_flags, raise_if_invalid, resolve, tokenizer_type,
                                    transformer_config_from_args)
+from megatron_ds.core.transformer.transformer_config import DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
@@ -78,10 +79,13 @@ def validated_args(args):
     return resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
 
 
-def model_spec(args) -> ModelSpec:
-    """The layer shapes from the same TransformerConfig training builds (SP and recompute do not change them)."""
-    shapes_only = argparse.Namespace(**{**vars(args), **_WITHOUT_MEMORY_CHOICES})
-    return ModelSpec(config=transformer_config_from_args(shapes_only), vocab_size=args.vocab_size,
+def model_spec(args, config=None) -> ModelSpec:
+    """The layer shapes from the same TransformerConfig training builds. config: a run's own (its SP and
+    recompute choices do not change the shapes); by default one from the flags without those choices, so that
+    plans of one model compare equal."""
+    if config is None:
+        config = transformer_config_from_args(argparse.Namespace(**{**vars(args), **_WITHOUT_MEMORY_CHOICES}))
+    return ModelSpec(config=config, vocab_size=args.vocab_size,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
                      tied_embeddings=not args.untie_embeddings_and_output_weights)
@@ -94,8 +98,8 @@ def layout_from_args(args) -> Layout:
                   dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, sequence_parallel=bool(args.sequence_parallel),
                   recompute=args.recompute_granularity, zero_stage=args.zero_stage,
-                  recompute_method=args.recompute_method or "uniform",
-                  recompute_num_layers=args.recompute_num_layers or 1,
+                  recompute_method=args.recompute_method or DEFAULT_RECOMPUTE_METHOD,
+                  recompute_num_layers=args.recompute_num_layers or DEFAULT_RECOMPUTE_NUM_LAYERS,
                   distribute_saved_activations=args.distribute_saved_activations,
                   ulysses=args.ds_sequence_parallel_size)
 

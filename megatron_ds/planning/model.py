@@ -6,10 +6,12 @@ import torch
 
 from megatron_ds.arguments import padded_vocab_size
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.core.transformer.transformer_config import stages_without_experts
+from megatron_ds.core.transformer.transformer_config import (DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS,
+                                                              RECOMPUTE_GRANULARITIES)
+from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout
 from megatron_ds.planning.devices import DeviceSpec
 
-RECOMPUTE_CHOICES = (None, "selective", "full")
+RECOMPUTE_CHOICES = (None, *RECOMPUTE_GRANULARITIES)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,8 @@ class Layout:
     sequence_parallel: bool = False   # Megatron's --sequence-parallel: tokens outside attention split over TP
     recompute: Optional[str] = None   # None, "selective" (attention scores) or "full" (whole layers)
     zero_stage: int = 1
-    recompute_method: str = "uniform"  # full only: "uniform" (chunks of N layers) or "block" (first N per stage)
-    recompute_num_layers: int = 1      # full only: N
+    recompute_method: str = DEFAULT_RECOMPUTE_METHOD  # full only: "uniform" (chunks of N layers) or "block"
+    recompute_num_layers: int = DEFAULT_RECOMPUTE_NUM_LAYERS  # full only: N
     distribute_saved_activations: bool = False   # full only: saved layer inputs split across TP
     ulysses: int = 1                   # DeepSpeed-Ulysses SP (--ds-sequence-parallel-size): ranks splitting a sample
 
@@ -113,58 +115,38 @@ class Cluster:
         return tflops * 1e12
 
 
-def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
-    """Ranks holding the same experts (TP x DP / EP: the experts are whole on each rank, spread over runs of EP
-    ranks of a stage; DP / EP with expert tensor parallelism, the TP ranks holding different shards): the group
-    expert gradients are reduced and their optimizer states ZeRO-partitioned over (the sequence-data-parallel
-    group for everything else). U x DP for a dense model (MoE takes no Ulysses)."""
+def parallel_layout(model: ModelSpec, layout: Layout) -> ParallelLayout:
+    """The layout's parallel degrees, with the model's expert parallelism (the rules and group sizes live there)."""
     config = model.config
-    if not config.is_moe:
+    return ParallelLayout(world_size=layout.world_size, tensor=layout.tp, pipeline=layout.pp, ulysses=layout.ulysses,
+                          expert=config.moe_expert_parallel_size,
+                          expert_tensor_parallel=config.moe_expert_tensor_parallel,
+                          sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage)
+
+
+def model_shape(model: ModelSpec) -> ModelShape:
+    config = model.config
+    return ModelShape(num_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+                      num_query_groups=config.num_query_groups, ffn_hidden_size=config.ffn_hidden_size,
+                      seq_length=model.seq_length, num_experts=tuple(config.num_experts),
+                      expert_interval=config.expert_interval)
+
+
+def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
+    """Ranks holding the same experts (TP x DP / EP; DP / EP with expert tensor parallelism): the group expert
+    gradients are reduced and their optimizer states ZeRO-partitioned over (the sequence-data-parallel group for
+    everything else, and for a dense model)."""
+    if not model.config.is_moe:
         return layout.sequence_data_parallel
-    sharing = layout.dp if config.moe_expert_tensor_parallel else layout.tp * layout.dp
-    return max(sharing // config.moe_expert_parallel_size, 1)
+    return parallel_layout(model, layout).expert_data_parallel
 
 
 def layout_errors(model: ModelSpec, layout: Layout, world_size: Optional[int] = None) -> List[tuple]:
-    """(reason, detail) for each rule the layout breaks, before any memory or time estimate; with world_size,
-    TP x U x PP x DP must make it. The Ulysses rules mirror training's (arguments/checks.py, ulysses_errors): the
-    tokens split over U (x TP with Megatron's SP), a TP rank's heads over U, no MoE."""
-    config, tp, pp, u = model.config, layout.tp, layout.pp, layout.ulysses
-    moe, ep = config.is_moe, config.moe_expert_parallel_size
-    heads, megatron_sp = config.num_attention_heads, layout.sequence_parallel
-    checks = [
-        (config.num_attention_heads % tp, "heads not divisible by TP",
-         f"{config.num_attention_heads} heads over TP {tp}"),
-        (config.num_query_groups % tp, "kv heads not divisible by TP",
-         f"{config.num_query_groups} kv heads over TP {tp}"),
-        (config.ffn_hidden_size % tp, "FFN not divisible by TP", f"FFN {config.ffn_hidden_size} over TP {tp}"),
-        (config.num_layers % pp, "layers not divisible by PP", f"{config.num_layers} layers over PP {pp}"),
-        (layout.global_batch_size % (layout.micro_batch_size * layout.dp),
-         "global batch not a multiple of micro batch x DP",
-         f"{layout.global_batch_size} over {layout.micro_batch_size} x {layout.dp}"),
-        (layout.zero_stage >= 2 and pp > 1, "ZeRO-2/3 with PP > 1",
-         f"ZeRO-{layout.zero_stage} with PP {pp} (DeepSpeed's pipeline supports stage 0 or 1)"),
-        (layout.sequence_parallel and model.seq_length % tp, "sequence not divisible by TP (SP)",
-         f"sequence {model.seq_length} over TP {tp}"),
-        (u > 1 and model.seq_length % (u * (tp if megatron_sp else 1)), "sequence not divisible by Ulysses SP",
-         f"sequence {model.seq_length} over Ulysses SP {u}" + (f" x TP {tp} (SP)" if megatron_sp else "")),
-        (u > 1 and heads % tp == 0 and (heads // tp) % u, "heads of a TP rank not divisible by Ulysses SP",
-         f"{heads} heads over TP {tp} = {heads // tp} per TP rank, over Ulysses SP {u}"),
-        (moe and u > 1, "MoE with Ulysses SP", f"Ulysses SP {u}: each rank's MoE layers would route its slice of "
-                                               f"the sequence alone (pretrain.py refuses it)"),
-        (moe and not config.moe_expert_tensor_parallel and (tp * layout.dp) % ep,
-         "expert parallel size does not divide TP x DP",
-         f"EP {ep} over TP {tp} x DP {layout.dp} (expert-parallel groups are runs of a stage's ranks)"),
-        (moe and config.moe_expert_tensor_parallel and layout.dp % ep, "expert parallel size does not divide DP",
-         f"EP {ep} over DP {layout.dp} (experts split over TP: expert-parallel groups are runs of DP ranks)"),
-        (moe and layout.sequence_parallel, "MoE with sequence parallelism",
-         "DeepSpeed's MoE splits replicated tokens over TP"),
-        (moe and layout.zero_stage == 3, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts"),
-        (moe and pp > 1 and config.num_layers % pp == 0
-         and stages_without_experts(config.num_layers, pp, config.expert_interval),
-         "a pipeline stage without MoE layers", f"PP {pp} with an MoE layer every {config.expert_interval} of "
-                                                f"{config.num_layers} layers"),
-        (world_size is not None and layout.world_size != world_size, "layout does not match the world size",
-         f"{layout.describe_sizes()} != {world_size}"),
-    ]
-    return [(reason, detail) for broken, reason, detail in checks if broken]
+    """(reason, detail) for each rule the layout breaks (core/parallel_layout.py, the rules pretrain.py checks),
+    before any memory or time estimate; with world_size, TP x U x PP x DP must make it."""
+    problems = parallel_layout(model, layout).problems(
+        model_shape(model), batch=(layout.micro_batch_size, layout.global_batch_size))
+    errors = [(problem.reason, problem.detail) for problem in problems]
+    if world_size is not None and layout.world_size != world_size:
+        errors.append(("layout does not match the world size", f"{layout.describe_sizes()} != {world_size}"))
+    return errors

@@ -14,6 +14,7 @@ fits each layout and the ranking chooses among those and the other layouts that 
 import dataclasses
 from collections import defaultdict
 
+from megatron_ds.core.parallel_layout import divisors, layouts_of_world
 from megatron_ds.planning.memory import GIB, memory_per_stage
 from megatron_ds.planning.model import RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, layout_errors
 from megatron_ds.planning.parameters import stage_parameters
@@ -24,24 +25,17 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 EXAMPLES_PER_REASON = 3
 
 
-def divisors(n: int):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int):
     """All layouts of the world, smaller Ulysses sizes first; micro batches larger than a data-parallel rank's
     share are skipped."""
-    for ulysses in divisors(world_size):
-        for tp in divisors(world_size // ulysses):
-            for pp in divisors(world_size // (ulysses * tp)):
-                dp = world_size // (ulysses * tp * pp)
-                for micro in MICRO_BATCH_SIZES:
-                    if micro > 1 and micro * dp > global_batch_size:
-                        continue
-                    for sequence_parallel in ((False, True) if tp > 1 else (False,)):
-                        for recompute in RECOMPUTE_CHOICES:
-                            yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute,
-                                         zero_stage, ulysses=ulysses)
+    for ulysses, tp, pp, dp in layouts_of_world(world_size):
+        for micro in MICRO_BATCH_SIZES:
+            if micro > 1 and micro * dp > global_batch_size:
+                continue
+            for sequence_parallel in ((False, True) if tp > 1 else (False,)):
+                for recompute in RECOMPUTE_CHOICES:
+                    yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute, zero_stage,
+                                 ulysses=ulysses)
 
 
 def smaller_ulysses(layout: Layout):

@@ -20,6 +20,7 @@ def _manager(load_dir, world_size=1):
     manager = CheckpointManager.__new__(CheckpointManager)
     manager.args = parse_args(TINY + ["--train-iters", "8", "--load", str(load_dir)] + layout_flags(1, 1),
                               world_size=world_size)
+    manager.config = manager.args.checkpointing
     return manager
 
 

@@ -3,7 +3,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_ds.checkpointing.manager import ExitDuration
+from megatron_ds.checkpointing.exit_policy import ExitDuration
 from tests.distributed import run_distributed
 
 

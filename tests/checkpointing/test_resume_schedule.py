@@ -1,11 +1,11 @@
-"""CheckpointManager's choice of the LR schedule and the progress at --load (in process, on metadata): the
+"""The load plan's choice of the LR schedule and the progress at --load (in process, on metadata): the
 checkpoint scheduler flags, --no-load-lr-state, --reset-iteration and --finetune."""
 import dataclasses
 
 import pytest
 
 from megatron_ds.arguments import parse_args
-from megatron_ds.checkpointing import CheckpointManager, TrainingProgress, files
+from megatron_ds.checkpointing import TrainingProgress, files, load_plan
 from megatron_ds.optimizer_param_scheduler import LRSchedule, Position
 from tests.checkpoints import TINY, layout_flags
 
@@ -16,17 +16,15 @@ METADATA = {"iteration": 5, "consumed_train_samples": 20, "consumed_valid_sample
                           "position": {"iterations": 5, "samples": 20, "tokens": 320}}}
 
 
-def _manager(*flags):
-    manager = CheckpointManager.__new__(CheckpointManager)
-    manager.args = parse_args(TINY + ["--train-iters", "8", "--lr-warmup-iters", "2", "--load", "ckpt", *flags]
-                              + layout_flags(1, 1), world_size=1)
-    return manager
+def _args(*flags):
+    return parse_args(TINY + ["--train-iters", "8", "--lr-warmup-iters", "2", "--load", "ckpt", *flags]
+                      + layout_flags(1, 1), world_size=1)
 
 
 def _resume(*flags, metadata=METADATA, finetune=False):
-    manager = _manager(*flags)
-    progress = manager._resumed_progress(metadata, finetune)
-    return progress, manager._lr_schedule_to_resume("ckpt/global_step5", metadata, progress, finetune)
+    args = _args(*flags)
+    progress = load_plan.resumed_progress(args, metadata, finetune)
+    return progress, load_plan.lr_schedule_to_resume(args, "ckpt/global_step5", metadata, progress, finetune)
 
 
 def test_default_resumes_the_checkpoints_schedule_and_progress():

@@ -34,7 +34,7 @@ def data(tmp_path):
 
 
 def _problems(*flags):
-    return data_problems(parse_args(FLAGS + list(flags), world_size=1))
+    return data_problems(parse_args(FLAGS + list(flags), world_size=1).data)
 
 
 def test_an_empty_validation_split_is_refused_when_training_evaluates(data):

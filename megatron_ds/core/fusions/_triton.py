@@ -2,7 +2,7 @@
 
 Kernels are written as plain functions decorated with `kernel`; they are handed to `triton.jit` on their
 first launch, not at import (without triton installed this module still imports: `tl.constexpr`
-annotations resolve to a stub and `TRITON_IMPORT_ERROR` says why the backend is missing).
+annotations and constants resolve to a stub and `TRITON_IMPORT_ERROR` says why the backend is missing).
 
 Triton's CPU interpreter (`TRITON_INTERPRET=1`, for tests) must be switched on before triton is first
 imported: triton's own standard library (tl.sum, tl.max, tl.sigmoid) is jitted at import, in the mode
@@ -21,7 +21,9 @@ except ImportError as error:  # the backend registry reports this; nothing here 
     TRITON_IMPORT_ERROR = f"triton is not installed ({error})"
 
     class _LanguageStub:
-        constexpr = object
+        @staticmethod
+        def constexpr(value):
+            return value
 
     tl = _LanguageStub()
 

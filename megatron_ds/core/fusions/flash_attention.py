@@ -35,7 +35,7 @@ from megatron_ds.core.fusions.backends import FusedOp, compiled
 BLOCK_QUERIES = 128
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
-_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+_FMIX_1, _FMIX_2 = 0x85EBCA6B, 0xC2B2AE35
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -58,9 +58,9 @@ def _mul32(x, constant: int):
 
 def _fmix32(x):
     x = x ^ (x >> 16)
-    x = _mul32(x, _FMIX[0])
+    x = _mul32(x, _FMIX_1)
     x = x ^ (x >> 13)
-    x = _mul32(x, _FMIX[1])
+    x = _mul32(x, _FMIX_2)
     return x ^ (x >> 16)
 
 
@@ -215,12 +215,16 @@ def _device_function(fn):
     return fn if triton is None else triton.jit(fn)
 
 
+# the hash's constants as the kernels read them: a compiled kernel reads module globals only as constexprs
+_GOLDEN_K, _FMIX_1_K, _FMIX_2_K = (tl.constexpr(value) for value in (_GOLDEN, _FMIX_1, _FMIX_2))
+
+
 @_device_function
 def _fmix32_u32(x):
     x ^= x >> 16
-    x *= 0x85EBCA6B
+    x *= _FMIX_1_K
     x ^= x >> 13
-    x *= 0xC2B2AE35
+    x *= _FMIX_2_K
     return x ^ (x >> 16)
 
 
@@ -229,7 +233,7 @@ def _keep_tile(SEED, rows, keys, threshold):
     """keep_mask of a tile in uint32 arithmetic, which wraps as the hash needs: [len(rows), len(keys)] bool."""
     seed = tl.load(SEED).to(tl.uint32)
     row_hash = _fmix32_u32(rows.to(tl.uint32) ^ seed)
-    return _fmix32_u32(row_hash[:, None] + keys.to(tl.uint32)[None, :] * 0x9E3779B9) >= threshold
+    return _fmix32_u32(row_hash[:, None] + keys.to(tl.uint32)[None, :] * _GOLDEN_K) >= threshold
 
 
 @_device_function

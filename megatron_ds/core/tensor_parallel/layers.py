@@ -8,11 +8,8 @@ grad-norm and our deterministic initialization read them).
 import torch
 import torch.nn.functional as F
 
-import torch.distributed as dist
-
-from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
-                                             get_tensor_model_parallel_world_size)
-from megatron_ds.core.tensor_parallel.mappings import (_gather_along, _reduce_scatter_first_dim,
+from megatron_ds.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron_ds.core.tensor_parallel.mappings import (_gather_along, _reduce, _reduce_scatter_first_dim,
                                                        copy_to_tensor_model_parallel_region,
                                                        gather_from_tensor_model_parallel_region,
                                                        reduce_from_tensor_model_parallel_region,
@@ -47,20 +44,12 @@ def _replicated_bias(size, dtype, sequence_parallel=False):
     return bias
 
 
-def _all_reduce_over_tensor_parallel(grad):
-    if get_tensor_model_parallel_world_size() == 1:
-        return grad
-    grad = grad.contiguous()
-    dist.all_reduce(grad, group=get_tensor_model_parallel_group())
-    return grad
-
-
 def mark_sequence_parallel_parameter(param):
     """A parameter replicated across TP but applied to this rank's sequence chunk only (norm weights,
     row-parallel biases under sequence parallelism): its gradient is summed over the TP group as it
     is produced, before DeepSpeed accumulates it, so it stays identical on every TP rank."""
     param.sequence_parallel = True
-    param.register_hook(_all_reduce_over_tensor_parallel)
+    param.register_hook(_reduce)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):

@@ -3,7 +3,6 @@ config.fusion_backend (`auto` on a CPU compiles the ops that gain from it once t
 or the reference when the op's fusion flag is off or when apex, which serves the norms only, is asked for
 another op. Causal attention runs flash_attention where runs_flash_attention says so (its eager reference
 only under --attention-backend flash: sdpa is faster)."""
-import torch
 
 from megatron_ds.core.fusions import get_fused_op, select_backend
 
@@ -15,10 +14,6 @@ FUSION_FLAGS = {"scale_mask_softmax": "masked_softmax_fusion", "layer_norm": "pe
 _APEX_OPS = ("layer_norm", "rms_norm")
 
 
-def _device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def op_backend(config, op_name):
     """The backend that runs op_name; raises ValueError when an explicitly requested one cannot."""
     requested = config.fusion_backend
@@ -26,12 +21,12 @@ def op_backend(config, op_name):
         return "reference"
     if op_name == "flash_attention" and config.attention_backend == "local":
         return "reference"
-    return select_backend(op_name, requested, _device(), config.hidden_size)
+    return select_backend(op_name, requested, hidden_size=config.hidden_size)
 
 
 def op_implementation(config, op_name):
     """The callable the model runs for op_name (signatures in core/fusions/__init__.py)."""
-    return get_fused_op(op_name, op_backend(config, op_name), _device(), config.hidden_size)
+    return get_fused_op(op_name, op_backend(config, op_name), hidden_size=config.hidden_size)
 
 
 def fusion_errors(config):

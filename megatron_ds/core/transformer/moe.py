@@ -11,7 +11,7 @@ What is ours:
 import deepspeed
 import torch
 
-from megatron_ds.core import parallel_state
+from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.tensor_parallel.random import init_method_normal, set_init_method
 from megatron_ds.core.transformer.mlp import MLP
 
@@ -53,9 +53,7 @@ def expert_group_name(config):
 
 def expert_parallel_rank(config):
     """This rank's place in its expert-parallel group (0 without one: EP 1)."""
-    from deepspeed.utils import groups
-    name = expert_group_name(config)
-    return groups._get_expert_parallel_rank(name) if name in groups._get_expert_parallel_group_dict() else 0
+    return deepspeed_internals.expert_parallel_rank(expert_group_name(config))
 
 
 class MoEMLP(deepspeed.moe.layer.MoE):

@@ -4,24 +4,21 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_ds.core.fusions.backends import BACKENDS as FUSION_BACKENDS
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("sdpa", "local", "flash")
-FUSION_BACKENDS = ("auto", "triton", "compile", "apex", "reference")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+# what full recompute means without a method or a count
+DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS = "uniform", 1
 
 
 def default_ffn_hidden_size(hidden_size, gated_linear_unit):
     """Megatron's FFN width when none is given: 4h, or 8h/3 rounded down to a multiple of 64 with a GLU
     (the GLU's two input projections then hold about as many parameters as 4h without one)."""
     return int(8 * hidden_size / 3 / 64) * 64 if gated_linear_unit else 4 * hidden_size
-
-
-def stages_without_experts(num_layers, pipeline_stages, expert_interval):
-    """The pipeline stages (0-based) that would hold no MoE layer (every expert_interval-th layer is one)."""
-    per_stage = num_layers // pipeline_stages
-    return [stage for stage in range(pipeline_stages)
-            if not any(layer % expert_interval == 0
-                       for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
 
 
 @dataclass
@@ -111,14 +108,14 @@ class TransformerConfig:
                              f"head: that must be an even integer >= 2")
 
     def _check_recompute(self):
-        if self.recompute_granularity not in (None, "selective", "full"):
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
             raise ValueError(f"TransformerConfig.recompute_granularity must be None, 'selective' or 'full', "
                              f"got {self.recompute_granularity!r}")
         full = self.recompute_granularity == "full"
         if full:
-            self.recompute_method = self.recompute_method or "uniform"
-            self.recompute_num_layers = self.recompute_num_layers or 1
-        if self.recompute_method not in ((None,) if not full else ("uniform", "block")):
+            self.recompute_method = self.recompute_method or DEFAULT_RECOMPUTE_METHOD
+            self.recompute_num_layers = self.recompute_num_layers or DEFAULT_RECOMPUTE_NUM_LAYERS
+        if self.recompute_method not in (RECOMPUTE_METHODS if full else (None,)):
             raise ValueError(f"recompute_method {self.recompute_method!r} needs recompute_granularity 'full' and "
                              f"is 'uniform' or 'block'")
         if self.recompute_num_layers is not None and (not full or self.recompute_num_layers < 1):

@@ -1,0 +1,169 @@
+"""A resolved run's configuration in typed parts, each handed to the component that owns it.
+
+`resolve()` builds each part once, from the final values; a part holds exactly the values its component
+reads (a fact two components need, such as --seq-length, is copied into both from the one resolved value):
+
+  model          TransformerConfig (core/transformer/transformer_config.py): the layers' shape and numerics
+  parallel       ParallelLayout (core/parallel_layout.py): TP, Ulysses SP, PP, DP, EP, ZeRO stage
+  data           DataConfig: what data/builder.py reads to build and feed the datasets
+  optimization   OptimizationConfig: the optimizer, its LR schedule and batch schedule, precision
+  checkpointing  CheckpointingConfig: saving, loading and the exit policy
+  logging        LoggingConfig: the log line, TensorBoard / W&B and the profiler
+
+The resolved arguments themselves stay for the places that print or record the whole command line.
+"""
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from megatron_ds.optimizer_param_scheduler import LRSchedule, lr_schedule_from_args
+
+PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: Optional[Tuple[str, ...]]
+    train_data_path: Optional[Tuple[str, ...]]
+    valid_data_path: Optional[Tuple[str, ...]]
+    test_data_path: Optional[Tuple[str, ...]]
+    split: str
+    mock_data: bool
+    data_cache_path: Optional[str]
+    num_workers: int
+    seq_length: int
+    vocab_size: int
+    eod: int
+    eod_mask_loss: bool
+    reset_attention_mask: bool
+    reset_position_ids: bool
+    seed: int
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    eval_interval: Optional[int]
+    eval_iters: int
+
+
+@dataclass(frozen=True)
+class OptimizationConfig:
+    optimizer: str
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    sgd_momentum: float
+    cpu_adam: bool
+    fusion_backend: str
+    lr_schedule: LRSchedule
+    batch_schedule: Any            # batch_schedule.ConstantBatchSize or RampupBatchSize; None for --search
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    train_tokens: Optional[int]
+    params_dtype: torch.dtype
+    fp16: bool
+    check_for_nan_in_loss_and_grad: bool
+    max_consecutive_skipped_steps: int
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    save: Optional[str]
+    load: Optional[str]
+    save_interval: Optional[int]
+    load_iteration: Optional[str]
+    async_save: bool
+    universal_checkpoint: bool
+    load_universal_checkpoint: bool
+    finetune: bool
+    reset_iteration: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    no_load_lr_state: bool
+    override_opt_param_scheduler: bool
+    use_checkpoint_opt_param_scheduler: bool
+    exit_interval: Optional[int]
+    exit_duration_in_mins: Optional[float]
+    exit_signal_handler: bool
+    distributed_timeout_minutes: float
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int
+    tensorboard_dir: Optional[str]
+    tensorboard_queue_size: int
+    log_batch_size_to_tensorboard: bool
+    log_memory_to_tensorboard: bool
+    log_num_zeros_in_grad: bool
+    log_optimizer_states_to_tensorboard: bool
+    log_params_norm: bool
+    log_timers_to_tensorboard: bool
+    log_validation_ppl_to_tensorboard: bool
+    log_world_size_to_tensorboard: bool
+    timing_log_level: int
+    wandb_project: Optional[str]
+    wandb_exp_name: Optional[str]
+    wandb_save_dir: Optional[str]
+    profile: bool
+    use_pytorch_profiler: bool
+    profile_step_start: int
+    profile_step_end: int
+    profile_ranks: Tuple[int, ...]
+    profile_dir: Optional[str]
+    train_iters: int               # the facts the iteration line reports, and W&B's default folder (--save)
+    world_size: int
+    zero_stage: int
+    fp16: bool
+    padded_vocab_size: int
+    save: Optional[str]
+    command_line: Dict[str, Any]   # the resolved arguments as JSON values: W&B's run config
+
+
+def args_to_dict(args):
+    """vars(args) as JSON values (dtypes become their names), without the typed parts of the configuration
+    (arguments/configs.py: values derived from the others)."""
+    result = {}
+    for key, value in sorted(vars(args).items()):
+        if dataclasses.is_dataclass(value):
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value).replace("torch.", "")
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        result[key] = value
+    return result
+
+
+def _picked(cls, args, **derived):
+    """cls with each field read from the resolved arguments (lists become tuples), or given in derived."""
+    values = {}
+    for field in fields(cls):
+        value = derived[field.name] if field.name in derived else getattr(args, field.name)
+        values[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def data_config(args) -> DataConfig:
+    return _picked(DataConfig, args)
+
+
+def optimization_config(args, batch_schedule) -> OptimizationConfig:
+    return _picked(OptimizationConfig, args, lr_schedule=lr_schedule_from_args(args), batch_schedule=batch_schedule)
+
+
+def checkpointing_config(args) -> CheckpointingConfig:
+    return _picked(CheckpointingConfig, args)
+
+
+def logging_config(args) -> LoggingConfig:
+    return _picked(LoggingConfig, args, command_line=args_to_dict(args))

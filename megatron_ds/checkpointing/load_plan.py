@@ -1,0 +1,142 @@
+"""What --load will do, decided before anything is read into the engine: a pure function of the checkpoint's
+metadata and the run's resolved configuration, printable, then executed by the manager (manager.py).
+
+A LoadPlan names the checkpoint, how it is read (DeepSpeed's universal loading, DeepSpeed's load_checkpoint
+when the saved layout is this run's, or this rank's state read per rank in canonical names, resharded when
+TP, PP or the experts' split differ), which states load (optimizer, RNG), the progress training resumes
+from and the LR schedule it follows. Every refusal (another model, a schedule that disagrees with the flags)
+is raised here, with the same text on every rank (each computes the same plan from the same metadata).
+"""
+import dataclasses
+import os
+
+from megatron_ds.checkpointing import files, universal
+from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
+
+UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where training stands: the last finished iteration, the data positions (consumed samples) and the
+    tokens trained on (samples x --seq-length of each iteration; --train-tokens counts them)."""
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    consumed_train_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    path: str
+    tag: str
+    format: str                # the checkpoint's (files.FORMAT_*, universal.FORMAT)
+    method: str                # UNIVERSAL, DEEPSPEED or PER_RANK
+    resharded: bool            # PER_RANK: each tensor merged over the saved TP ranks and split for this run
+    load_optimizer: bool       # fp32 master weights and Adam moments (PER_RANK: if the files hold them)
+    load_rng: bool
+    finetune: bool             # --finetune, or a release checkpoint: iteration 0
+    progress: TrainingProgress
+    schedule: LRSchedule
+    position: Position
+    schedule_source: str
+
+    def describe_method(self, tensor_model_parallel_size, pipeline_model_parallel_size) -> str:
+        """How the states are read, as the load line says it."""
+        if self.method == UNIVERSAL:
+            return "DeepSpeed's universal checkpoint loading"
+        if self.method == DEEPSPEED:
+            return "DeepSpeed load_checkpoint"
+        what = "weights and optimizer states" if self.load_optimizer else "weights"
+        return (f"{self.format} files read per rank ({what}"
+                + (f", resharded to TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size})"
+                   if self.resharded else ")"))
+
+
+def plan_load(args, load_dir, tag, metadata, run_layout) -> LoadPlan:
+    """The plan of loading checkpoint `tag` of `load_dir` into this run. args: the resolved arguments;
+    run_layout: this run's layout as a checkpoint records it (the manager's, with its engine and optimizer)."""
+    path = os.path.join(load_dir, tag)
+    check_compatible(args, path, metadata)
+    config = args.checkpointing
+    finetune = config.finetune or tag == files.RELEASE_TAG
+    load_optimizer = not (finetune or config.no_load_optim) and metadata.get("has_optimizer_states", False)
+    progress = resumed_progress(args, metadata, finetune)
+    schedule, position, schedule_source = lr_schedule_to_resume(args, path, metadata, progress, finetune)
+    if metadata["format"] == universal.FORMAT:
+        method = UNIVERSAL
+    elif same_deepspeed_layout(args, metadata, run_layout):
+        method = DEEPSPEED
+    else:
+        method = PER_RANK
+    return LoadPlan(path, tag, metadata["format"], method, method == PER_RANK and needs_resharding(args, metadata),
+                    load_optimizer, not (finetune or config.no_load_rng), finetune, progress, schedule, position,
+                    schedule_source)
+
+
+def needs_resharding(args, metadata):
+    """Saved at another TP or PP, or with the experts split over TP where this run keeps them whole (or the
+    reverse): every tensor is merged over the saved TP ranks and split again (state.read_resharded_rank_state)."""
+    saved = metadata["layout"]
+    if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != \
+            (args.tensor_model_parallel_size, args.pipeline_model_parallel_size):
+        return True
+    saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
+    return args.moe and args.tensor_model_parallel_size > 1 and \
+        saved_sharded != args.enable_expert_tensor_parallelism
+
+
+def same_deepspeed_layout(args, metadata, run_layout):
+    saved = {"expert_parallel_size": 1, "sequence_parallel_size": 1, **metadata["layout"]}
+    keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
+            "sequence_parallel_size")
+    return (metadata["format"] == files.FORMAT_DEEPSPEED and not needs_resharding(args, metadata)
+            and all(saved.get(k) == run_layout[k] for k in keys))
+
+
+def resumed_progress(args, metadata, finetune):
+    """Where training goes on: the checkpoint's iteration and data positions, or 0 with --finetune (and a
+    release checkpoint) and with --reset-iteration (Megatron-DeepSpeed's: the weights and optimizer
+    states load, the iteration and the consumed train and validation samples and tokens start at 0)."""
+    if finetune or args.checkpointing.reset_iteration:
+        return TrainingProgress()
+    samples = metadata.get("consumed_train_samples", 0)
+    return TrainingProgress(metadata["iteration"], samples, metadata.get("consumed_valid_samples", 0),
+                            metadata.get("consumed_train_tokens", samples * args.seq_length))
+
+
+def lr_schedule_to_resume(args, path, metadata, progress, finetune):
+    """(schedule, position, description) of the LR schedule after the load. --finetune and --no-load-lr-state:
+    the flags' schedule from the resumed progress (iteration 0 with --finetune or --reset-iteration), the
+    checkpoint's schedule unread; otherwise optimizer_param_scheduler.schedule_to_resume (the checkpoint's
+    position; --override- / --use-checkpoint-opt_param-scheduler, or the values must agree)."""
+    config, flags_schedule = args.checkpointing, args.optimization.lr_schedule
+    resumed = Position(progress.iteration, progress.consumed_train_samples, progress.consumed_train_tokens)
+    if finetune or config.no_load_lr_state:
+        reason = "--no-load-lr-state" if config.no_load_lr_state else "--finetune"
+        return flags_schedule, resumed, f"the flags' from iteration {progress.iteration} ({reason})"
+    try:
+        return schedule_to_resume(flags_schedule, metadata.get("scheduler"), resumed,
+                                  config.override_opt_param_scheduler, config.use_checkpoint_opt_param_scheduler)
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {path}: {error}") from None
+
+
+def check_compatible(args, path, metadata):
+    """The same model (any layout: another TP pads the vocabulary differently, which resharding absorbs, but
+    the tokenizer's vocabulary must be the same)."""
+    universal_format = metadata["format"] == universal.FORMAT
+    resharded = universal_format or needs_resharding(args, metadata)
+    differences = [d for d in files.model_shape_differences(files.saved_model_shape(metadata), args)
+                   if not resharded or "vocabulary" not in d]
+    saved_vocab = metadata["args"].get("vocab_size")
+    if resharded and saved_vocab not in (None, args.vocab_size):
+        differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {args.vocab_size}")
+    saved_rows = metadata["args"].get("padded_vocab_size")
+    if universal_format and saved_rows > args.padded_vocab_size:  # DeepSpeed pads rows, it cannot drop them
+        differences.append(f"padded vocabulary: checkpoint {saved_rows} rows, this run {args.padded_vocab_size} "
+                           f"(raise --make-vocab-size-divisible-by)")
+    if differences:
+        raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "
+                              + "\n  - ".join(differences))

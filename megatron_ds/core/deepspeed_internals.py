@@ -1,0 +1,249 @@
+"""The one door into DeepSpeed's internals: private names, module state, instruction maps, monkeypatches and
+optimizer fields that DeepSpeed does not offer as API. Nothing else in megatron_ds, tools/ or pretrain.py touches
+them (tests/glue/test_deepspeed_internals.py scans for the names in OWNED_NAMES).
+
+Each function says what it relies on; all of it was read in, and is tested against, DeepSpeed 0.19.8 (the
+range the package pins: SUPPORTED_DEEPSPEED). A DeepSpeed upgrade starts here.
+
+It lives in core/ because core (parallel_state, the MoE layer) needs some of it and imports nothing from outside
+core/. It imports DeepSpeed only inside the functions: importing it must not pick DeepSpeed's accelerator
+before glue/runtime.py's prepare_host() has run.
+"""
+import contextlib
+
+SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
+
+# What this module owns, as the source scan looks for them: an attribute or imported name, or a dotted
+# "module.name" where the bare name is too common to scan for.
+OWNED_NAMES = (
+    "_INSTRUCTION_MAP", "_hp_mapping", "_hp_optimizer_states_linked",
+    "single_partition_of_fp32_groups", "fp32_groups_flat_partition", "bit16_groups", "bf16_groups", "fp16_groups",
+    "non_expert_gradients", "has_moe_layers", "buffered_allreduce_fallback", "cur_scale", "loss_scaler",
+    "optimizer.param_names", "engine.checkpoint_engine",
+    "_get_expert_parallel_rank", "_get_expert_data_parallel_rank", "_get_expert_parallel_group_dict",
+    "_get_expert_data_parallel_group_dict", "_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "expert_tensor_parallel_world_size",
+    "groups.mpu", "_gather_tokens", "sharded_moe.drop_tokens", "sharded_moe.gather_tokens",
+    "__compatible_ops__", "comm.cdb", "shm_comm_op", "shm_vector_kernel_level",
+    "deepspeed_saved_tensors", "saved_data",
+)
+
+
+# --- the supported versions -----------------------------------------------------------------------------
+
+def deepspeed_version_errors(version=None):
+    """[message] when DeepSpeed `version` (default: the installed one) is outside SUPPORTED_DEEPSPEED, else []."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+    if version is None:
+        import deepspeed
+        version = deepspeed.__version__
+    try:
+        supported = SpecifierSet(SUPPORTED_DEEPSPEED).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if supported:
+        return []
+    return [f"DeepSpeed {version} is installed; megatron_ds supports deepspeed{SUPPORTED_DEEPSPEED} (it reaches "
+            f"into DeepSpeed internals that change between versions): pip install 'deepspeed{SUPPORTED_DEEPSPEED}'"]
+
+
+def check_deepspeed_version(version=None):
+    """Raise RuntimeError naming the installed and the supported versions when they do not match."""
+    errors = deepspeed_version_errors(version)
+    if errors:
+        raise RuntimeError(errors[0])
+
+
+# --- expert-parallel groups (deepspeed.utils.groups) ----------------------------------------------------
+
+def expert_parallel_rank(group_name):
+    """This rank in DeepSpeed's expert-parallel group `group_name`, 0 when it has none by that name.
+    Relies on groups._get_expert_parallel_group_dict and _get_expert_parallel_rank (0.19.8)."""
+    from deepspeed.utils import groups
+    return groups._get_expert_parallel_rank(group_name) if group_name in groups._get_expert_parallel_group_dict() else 0
+
+
+def expert_data_parallel_rank(group_name):
+    """This rank in DeepSpeed's expert-data-parallel group `group_name`, 0 when it has none by that name.
+    Relies on groups._get_expert_data_parallel_group_dict and _get_expert_data_parallel_rank (0.19.8)."""
+    from deepspeed.utils import groups
+    known = group_name in groups._get_expert_data_parallel_group_dict()
+    return groups._get_expert_data_parallel_rank(group_name) if known else 0
+
+
+def register_expert_parallel_group(group_name, group, ranks):
+    """Hand DeepSpeed our expert-parallel group: groups._EXPERT_PARALLEL_GROUP[_RANKS], which its MoE layers
+    and engine look up by name (0.19.8)."""
+    from deepspeed.utils import groups
+    groups._EXPERT_PARALLEL_GROUP[group_name], groups._EXPERT_PARALLEL_GROUP_RANKS[group_name] = group, ranks
+
+
+def register_expert_data_parallel_group(group_name, group, ranks):
+    """Hand DeepSpeed our expert-data-parallel group: groups._EXPERT_DATA_PARALLEL_GROUP[_RANKS] (0.19.8)."""
+    from deepspeed.utils import groups
+    groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = ranks
+
+
+def set_expert_tensor_parallel_world_size(size):
+    """Set groups.expert_tensor_parallel_world_size, the module global DeepSpeed's MoE and gradient norm read
+    for experts sharded over TP (0.19.8)."""
+    from deepspeed.utils import groups
+    groups.expert_tensor_parallel_world_size = size
+
+
+def set_model_parallel_unit(mpu):
+    """Set groups.mpu, the module global DeepSpeed's MoE token split reads when no engine has set it (0.19.8)."""
+    from deepspeed.utils import groups
+    groups.mpu = mpu
+
+
+def model_parallel_unit():
+    """groups.mpu: the model parallel unit DeepSpeed's MoE token split uses (0.19.8)."""
+    from deepspeed.utils import groups
+    return groups.mpu
+
+
+# --- DeepSpeed-MoE's token split over TP (deepspeed.moe.mappings, sharded_moe) -------------------------
+
+def moe_token_functions():
+    """DeepSpeed's own (drop_tokens, gather_tokens) from deepspeed.moe.mappings (0.19.8)."""
+    from deepspeed.moe import mappings
+    return mappings.drop_tokens, mappings.gather_tokens
+
+
+def install_moe_token_functions(drop_tokens, gather_tokens):
+    """Make DeepSpeed's MoE layer split and gather its token slots over TP with these: they replace the names
+    sharded_moe imported from mappings, which its MOELayer.forward calls (0.19.8)."""
+    from deepspeed.moe import sharded_moe
+    sharded_moe.drop_tokens, sharded_moe.gather_tokens = drop_tokens, gather_tokens
+
+
+def install_moe_tensor_parallel_gather(gather):
+    """Replace mappings._gather_tokens, the TP all-gather under DeepSpeed's gather_tokens forward and
+    drop_tokens backward (0.19.8)."""
+    from deepspeed.moe import mappings
+    mappings._gather_tokens = gather
+
+
+# --- engines ---------------------------------------------------------------------------------------------
+
+def wrap_pipeline_instructions(engine, wrap):
+    """Make the pipeline engine run wrap(instruction class, function) for each schedule instruction: it runs
+    them through its class's _INSTRUCTION_MAP {instruction class: unbound method}, looked up on self (0.19.8)."""
+    engine._INSTRUCTION_MAP = {instruction: wrap(instruction, function)
+                               for instruction, function in type(engine)._INSTRUCTION_MAP.items()}
+
+
+def replace_gradient_reduction(engine, reduce):
+    """Make reduce(grads=None, elements_per_buffer=None) the engine's buffered_allreduce_fallback, through which
+    the plain engine (allreduce_gradients) and the pipeline engine (_bf16_reduce_grads) both reduce
+    BF16_Optimizer's gradients (0.19.8)."""
+    engine.buffered_allreduce_fallback = reduce
+
+
+def replace_checkpoint_engine(engine, writer):
+    """Make the engine write its checkpoint files through `writer` (a CheckpointEngine): engine.checkpoint_engine,
+    which save_checkpoint and load_checkpoint use and no public setter reaches (0.19.8)."""
+    engine.checkpoint_engine = writer
+
+
+def shared_memory_all_reduce_level():
+    """The vector kernel level of deepspeed.comm's shared-memory all-reduce op (0: none, 1: fp32, 2: also bf16 and
+    fp16), read off comm.cdb, the current backend, and its shm_comm_op, shm_vector_kernel_level (0.19.8)."""
+    import deepspeed.comm
+    backend = deepspeed.comm.comm.cdb
+    return 0 if backend.shm_comm_op is None else backend.shm_vector_kernel_level
+
+
+def skip_shared_memory_comm_build():
+    """Mark the shared-memory comm op incompatible in deepspeed.ops.__compatible_ops__, so that
+    init_distributed does not JIT-build it (0.19.8)."""
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def checkpoint_saved_inputs(node):
+    """The tensors DeepSpeed's activation checkpointing keeps for backward in autograd node `node` (its
+    ctx.deepspeed_saved_tensors; a partitioned input keeps only its saved_data) (0.19.8); [] for other nodes."""
+    import torch
+    kept = []
+    for tensor in getattr(node, "deepspeed_saved_tensors", None) or ():
+        if torch.is_tensor(tensor):
+            kept.append(tensor.saved_data if getattr(tensor, "saved_data", None) is not None else tensor)
+    return kept
+
+
+# --- optimizers: ZeRO-1/2 (DeepSpeedZeroOptimizer), BF16_Optimizer, FP16_Optimizer ------------------------
+
+def fp32_partition_groups(optimizer):
+    """[(16-bit parameters, fp32 flat partition)] per group of DeepSpeedZeroOptimizer (bit16_groups,
+    single_partition_of_fp32_groups) or BF16_Optimizer (bf16_groups, fp32_groups_flat_partition), else None
+    (0.19.8)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return list(zip(optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups))
+    if isinstance(optimizer, BF16_Optimizer):
+        return list(zip(optimizer.bf16_groups, optimizer.fp32_groups_flat_partition))
+    return None
+
+
+def bit16_parameter_groups(optimizer):
+    """The 16-bit parameter groups of ZeRO's (bit16_groups), BF16_Optimizer's (bf16_groups) or FP16_Optimizer's
+    (fp16_groups) optimizer, in the order DeepSpeed flattens them; None for another optimizer (0.19.8)."""
+    for attribute in ("bit16_groups", "bf16_groups", "fp16_groups"):
+        if hasattr(optimizer, attribute):
+            return getattr(optimizer, attribute)
+    return None
+
+
+def hp_mapping(param):
+    """param._hp_mapping: where this rank's fp32 partition holds the parameter's fragment (param_group_index,
+    lp_fragment_address, hp_fragment_address), None when it holds none of it (0.19.8)."""
+    return getattr(param, "_hp_mapping", None)
+
+
+def relink_optimizer_states(optimizer):
+    """Make the ZeRO-1/2 or BF16 optimizer link the parameters' fragments to the (new) Adam moments at its next
+    step, by clearing its _hp_optimizer_states_linked (0.19.8)."""
+    optimizer._hp_optimizer_states_linked = False
+
+
+def dense_bf16_flat_gradients(optimizer):
+    """BF16_Optimizer's flat fp32 gradient buffers (non_expert_gradients), or None when `optimizer` is not one or
+    has MoE layers (has_moe_layers) (0.19.8). Read it when reducing: the list object is the optimizer's."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if not isinstance(optimizer, BF16_Optimizer) or optimizer.has_moe_layers:
+        return None
+    return optimizer.non_expert_gradients
+
+
+def loss_scale(optimizer):
+    """The fp16 optimizer's current loss scale: cur_scale (FP16_Optimizer, ZeRO) or loss_scale, else 1 (0.19.8)."""
+    return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
+
+
+def has_loss_scaler(optimizer):
+    """Whether the optimizer scales the loss with a loss_scaler (fp16's) (0.19.8)."""
+    return hasattr(optimizer, "loss_scaler")
+
+
+def set_loss_scaler_state(optimizer, values):
+    """Set the optimizer's loss-scaler attributes ({"loss_scaler": ..., "dynamic_loss_scale": ...}) as DeepSpeed's
+    own load_state_dict does (0.19.8)."""
+    for attribute, value in values.items():
+        setattr(optimizer, attribute, value)
+
+
+@contextlib.contextmanager
+def parameters_named(optimizer, names):
+    """Within the block the optimizer's param_names ({param: name}, by which DeepSpeed's universal-checkpoint
+    load finds each parameter's folder) say names[param] (0.19.8)."""
+    original = optimizer.param_names
+    optimizer.param_names = {param: names[param] for param in original}
+    try:
+        yield
+    finally:
+        optimizer.param_names = original

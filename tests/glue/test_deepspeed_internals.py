@@ -1,0 +1,143 @@
+"""megatron_ds/core/deepspeed_internals.py is the one door into DeepSpeed's internals: the version range it
+supports is checked at start-up, and the private names it owns appear nowhere else."""
+import pathlib
+import re
+import types
+
+import deepspeed
+import pytest
+import torch
+
+from megatron_ds.core import deepspeed_internals as internals
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INTERNALS = ROOT / "megatron_ds" / "core" / "deepspeed_internals.py"
+
+
+def _uses(token):
+    """A pattern for code that reaches `token`: an attribute access, an attribute name given to get/has/setattr,
+    an import of it; a dotted token ("groups.mpu") matches as written."""
+    name = re.escape(token)
+    if "." in token:
+        return re.compile(rf"\b{name}\b")
+    return re.compile(rf"\.{name}\b|attr\([^)\n]*['\"]{name}['\"]|\bimport\b[^\n]*\b{name}\b")
+
+
+def _scanned_files():
+    files = [*(ROOT / "megatron_ds").rglob("*.py"), *(ROOT / "tools").rglob("*.py"), ROOT / "pretrain.py"]
+    return [path for path in files if path.resolve() != INTERNALS]
+
+
+# --- the supported versions -----------------------------------------------------------------------------
+
+def test_the_installed_deepspeed_is_supported():
+    assert internals.deepspeed_version_errors() == []
+    internals.check_deepspeed_version()
+
+
+@pytest.mark.parametrize("version", ["0.19.8", "0.19.9", "0.19.8+cu124", "0.19.12"])
+def test_versions_inside_the_range_pass(version):
+    assert internals.deepspeed_version_errors(version) == []
+
+
+@pytest.mark.parametrize("version", ["0.19.7", "0.18.5", "0.20.0", "0.20.0rc1", "1.0.0", "not-a-version"])
+def test_a_version_outside_the_range_is_refused_naming_both(version):
+    (message,) = internals.deepspeed_version_errors(version)
+    assert f"DeepSpeed {version} is installed" in message
+    assert internals.SUPPORTED_DEEPSPEED in message
+    with pytest.raises(RuntimeError, match=re.escape(internals.SUPPORTED_DEEPSPEED)):
+        internals.check_deepspeed_version(version)
+
+
+def test_pretrain_refuses_an_unsupported_deepspeed_before_anything_else(monkeypatch, capsys):
+    from megatron_ds.training import pretrain
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    assert pretrain(["--no-such-flag"]) == 2  # refused before the flags are even parsed
+    error = capsys.readouterr().err
+    assert "DeepSpeed 0.20.1 is installed" in error and internals.SUPPORTED_DEEPSPEED in error
+
+
+def test_the_package_pins_the_supported_range():
+    pin = f"deepspeed{internals.SUPPORTED_DEEPSPEED}"
+    assert f'"{pin}"' in (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf"^{re.escape(pin)}\s", (ROOT / "requirements.txt").read_text(), re.MULTILINE)
+
+
+# --- one door -------------------------------------------------------------------------------------------
+
+def test_no_other_file_reaches_the_internals_the_module_owns():
+    found = []
+    for path in _scanned_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{number}: {token}: {line.strip()}"
+                      for token in internals.OWNED_NAMES if _uses(token).search(line)]
+    assert not found, "DeepSpeed internals outside megatron_ds/core/deepspeed_internals.py:\n" + "\n".join(found)
+
+
+def test_every_owned_name_is_used_by_the_module():
+    source = INTERNALS.read_text().split("OWNED_NAMES = (", 1)[1].split("\n)\n", 1)[1]
+    assert [token for token in internals.OWNED_NAMES if not re.search(rf"\b{re.escape(token)}\b", source)] == []
+
+
+@pytest.mark.parametrize("line", ["engine._INSTRUCTION_MAP = timed", "mapping = getattr(param, '_hp_mapping', None)",
+                                  "from deepspeed.moe.mappings import _gather_tokens",
+                                  "deepspeed.utils.groups.mpu = ModelParallelUnit()",
+                                  "if hasattr(optimizer, \"loss_scaler\"):", "backend = deepspeed.comm.comm.cdb"])
+def test_the_scan_sees_a_reintroduced_internal(line):
+    assert any(_uses(token).search(line) for token in internals.OWNED_NAMES)
+
+
+@pytest.mark.parametrize("line", ["def _gather_tokens_over_gloo(input_, dim=0):",
+                                  "from megatron_ds.glue.mpu import ModelParallelUnit",
+                                  "from megatron_ds.checkpointing.state import read_loss_scaler",
+                                  "from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import X",
+                                  "return metrics.loss_scale(engine)"])
+def test_the_scan_leaves_our_own_names_alone(line):
+    assert not any(_uses(token).search(line) for token in internals.OWNED_NAMES)
+
+
+# --- a few of the doors, without a process group --------------------------------------------------------
+
+def test_pipeline_instructions_are_wrapped_on_the_engine_only():
+    class Engine:
+        _INSTRUCTION_MAP = {int: lambda self: "forward"}
+
+    engine = Engine()
+    internals.wrap_pipeline_instructions(engine, lambda kind, function: lambda self: f"timed {function(self)}")
+    assert engine._INSTRUCTION_MAP[int](engine) == "timed forward"
+    assert Engine._INSTRUCTION_MAP[int](engine) == "forward"
+
+
+def test_parameters_are_renamed_only_inside_the_block():
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    optimizer = types.SimpleNamespace(param_names={a: "a", b: "b"})
+    with internals.parameters_named(optimizer, {a: "saved.a", b: "saved.b"}):
+        assert optimizer.param_names == {a: "saved.a", b: "saved.b"}
+    assert optimizer.param_names == {a: "a", b: "b"}
+
+
+def test_an_expert_group_deepspeed_does_not_know_has_rank_0():
+    assert internals.expert_parallel_rank("ep_size_no_such_group") == 0
+    assert internals.expert_data_parallel_rank("ep_size_no_such_group") == 0
+
+
+def test_the_model_parallel_unit_goes_in_and_out(monkeypatch):
+    from deepspeed.utils import groups
+    monkeypatch.setattr(groups, "mpu", None)  # restored afterwards
+    unit = object()
+    internals.set_model_parallel_unit(unit)
+    assert internals.model_parallel_unit() is unit
+
+
+def test_a_plain_torch_optimizer_has_no_deepspeed_partitions():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert internals.fp32_partition_groups(optimizer) is None
+    assert internals.bit16_parameter_groups(optimizer) is None
+    assert internals.dense_bf16_flat_gradients(optimizer) is None
+    assert internals.hp_mapping(torch.nn.Parameter(torch.zeros(2))) is None
+
+
+def test_the_loss_scale_is_cur_scale_then_loss_scale_then_1():
+    assert internals.loss_scale(types.SimpleNamespace(cur_scale=8, loss_scale=4)) == 8.0
+    assert internals.loss_scale(types.SimpleNamespace(loss_scale=4)) == 4.0
+    assert internals.loss_scale(object()) == 1.0
