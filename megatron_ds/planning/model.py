@@ -94,8 +94,8 @@ class Layout:
 
     def describe_sizes(self) -> str:
         """"TP t x PP p x DP d", with "x Ulysses SP U" after TP when U > 1."""
-        ulysses = f" x Ulysses SP {self.ulysses}" if self.ulysses > 1 else ""
-        return f"TP {self.tp}{ulysses} x PP {self.pp} x DP {self.dp}"
+        sizes = ParallelLayout(self.world_size, tensor=self.tp, pipeline=self.pp, ulysses=self.ulysses)
+        return f"{sizes.describe_model_parallel()} x DP {self.dp}"
 
     def describe(self) -> str:
         return (f"{self.describe_sizes()}, micro batch {self.micro_batch_size} x "
