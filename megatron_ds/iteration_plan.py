@@ -2,6 +2,8 @@
 the engine call (its micro-batches), the LR scheduler (the samples and tokens its step counts) and the logger."""
 from dataclasses import dataclass
 
+from megatron_ds.core.parallel_layout import micro_batches_per_step
+
 
 @dataclass(frozen=True)
 class IterationPlan:
@@ -22,5 +24,6 @@ def plan_iteration(iteration, progress, batch_schedule, micro_batch_size, data_p
                    by_curriculum=False) -> IterationPlan:
     """The plan of `iteration` from the TrainingProgress before it."""
     global_batch_size = batch_schedule.global_batch_size(progress.consumed_train_samples)
-    return IterationPlan(iteration, global_batch_size, global_batch_size // (micro_batch_size * data_parallel_size),
-                         seq_length, progress.consumed_train_samples, progress.consumed_train_tokens, by_curriculum)
+    return IterationPlan(iteration, global_batch_size,
+                         micro_batches_per_step(global_batch_size, micro_batch_size, data_parallel_size), seq_length,
+                         progress.consumed_train_samples, progress.consumed_train_tokens, by_curriculum)

@@ -23,8 +23,7 @@ from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.compile_watch import CompileWatch
 from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_ops
-from megatron_ds.core.transformer.moe import (AuxiliaryLossGradient, auxiliary_loss_of, forget_auxiliary_losses,
-                                              moe_layers)
+from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, will_evaluate
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
@@ -97,8 +96,7 @@ def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
     stage) when the model is an MoE and its auxiliary loss is wanted, else None."""
     if experts is not None:
         # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
-        AuxiliaryLossGradient.scale = loss_scale(engine) / accumulation_steps
-        forget_auxiliary_losses(experts)
+        begin_global_batch(experts, loss_scale(engine) / accumulation_steps)
     if isinstance(engine, deepspeed.PipelineEngine):
         loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
         return loss.item(), None if experts is None else _moe_loss(experts)

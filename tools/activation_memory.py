@@ -140,8 +140,8 @@ def _rank_main(rank, world_size, port, args, scheme, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size // scheme.ulysses,
-                                             sequence_parallel_size=scheme.ulysses)
+    tensor = args.tensor_model_parallel_size if scheme.tp else 1
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, sequence_parallel_size=scheme.ulysses)
     if scheme.deepspeed or scheme.ulysses > 1:  # DeepSpeed's checkpointing and all-to-alls run on deepspeed.comm
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         init_distributed("gloo")  # deepspeed.comm on the process group above

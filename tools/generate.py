@@ -66,20 +66,19 @@ def build_parser():
 def _init_parallel(expert_parallel_size):
     """TP = world size / expert-parallel size when launched (torchrun, deepspeed, mpirun, srun); a single process
     needs no process group. Returns TP."""
+    from megatron_ds.core.parallel_layout import generation_layout
     from megatron_ds.glue.launcher_env import launcher_world_size
-    world = launcher_world_size()
-    if expert_parallel_size < 1 or world % expert_parallel_size:
-        raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size} does not divide the {world} ranks")
-    if world > 1:
+    layout = generation_layout(launcher_world_size(), expert_parallel_size)
+    if layout.world_size > 1:
         from megatron_ds.glue.runtime import init_distributed
         init_distributed()
-        parallel_state.initialize_model_parallel(world // expert_parallel_size, 1)
-    return world // expert_parallel_size
+        parallel_state.initialize_model_parallel(layout.tensor, 1)
+    return layout.tensor
 
 
-def _check_experts(full_args, expert_parallel_size):
+def _check_experts(shape, expert_parallel_size):
+    """Whether the model (its shape, files.model_shape) has experts; ValueError when they do not split over EP."""
     from megatron_ds.checkpointing import files
-    shape = files.model_shape(full_args)
     if not files.is_moe(shape):
         if expert_parallel_size != 1:
             raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size}: the model has no experts")
@@ -135,7 +134,7 @@ def main(argv=None):
             full = convert.read_hf(args.hf, tp=tp)
         else:
             full, _ = convert.load_full(args.load, args.load_iteration, with_optimizer=False)
-        experts = _check_experts(full.args, args.moe_expert_parallel_size)
+        experts = _check_experts(full.model, args.moe_expert_parallel_size)
         tokenizer = _tokenizer(full.args)
         prompts = _prompts(args, tokenizer)
     except (CheckpointError, ValueError) as error:
@@ -148,8 +147,7 @@ def main(argv=None):
     model = build_model(full, args.moe_expert_parallel_size)
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, not args.ignore_eod)
     vocab_size = full.args["vocab_size"]
-    learned_positions = full.args.get("position_embedding_type", "learned_absolute") == "learned_absolute"
-    max_length = full.args.get("max_position_embeddings") if learned_positions else None
+    max_length = full.model["max_position_embeddings"]  # None without learned positions
     for text, ids in prompts:
         generated = generate(model, ids, params, vocab_size, eod=full.args.get("eod"), seed=args.seed,
                              max_length=max_length)

@@ -435,14 +435,14 @@ def config_record(config):
             for key, value in dataclasses.asdict(config).items()}
 
 
-def model_shape_differences(saved, args):
+def model_shape_differences(saved, current, tensor_parallel_size):
     """['--hidden-size: checkpoint 64, flags 32', ...] for every model-defining value that differs. saved: the
-    checkpoint's model (saved_model_shape)."""
-    current = model_shape(args)
+    checkpoint's model (saved_model_shape); current: the run's (model_shape of its arguments), at TP
+    tensor_parallel_size."""
     differences = [f"{_SHAPE_FLAGS[key]}: checkpoint {saved[key]}, flags {current[key]}"
                    for key in saved if saved[key] != current[key]]
     if saved["padded_vocab_size"] != current["padded_vocab_size"] and saved["padded_vocab_size"]:
-        tp = args.tensor_model_parallel_size if not isinstance(args, dict) else args["tensor_model_parallel_size"]
+        tp = tensor_parallel_size
         if saved["padded_vocab_size"] % tp == 0:
             differences.append(f"(to keep the checkpoint's {saved['padded_vocab_size']} vocabulary rows at TP {tp}, "
                                f"pass --make-vocab-size-divisible-by {saved['padded_vocab_size'] // tp})")
@@ -454,12 +454,13 @@ def model_shape_differences(saved, args):
 
 
 def new_metadata(checkpoint_format, tag, args_dict, checkpoint_layout, iteration=0, consumed_train_samples=0,
-                 consumed_valid_samples=0, scheduler=None, **extra):
-    """The metadata dict both formats share (the file list is added when the folder is complete)."""
+                 consumed_valid_samples=0, scheduler=None, model=None, **extra):
+    """The metadata dict both formats share (the file list is added when the folder is complete). model: the
+    model's shape as loading and conversion read it back (model_shape; default: of args_dict)."""
     import deepspeed
     metadata = {"format": checkpoint_format, "version": FORMAT_VERSION, "tag": tag, "iteration": iteration,
                 "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
-                "scheduler": scheduler, "args": args_dict, "model": model_shape(args_dict),
+                "scheduler": scheduler, "args": args_dict, "model": dict(model or model_shape(args_dict)),
                 "layout": checkpoint_layout, "torch_version": torch.__version__,
                 "deepspeed_version": deepspeed.__version__,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -12,6 +12,7 @@ import os
 
 from megatron_ds.checkpointing import files, universal
 from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.core.parallel_layout import ParallelLayout
 from megatron_ds.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 
 UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
@@ -25,6 +26,24 @@ class TrainingProgress:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     consumed_train_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What this run brings to a load: its layout and model, its checkpointing flags and its flags' LR schedule."""
+    layout: ParallelLayout
+    shape: dict                  # files.model_shape of the run (its padded vocabulary included)
+    vocab_size: int              # the tokenizer's, before padding
+    seq_length: int
+    checkpointing: object        # arguments.configs.CheckpointingConfig
+    lr_schedule: LRSchedule
+    checkpoint_layout: dict      # this run's layout as a checkpoint records it (the manager's, with its engine)
+
+    @classmethod
+    def of_run(cls, args, checkpoint_layout=None):
+        """The request of resolved arguments (checkpoint_layout: None where no engine exists yet)."""
+        return cls(args.parallel, files.model_shape(args), args.vocab_size, args.seq_length, args.checkpointing,
+                   args.optimization.lr_schedule, checkpoint_layout or {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,64 +73,61 @@ class LoadPlan:
                    if self.resharded else ")"))
 
 
-def plan_load(args, load_dir, tag, metadata, run_layout) -> LoadPlan:
-    """The plan of loading checkpoint `tag` of `load_dir` into this run. args: the resolved arguments;
-    run_layout: this run's layout as a checkpoint records it (the manager's, with its engine and optimizer)."""
+def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:
+    """The plan of loading checkpoint `tag` of `load_dir` into the run that makes `request`."""
     path = os.path.join(load_dir, tag)
-    check_compatible(args, path, metadata)
-    config = args.checkpointing
+    check_compatible(request, path, metadata)
+    config = request.checkpointing
     finetune = config.finetune or tag == files.RELEASE_TAG
     load_optimizer = not (finetune or config.no_load_optim) and metadata.get("has_optimizer_states", False)
-    progress = resumed_progress(args, metadata, finetune)
-    schedule, position, schedule_source = lr_schedule_to_resume(args, path, metadata, progress, finetune)
+    progress = resumed_progress(request, metadata, finetune)
+    schedule, position, schedule_source = lr_schedule_to_resume(request, path, metadata, progress, finetune)
     if metadata["format"] == universal.FORMAT:
         method = UNIVERSAL
-    elif same_deepspeed_layout(args, metadata, run_layout):
+    elif same_deepspeed_layout(request, metadata):
         method = DEEPSPEED
     else:
         method = PER_RANK
-    return LoadPlan(path, tag, metadata["format"], method, method == PER_RANK and needs_resharding(args, metadata),
+    return LoadPlan(path, tag, metadata["format"], method, method == PER_RANK and needs_resharding(request, metadata),
                     load_optimizer, not (finetune or config.no_load_rng), finetune, progress, schedule, position,
                     schedule_source)
 
 
-def needs_resharding(args, metadata):
+def needs_resharding(request: LoadRequest, metadata):
     """Saved at another TP or PP, or with the experts split over TP where this run keeps them whole (or the
     reverse): every tensor is merged over the saved TP ranks and split again (state.read_resharded_rank_state)."""
-    saved = metadata["layout"]
-    if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != \
-            (args.tensor_model_parallel_size, args.pipeline_model_parallel_size):
+    saved, layout = metadata["layout"], request.layout
+    if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != (layout.tensor, layout.pipeline):
         return True
     saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
-    return args.moe and args.tensor_model_parallel_size > 1 and \
-        saved_sharded != args.enable_expert_tensor_parallelism
+    return files.is_moe(request.shape) and layout.tensor > 1 and saved_sharded != layout.expert_tensor_parallel
 
 
-def same_deepspeed_layout(args, metadata, run_layout):
+def same_deepspeed_layout(request: LoadRequest, metadata):
     saved = {"expert_parallel_size": 1, "sequence_parallel_size": 1, **metadata["layout"]}
     keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
             "sequence_parallel_size")
-    return (metadata["format"] == files.FORMAT_DEEPSPEED and not needs_resharding(args, metadata)
-            and all(saved.get(k) == run_layout[k] for k in keys))
+    return (metadata["format"] == files.FORMAT_DEEPSPEED and not needs_resharding(request, metadata)
+            and all(saved.get(k) == request.checkpoint_layout[k] for k in keys))
 
 
-def resumed_progress(args, metadata, finetune):
+def resumed_progress(request: LoadRequest, metadata, finetune):
     """Where training goes on: the checkpoint's iteration and data positions, or 0 with --finetune (and a
     release checkpoint) and with --reset-iteration (Megatron-DeepSpeed's: the weights and optimizer
     states load, the iteration and the consumed train and validation samples and tokens start at 0)."""
-    if finetune or args.checkpointing.reset_iteration:
+    if finetune or request.checkpointing.reset_iteration:
         return TrainingProgress()
     samples = metadata.get("consumed_train_samples", 0)
     return TrainingProgress(metadata["iteration"], samples, metadata.get("consumed_valid_samples", 0),
-                            metadata.get("consumed_train_tokens", samples * args.seq_length))
+                            metadata.get("consumed_train_tokens", samples * request.seq_length))
 
 
-def lr_schedule_to_resume(args, path, metadata, progress, finetune):
+def lr_schedule_to_resume(request: LoadRequest, path, metadata, progress, finetune):
     """(schedule, position, description) of the LR schedule after the load. --finetune and --no-load-lr-state:
     the flags' schedule from the resumed progress (iteration 0 with --finetune or --reset-iteration), the
     checkpoint's schedule unread; otherwise optimizer_param_scheduler.schedule_to_resume (the checkpoint's
     position; --override- / --use-checkpoint-opt_param-scheduler, or the values must agree)."""
-    config, flags_schedule = args.checkpointing, args.optimization.lr_schedule
+    config, flags_schedule = request.checkpointing, request.lr_schedule
     resumed = Position(progress.iteration, progress.consumed_train_samples, progress.consumed_train_tokens)
     if finetune or config.no_load_lr_state:
         reason = "--no-load-lr-state" if config.no_load_lr_state else "--finetune"
@@ -123,19 +139,20 @@ def lr_schedule_to_resume(args, path, metadata, progress, finetune):
         raise CheckpointError(f"checkpoint {path}: {error}") from None
 
 
-def check_compatible(args, path, metadata):
+def check_compatible(request: LoadRequest, path, metadata):
     """The same model (any layout: another TP pads the vocabulary differently, which resharding absorbs, but
     the tokenizer's vocabulary must be the same)."""
     universal_format = metadata["format"] == universal.FORMAT
-    resharded = universal_format or needs_resharding(args, metadata)
-    differences = [d for d in files.model_shape_differences(files.saved_model_shape(metadata), args)
+    resharded = universal_format or needs_resharding(request, metadata)
+    differences = [d for d in files.model_shape_differences(files.saved_model_shape(metadata), request.shape,
+                                                            request.layout.tensor)
                    if not resharded or "vocabulary" not in d]
     saved_vocab = metadata["args"].get("vocab_size")
-    if resharded and saved_vocab not in (None, args.vocab_size):
-        differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {args.vocab_size}")
-    saved_rows = metadata["args"].get("padded_vocab_size")
-    if universal_format and saved_rows > args.padded_vocab_size:  # DeepSpeed pads rows, it cannot drop them
-        differences.append(f"padded vocabulary: checkpoint {saved_rows} rows, this run {args.padded_vocab_size} "
+    if resharded and saved_vocab not in (None, request.vocab_size):
+        differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {request.vocab_size}")
+    saved_rows, rows = metadata["args"].get("padded_vocab_size"), request.shape["padded_vocab_size"]
+    if universal_format and saved_rows > rows:  # DeepSpeed pads rows, it cannot drop them
+        differences.append(f"padded vocabulary: checkpoint {saved_rows} rows, this run {rows} "
                            f"(raise --make-vocab-size-divisible-by)")
     if differences:
         raise CheckpointError(f"checkpoint {path} holds a different model than the flags describe:\n  - "

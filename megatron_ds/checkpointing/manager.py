@@ -48,12 +48,13 @@ def _coordinates():
             "sp": parallel_state.get_sequence_parallel_rank()}
 
 
-def _expert_coordinates(args):
+def _expert_coordinates(expert_parallel_size):
     """An MoE run's expert-parallel rank ("ep": which experts this rank holds) and expert-data-parallel rank
-    ("edp": its share of their ZeRO partitions), as DeepSpeed's groups have them; {} for a dense model."""
-    if not args.moe:
+    ("edp": its share of their ZeRO partitions), as DeepSpeed's groups have them. expert_parallel_size None: a
+    dense model ({})."""
+    if expert_parallel_size is None:
         return {}
-    name = parallel_state.expert_group_name(args.moe_expert_parallel_size)
+    name = parallel_state.expert_group_name(expert_parallel_size)
     return {"ep": deepspeed_internals.expert_parallel_rank(name),
             "edp": deepspeed_internals.expert_data_parallel_rank(name)}
 
@@ -72,13 +73,17 @@ def _peak_resident_gib_of_any_rank():
 
 class CheckpointManager:
     """What the training loop calls: load() before training, restore_rng() right before the first iteration,
-    after_iteration() after each one, finish() at the end. start_time: time.time() when the job started, for
-    --exit-duration-in-mins (default: now)."""
+    after_iteration() after each one, finish() at the end. args: the resolved arguments, recorded whole in each
+    checkpoint; the manager reads its parts (checkpointing, parallel, model). start_time: time.time() when the job
+    started, for --exit-duration-in-mins (default: now)."""
 
     def __init__(self, args, engine, ds_config, start_time=None):
-        self.args, self.engine, self.ds_config = args, engine, ds_config
-        self.config = args.checkpointing
+        self.engine, self.ds_config = engine, ds_config
+        self.config, self.layout, self.model = args.checkpointing, args.parallel, args.model
+        self.args_record = files.args_to_dict(args)
         self.pipelined = isinstance(engine, deepspeed.PipelineEngine)
+        self.request = load_plan.LoadRequest.of_run(args, self._layout())
+        self.moe = files.is_moe(self.request.shape)
         self.last_saved_iteration = None
         self.loaded_iteration = None
         self.rng_state_to_restore = None
@@ -125,7 +130,7 @@ class CheckpointManager:
     def save(self, progress):
         """Save at this iteration (every rank). With --async-save the files are written in the background and
         this returns once they are copied; the save before it is waited for first."""
-        args, engine = self.args, self.engine
+        engine = self.engine
         if not self.config.save or self.last_saved_iteration == progress.iteration:
             return
         self.wait_for_saves()
@@ -133,16 +138,15 @@ class CheckpointManager:
         tag = files.tag_for(progress.iteration)
         tmp_path = os.path.join(self.config.save, tag + files.TMP_SUFFIX)
         self._on_every_rank(progress.iteration, lambda: self._prepare_folder(tmp_path))
-        args_dict = files.args_to_dict(args)
         # the metadata's values as they are now (training goes on while an asynchronous save is written)
         metadata = files.new_metadata(
-            files.FORMAT_DEEPSPEED, tag, args_dict, self._layout(), iteration=progress.iteration,
+            files.FORMAT_DEEPSPEED, tag, self.args_record, self._layout(), iteration=progress.iteration,
             consumed_train_samples=progress.consumed_train_samples,
             consumed_valid_samples=progress.consumed_valid_samples,
             consumed_train_tokens=progress.consumed_train_tokens,
             scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             ranks=self._rank_entries(), has_optimizer_states=True, has_rng_states=True,
-            model_config=files.config_record(self.args.model))
+            model=self.request.shape, model_config=files.config_record(self.model))
         engine.save_checkpoint(self.config.save, tag=tag + files.TMP_SUFFIX,
                                client_state=self._client_state(progress, metadata),
                                save_latest=False)
@@ -162,9 +166,11 @@ class CheckpointManager:
         state = {"megatron_ds": {**dataclasses.asdict(progress), "args": metadata["args"],
                                  universal.METADATA_KEY: portable},
                  "iteration": progress.iteration}
-        if not self.args.moe:
+        if not self.moe:
             if self.universal_info is None:
-                self.universal_info = universal.checkpoint_info(self.engine.module, self.args, self.pipelined)
+                self.universal_info = universal.checkpoint_info(self.engine.module, self.model,
+                                                                self.request.shape["padded_vocab_size"],
+                                                                self.pipelined)
             state[UNIVERSAL_CHECKPOINT_INFO] = self.universal_info
         return state
 
@@ -258,14 +264,14 @@ class CheckpointManager:
             self._on_every_rank(self.last_saved_iteration, self.writer.wait)
 
     def _layout(self):
-        args = self.args
-        return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-                "data_parallel_size": args.data_parallel_size, "world_size": args.world_size,
-                "sequence_parallel_size": args.ds_sequence_parallel_size,
-                "zero_stage": args.zero_stage, "precision": str(args.params_dtype).replace("torch.", ""),
+        """This run's layout as a checkpoint records it."""
+        layout = self.layout
+        return {"tensor_model_parallel_size": layout.tensor, "pipeline_model_parallel_size": layout.pipeline,
+                "data_parallel_size": layout.data_parallel, "world_size": layout.world_size,
+                "sequence_parallel_size": layout.ulysses,
+                "zero_stage": layout.zero_stage, "precision": str(self.model.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain",
-                "expert_parallel_size": args.moe_expert_parallel_size if args.moe else 1,
+                "expert_parallel_size": layout.expert if max(self.model.num_experts) > 1 else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
@@ -276,7 +282,7 @@ class CheckpointManager:
         if parallel_state.get_sequence_data_parallel_rank() == 0:
             names = {id(param): name for name, param in self.engine.module.named_parameters()}
             groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
-        entry = {**_coordinates(), **_expert_coordinates(self.args), "mp_rank": self.engine.checkpoint_mp_rank,
+        entry = {**_coordinates(), **_expert_coordinates(self.layout.expert if self.moe else None), "mp_rank": self.engine.checkpoint_mp_rank,
                  "param_groups": groups}
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, entry)
@@ -299,7 +305,6 @@ class CheckpointManager:
 
     def load(self):
         """Load the checkpoint --load names (if any) into the engine; the progress to resume from."""
-        args = self.args
         if not self.config.load:
             return TrainingProgress()
         peak_before = _peak_resident_gib_of_any_rank()  # before anything of the checkpoint is read
@@ -318,10 +323,10 @@ class CheckpointManager:
         if tag is None:
             print_rank_0(f"no checkpoint loaded: peak resident memory of a rank so far {peak_before:.2f} GiB")
             return TrainingProgress()
-        plan = load_plan.plan_load(args, self.config.load, tag, metadata, self._layout())
+        plan = load_plan.plan_load(self.request, self.config.load, tag, metadata)
         verified = self._verify_checksums(tag, metadata)
         start = time.perf_counter()
-        how = plan.describe_method(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        how = plan.describe_method(self.layout.tensor, self.layout.pipeline)
         load_optimizer = self._execute(plan, metadata)
         progress, path, finetune = plan.progress, plan.path, plan.finetune
         self.engine.lr_scheduler.resume(plan.schedule, plan.position)  # after the optimizer states: they hold the LR
@@ -354,8 +359,8 @@ class CheckpointManager:
             return plan.load_optimizer
         state = self._read_this_rank(plan.path, metadata, plan.load_optimizer, plan.resharded)
         load_optimizer = plan.load_optimizer and state.optimizer is not None
-        placement.place_rank_state(self.engine, state, self.args.num_layers, self.pipelined, load_optimizer)
-        if load_optimizer and self.args.fp16:
+        placement.place_rank_state(self.engine, state, self.model.num_layers, self.pipelined, load_optimizer)
+        if load_optimizer and self.model.params_dtype == torch.float16:
             placement.restore_loss_scale(self.engine.optimizer, plan.path, metadata)
         return load_optimizer
 
@@ -397,9 +402,9 @@ class CheckpointManager:
     def _load_universal(self, path, tag, load_optimizer):
         """DeepSpeed's universal loading, each parameter read from the folder the saving run named it by; every
         rank first checks the files it needs (all problems raised on every rank)."""
-        args, optimizer = self.args, self.engine.optimizer
-        live = layout.live_parameter_names(self.engine.module, args.num_layers, self.pipelined)
-        folders = universal.parameter_folders(path, args.num_layers)
+        optimizer, num_layers = self.engine.optimizer, self.model.num_layers
+        live = layout.live_parameter_names(self.engine.module, num_layers, self.pipelined)
+        folders = universal.parameter_folders(path, num_layers)
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, universal.missing_files(path, folders, [name for name, _ in live],
                                                                  with_optimizer=load_optimizer))
@@ -418,11 +423,11 @@ class CheckpointManager:
         tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
         if not resharded:
             return read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
-        args = self.args
-        names = [name for name, _ in layout.live_parameter_names(self.engine.module, args.num_layers, self.pipelined)]
-        target = (args.tensor_model_parallel_size, tp_rank, args.enable_expert_tensor_parallelism)
+        names = [name for name, _ in layout.live_parameter_names(self.engine.module, self.model.num_layers,
+                                                                 self.pipelined)]
+        target = (self.layout.tensor, tp_rank, self.layout.expert_tensor_parallel)
         return read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
-                                         args.padded_vocab_size, with_optimizer=load_optimizer)
+                                         self.request.shape["padded_vocab_size"], with_optimizer=load_optimizer)
 
     def _stage_rng_state(self, path, metadata):
         """Read this rank's RNG states (restored by restore_rng right before training)."""

@@ -31,7 +31,9 @@ class RankState:
 
 @dataclass
 class FullState:
-    """A whole model, layout-free: full tensors by canonical name, and the training position."""
+    """A whole model, layout-free: full tensors by canonical name, and the training position. recorded_model: its
+    shape (files.model_shape) as the checkpoint recorded it; None for a state built from flags or a Hugging Face
+    config, whose shape is that of its args. model_config: the TransformerConfig the checkpoint recorded, if any."""
     args: dict
     weights: Dict[str, torch.Tensor]
     optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None
@@ -41,6 +43,13 @@ class FullState:
     consumed_valid_samples: int = 0
     scheduler: Optional[dict] = None
     extra: dict = field(default_factory=dict)
+    recorded_model: Optional[dict] = None
+    model_config: Optional[dict] = None
+
+    @property
+    def model(self) -> dict:
+        """The model's shape: as recorded, else of the arguments."""
+        return self.recorded_model if self.recorded_model is not None else files.model_shape(self.args)
 
 
 def _layout(metadata):
@@ -278,7 +287,8 @@ def read_full_state(path, metadata, with_optimizer=True):
     pp_size = metadata["layout"]["pipeline_model_parallel_size"]
     per_tp = [[read_rank_state(path, metadata, tp, pp, with_optimizer) for pp in range(pp_size)]
               for tp in range(tp_size)]
-    swiglu, sharded_experts = bool(args.get("swiglu")), bool(args.get("enable_expert_tensor_parallelism"))
+    model = files.saved_model_shape(metadata)
+    swiglu, sharded_experts = model["swiglu"], bool(args.get("enable_expert_tensor_parallelism"))
     weights, optimizer = {}, {} if with_optimizer else None
     steps = set()
     names = []
@@ -301,7 +311,8 @@ def read_full_state(path, metadata, with_optimizer=True):
                      iteration=metadata.get("iteration", 0),
                      consumed_train_samples=metadata.get("consumed_train_samples", 0),
                      consumed_valid_samples=metadata.get("consumed_valid_samples", 0),
-                     scheduler=metadata.get("scheduler"))
+                     scheduler=metadata.get("scheduler"), recorded_model=model,
+                     model_config=metadata.get("model_config"))
 
 
 def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_optimizer=True):
@@ -384,6 +395,8 @@ def resize_vocabulary(full: FullState, rows):
             if full.optimizer is not None:
                 full.optimizer[name] = {key: layout.pad_vocab_rows(value, rows)
                                         for key, value in full.optimizer[name].items()}
+    if full.recorded_model is not None:
+        full.recorded_model["padded_vocab_size"] = rows
 
 
 def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=None, with_optimizer=True,
@@ -415,7 +428,8 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
                                   consumed_valid_samples=full.consumed_valid_samples, scheduler=full.scheduler,
                                   has_optimizer_states=optimizer is not None, has_rng_states=False,
                                   optimizer_step=full.optimizer_step if optimizer is not None else None,
-                                  converted_from=source)
+                                  converted_from=source, model=full.model,
+                                  **({"model_config": full.model_config} if full.model_config else {}))
     files.finish_folder(tmp_path, metadata, checksums)
     files.publish(save_dir, tmp_tag, tag, tag if tag == files.RELEASE_TAG else str(full.iteration))
     return os.path.join(save_dir, tag)

@@ -32,15 +32,16 @@ _MOMENTS = ("exp_avg.pt", "exp_avg_sq.pt")
 
 # --- saving: what ds_to_universal needs --------------------------------------------------------------
 
-def checkpoint_info(module, args, pipelined):
-    """DeepSpeed's universal_checkpoint_info for this model, identical on every rank (a collective: each rank
-    adds the patterns of its own parameters, so the last stage's final norm and head are covered too)."""
-    mine = _patterns_by_category(module, args, pipelined)
+def checkpoint_info(module, model, padded_vocab_size, pipelined):
+    """DeepSpeed's universal_checkpoint_info for this model (model: its TransformerConfig), identical on every
+    rank (a collective: each rank adds the patterns of its own parameters, so the last stage's final norm and
+    head are covered too)."""
+    mine = _patterns_by_category(module, model, pipelined)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     info = {ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             # our padded rows are trained (the loss's softmax covers them), so all of them are kept
-            ds.ORIGINAL_VOCAB_SIZE: args.padded_vocab_size}
+            ds.ORIGINAL_VOCAB_SIZE: padded_vocab_size}
     for category in _CATEGORIES:
         info[category] = sorted({pattern for rank in everyone for pattern in rank.get(category, ())})
     return info
@@ -51,11 +52,11 @@ _CATEGORIES = (ds.VOCABULARY_PARAMETER_PATTERNS, ds.TP_REPLICATED_PARAMETER_PATT
                ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS)
 
 
-def _patterns_by_category(module, args, pipelined):
+def _patterns_by_category(module, model, pipelined):
     categories = {}
     for local, _ in module.named_parameters():
-        canonical = layout.canonical_name(local, args.num_layers, pipelined)
-        for category in _categories_of(local, canonical, args.swiglu):
+        canonical = layout.canonical_name(local, model.num_layers, pipelined)
+        for category in _categories_of(local, canonical, model.gated_linear_unit):
             categories.setdefault(category, set()).add(_pattern(local))
     return categories
 

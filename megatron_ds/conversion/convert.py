@@ -29,8 +29,8 @@ def load_full(load_dir, iteration=None, with_optimizer=True):
     return full, path
 
 
-def _check_target(args, tp, pp, ep=None, expert_tensor_parallelism=None):
-    shape = files.model_shape(args)
+def _check_target(shape, tp, pp, ep=None, expert_tensor_parallelism=None):
+    """shape: the model's (files.model_shape)."""
     problems = _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism)
     for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
                         ("--num-key-value-heads", shape["num_key_value_heads"]),
@@ -82,10 +82,11 @@ def _retarget(full, tp, pp, divisible_by=None):
     return divisible_by
 
 
-def _training_hint(args, tp, pp):
+def _training_hint(full, tp, pp):
+    args = full.args
     hint = (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
             f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}")
-    if not files.is_moe(files.model_shape(args)):
+    if not files.is_moe(full.model):
         return hint + " (any data-parallel size)"
     if args.get("enable_expert_tensor_parallelism"):
         hint += " --enable-expert-tensor-parallelism"
@@ -105,18 +106,18 @@ def _set_expert_layout(args, ep, expert_tensor_parallelism):
 
 def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None, expert_tensor_parallelism=None):
     full, path = load_full(load_dir, iteration, with_optimizer)
-    _check_target(full.args, tp, pp, ep, expert_tensor_parallelism)
+    _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
     source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"],
               full.args.get("moe_expert_parallel_size") or 1)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
     _retarget(full, tp, pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path)
-    experts = files.is_moe(files.model_shape(full.args))
+    experts = files.is_moe(full.model)
     source_text = f"TP {source[0]} x PP {source[1]}" + (f" x EP {source[2]}" if experts else "")
     target_text = f"TP {tp} x PP {pp}" + (f" x EP {full.args.get('moe_expert_parallel_size') or 1}" if experts else "")
     _log(f"reshaped {path} ({source_text}) to {folder} ({target_text}), iteration "
          f"{full.iteration}, {'with' if full.optimizer is not None else 'without'} optimizer states; "
-         + _training_hint(full.args, tp, pp))
+         + _training_hint(full, tp, pp))
     return folder
 
 
@@ -127,7 +128,7 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
     full, path = load_full(load_dir, iteration, with_optimizer=False)
     args = full.args
     rows = args["vocab_size"] if trim_vocab_padding else full.weights[layout.WORD_EMBEDDINGS].size(0)
-    config, hf_state = huggingface.to_hf_state(args, full.weights, rows)
+    config, hf_state = huggingface.to_hf_state(full.model, args, full.weights, rows)
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(hf_state, strict=False)
     missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
@@ -267,23 +268,23 @@ def _hf_tokenizer_args(hf_dir, base):
 
 def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None):
     full = read_hf(hf_dir, divisible_by, tp)
-    _check_target(full.args, tp, pp, ep, expert_tensor_parallelism)
+    _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
     full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
                                             source=os.path.abspath(hf_dir))
-    shape = files.model_shape(full.args)
+    shape = full.model
     layout_text = f"TP {tp} x PP {pp}" + (f" x EP {ep or 1}, {shape['num_experts'][0]} experts per layer"
                                           if files.is_moe(shape) else "")
     _log(f"wrote {folder} ({files.model_family(shape)} family, {layout_text}, weights only) from {hf_dir}; "
          f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
-         f"{model_flags(full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
+         f"{model_flags(shape, full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
     return folder
 
 
-def model_flags(args):
-    """The pretrain.py model flags that describe args' model."""
-    shape = files.model_shape(args)
+def model_flags(shape, args):
+    """The pretrain.py model flags that describe a model: its shape (files.model_shape) and its saved arguments
+    (for the values outside the shape: the RoPE base, the norm's epsilon, the routing)."""
     flags = [f"--num-layers {shape['num_layers']}", f"--hidden-size {shape['hidden_size']}",
              f"--num-attention-heads {shape['num_attention_heads']}",
              f"--num-key-value-heads {shape['num_key_value_heads']}", f"--ffn-hidden-size {shape['ffn_hidden_size']}"]
@@ -306,13 +307,13 @@ def model_flags(args):
         flags.append("--untie-embeddings-and-output-weights")
     flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
     if files.is_moe(shape):
-        flags.append(moe_flags(args))
+        flags.append(moe_flags(shape, args))
     return " ".join(flags)
 
 
-def moe_flags(args):
-    """The pretrain.py flags of args' Mixture of Experts (routing included)."""
-    shape, defaults = files.model_shape(args), flag_defaults()
+def moe_flags(shape, args):
+    """The pretrain.py flags of a model's Mixture of Experts (routing included)."""
+    defaults = flag_defaults()
     value = lambda name: args.get(name, defaults[name])  # noqa: E731
     flags = [f"--num-experts {' '.join(map(str, shape['num_experts']))}",
              f"--expert-interval {shape['expert_interval']}", f"--topk {value('topk')}",

@@ -16,7 +16,7 @@ tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
 import torch
 
 from megatron_ds.arguments import flag_defaults
-from megatron_ds.checkpointing.files import CheckpointError, is_moe, model_family, model_shape
+from megatron_ds.checkpointing.files import CheckpointError, is_moe, model_family
 from megatron_ds.checkpointing.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
 SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
@@ -28,9 +28,9 @@ def _layer(i, rest):
 
 # --- ours -> Hugging Face -----------------------------------------------------------------------------
 
-def to_hf_state(args, weights, vocab_rows):
-    """(transformers config, HF state dict) for our canonical weights."""
-    shape = model_shape(args)
+def to_hf_state(shape, args, weights, vocab_rows):
+    """(transformers config, HF state dict) for our canonical weights of a model of this shape
+    (files.model_shape) and these saved arguments."""
     family = model_family(shape)
     if family == "gpt2":
         return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)

@@ -43,6 +43,11 @@ def stages_without_experts(num_layers, pipeline_stages, expert_interval):
                        for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
 
 
+def micro_batches_per_step(global_batch_size, micro_batch_size, data_parallel_size):
+    """The micro-batches each data-parallel rank runs per optimizer step: DeepSpeed's gradient accumulation steps."""
+    return global_batch_size // (micro_batch_size * data_parallel_size)
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """One run's parallel degrees. sequence_parallel is Megatron's (tokens outside attention split over TP);
@@ -245,3 +250,13 @@ def layouts_of_world(world_size: int):
 
 def _broken(rules):
     return [LayoutProblem(reason, detail, message) for broken, reason, detail, message in rules if broken]
+
+
+def generation_layout(world_size, expert_parallel_size=1) -> ParallelLayout:
+    """tools/generate.py's layout: one pipeline stage whose world / EP ranks form a TP group, EP such groups
+    (the experts' data-parallel ranks, all generating the same tokens). ValueError when EP does not divide
+    the world."""
+    if expert_parallel_size < 1 or world_size % expert_parallel_size:
+        raise ValueError(f"--moe-expert-parallel-size {expert_parallel_size} does not divide the {world_size} ranks")
+    return ParallelLayout(world_size=world_size, tensor=world_size // expert_parallel_size,
+                          expert=expert_parallel_size)

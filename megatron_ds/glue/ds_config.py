@@ -20,6 +20,7 @@ import copy
 import json
 import math
 
+from megatron_ds.core.parallel_layout import micro_batches_per_step
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 from megatron_ds.glue import curriculum, deepspeed_keys
 
@@ -244,7 +245,7 @@ def number_checkpoints(args, micro_batch_size=None, global_batch_size=None):
     if pp == 1:
         return chunks
     micro = micro_batch_size or args.micro_batch_size
-    micro_batches = (global_batch_size or args.global_batch_size) // (micro * args.data_parallel_size)
+    micro_batches = micro_batches_per_step(global_batch_size or args.global_batch_size, micro, args.data_parallel_size)
     return chunks * max(1, min(pp, micro_batches))
 
 
@@ -267,7 +268,7 @@ def build_deepspeed_config(args):
     """The effective DeepSpeed config: the user's JSON with every reconciled value written in."""
     config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
               if key not in _BLOCKS_KEPT_FROM_DEEPSPEED}
-    accumulation = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    accumulation = micro_batches_per_step(args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
     config.update({"train_batch_size": deepspeed_train_batch_size(args, args.global_batch_size),
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,
                    "gradient_accumulation_steps": accumulation,

@@ -22,9 +22,9 @@ def _args(*flags):
 
 
 def _resume(*flags, metadata=METADATA, finetune=False):
-    args = _args(*flags)
-    progress = load_plan.resumed_progress(args, metadata, finetune)
-    return progress, load_plan.lr_schedule_to_resume(args, "ckpt/global_step5", metadata, progress, finetune)
+    request = load_plan.LoadRequest.of_run(_args(*flags))
+    progress = load_plan.resumed_progress(request, metadata, finetune)
+    return progress, load_plan.lr_schedule_to_resume(request, "ckpt/global_step5", metadata, progress, finetune)
 
 
 def test_default_resumes_the_checkpoints_schedule_and_progress():

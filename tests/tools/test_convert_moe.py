@@ -101,7 +101,8 @@ def _moe_args(**overrides):
 ])
 def test_export_refuses_what_mixtral_cannot_hold(overrides, expected):
     with pytest.raises(CheckpointError, match="MixtralForCausalLM cannot hold") as error:
-        huggingface.to_hf_state(_moe_args(**overrides), {}, 128)
+        args = _moe_args(**overrides)
+        huggingface.to_hf_state(files.model_shape(args), args, {}, 128)
     assert expected in str(error.value)
 
 
@@ -113,7 +114,7 @@ def test_converter_refuses_an_expert_parallel_size_that_does_not_divide_the_expe
     assert "--num-experts 4 is not divisible by --target-expert-parallel-size 3" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match="--target-pipeline-model-parallel-size 2 would hold no MoE"):
-        convert._check_target(_moe_args(expert_interval=2, num_layers=2), 1, 2)
+        convert._check_target(files.model_shape(_moe_args(expert_interval=2, num_layers=2)), 1, 2)
 
 
 def test_a_truncated_hugging_face_weight_file_is_named(tmp_path, capsys):

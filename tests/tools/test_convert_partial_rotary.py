@@ -24,7 +24,7 @@ def test_reshape_keeps_rotary_percent_and_hugging_face_export_refuses_it(tmp_pat
     reshaped = full_state(tmp_path / "tp2" / files.read_pointer(str(tmp_path / "tp2")))
     assert reshaped.args["rotary_percent"] == 0.5 and files.model_shape(reshaped.args)["rotary_percent"] == 0.5
     assert "--use-rotary-position-embeddings --rotary-base 5000 --rotary-percent 0.5" in \
-        convert.model_flags(reshaped.args)
+        convert.model_flags(reshaped.model, reshaped.args)
     model_parallel_cuda_manual_seed(0)
     partial, reshaped_model = build_model(original), build_model(reshaped)
     assert partial.layers[0].self_attention.rotary.rotary_dim == 4

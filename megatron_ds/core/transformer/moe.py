@@ -32,18 +32,18 @@ class ExpertMLP(MLP):
 
 class AuxiliaryLossGradient(torch.autograd.Function):
     """y = x; in backward the auxiliary loss also gets `scale` as its gradient: what the main loss's gradient
-    is multiplied by (1 / micro-batches per step, times fp16's loss scale). training.py keeps it current."""
-    scale = 1.0
+    is multiplied by (1 / micro-batches per step, times fp16's loss scale; begin_global_batch sets it)."""
 
     @staticmethod
-    def forward(ctx, output, auxiliary_loss):
+    def forward(ctx, output, auxiliary_loss, scale):
         ctx.save_for_backward(auxiliary_loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         (auxiliary_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(auxiliary_loss, AuxiliaryLossGradient.scale)
+        return grad_output, torch.full_like(auxiliary_loss, ctx.scale), None
 
 
 def expert_group_name(config):
@@ -68,6 +68,7 @@ class MoEMLP(deepspeed.moe.layer.MoE):
                          enable_expert_tensor_parallelism=config.moe_expert_tensor_parallel)
         self.loss_coeff = config.moe_loss_coeff
         self.auxiliary_losses = []  # coeff x l_aux of each forward since forget_auxiliary_losses(), detached
+        self.auxiliary_gradient_scale = 1.0  # AuxiliaryLossGradient's, for the global batch under way
         self._name_experts(config, f"decoder.layers.{layer_number - 1}.mlp")
         init = init_method_normal(config.init_method_std)
         set_init_method(self.deepspeed_moe.gate.wg.weight, init)
@@ -97,7 +98,7 @@ class MoEMLP(deepspeed.moe.layer.MoE):
         auxiliary_loss = auxiliary_loss * self.loss_coeff
         self.auxiliary_losses.append(auxiliary_loss.detach())
         if self.training and torch.is_grad_enabled():
-            output = AuxiliaryLossGradient.apply(output, auxiliary_loss)
+            output = AuxiliaryLossGradient.apply(output, auxiliary_loss, self.auxiliary_gradient_scale)
         return output, None
 
 
@@ -108,6 +109,14 @@ def moe_layers(model):
 def forget_auxiliary_losses(layers):
     for layer in layers:
         layer.auxiliary_losses = []
+
+
+def begin_global_batch(layers, gradient_scale):
+    """Before a global batch: the layers forget their recorded auxiliary losses and start the losses' gradients
+    at gradient_scale (what DeepSpeed scales the main loss's by: 1 / micro-batches, times fp16's loss scale)."""
+    forget_auxiliary_losses(layers)
+    for layer in layers:
+        layer.auxiliary_gradient_scale = gradient_scale
 
 
 def auxiliary_loss_of(layers):

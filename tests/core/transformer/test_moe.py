@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.tensor_parallel.random import _generator_for, init_method_normal, initialize_deterministically
-from megatron_ds.core.transformer.moe import AuxiliaryLossGradient, MoEMLP
+from megatron_ds.core.transformer.moe import MoEMLP, begin_global_batch
 from megatron_ds.core.transformer.transformer_config import TransformerConfig
 from tests.distributed import run_distributed
 
@@ -86,16 +86,15 @@ def _router_gradient():
     def router_gradient(coeff):
         layer = _layer(moe_router_topk=2, moe_token_dropping=False, moe_top2_2nd_expert_sampling=False,
                        moe_loss_coeff=coeff)
+        begin_global_batch([layer], 0.25)  # as with 4 micro-batches a step
         layer(_input())[0].sum().backward()
         return layer.deepspeed_moe.gate.wg.weight.grad.clone(), layer
 
-    AuxiliaryLossGradient.scale = 0.25  # as with 4 micro-batches a step
     without, _ = router_gradient(0.0)
     with_loss, layer = router_gradient(0.3)
     layer.zero_grad()
     _, auxiliary, _ = super(MoEMLP, layer).forward(_input())
     (auxiliary_gradient,) = torch.autograd.grad(auxiliary, layer.deepspeed_moe.gate.wg.weight)
-    AuxiliaryLossGradient.scale = 1.0
     torch.testing.assert_close(with_loss - without, 0.25 * 0.3 * auxiliary_gradient, rtol=1e-5, atol=1e-7)
     assert auxiliary_gradient.abs().sum() > 0
 
