@@ -44,7 +44,8 @@ def parallel_layout(args, zero_stage=None) -> ParallelLayout:
                           pipeline=args.pipeline_model_parallel_size, ulysses=args.ds_sequence_parallel_size,
                           expert=args.moe_expert_parallel_size,
                           expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
-                          sequence_parallel=bool(args.sequence_parallel), zero_stage=zero_stage)
+                          sequence_parallel=bool(args.sequence_parallel), zero_stage=zero_stage,
+                          pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_pipeline_stages)
 
 
 def model_shape(args) -> ModelShape:
@@ -300,11 +301,6 @@ _UNBUILT_FEATURES = (
      "train without a teacher"),
     (lambda a: a.random_ltd or a.data_efficiency_curriculum_learning, "--random-ltd / "
      "--data-efficiency-curriculum-learning", "DeepSpeed Data Efficiency", "drop the flag"),
-    (lambda a: a.enable_zbh1_pipeline or a.enable_zbh1_exact_semantics, "--enable-zbh1-pipeline",
-     "the zero-bubble pipeline schedule", "DeepSpeed's 1F1B schedule runs without it"),
-    (lambda a: a.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage "
-     "{num_layers_per_virtual_pipeline_stage}", "the interleaved (virtual) pipeline schedule",
-     "DeepSpeed's pipeline engine runs 1F1B without it"),
     (lambda a: a.train_doc_idx_path or a.train_sample_idx_path or a.train_shuffle_idx_path,
      "--train-*-idx-path", "index files given by path", "megatron_ds builds and caches its own (--data-cache-path)"),
 )
@@ -341,6 +337,19 @@ def unbuilt_feature_errors(args):
     """Megatron-DeepSpeed flags asking for a feature megatron_ds does not build, refused by name."""
     return [f"{flag.format(**vars(args))}: {feature} is not built in megatron_ds; {instead}"
             for asked, flag, feature, instead in _UNBUILT_FEATURES if asked(args)]
+
+
+_SCHEDULE_FEATURES = {"zbh1": "the zero-bubble pipeline schedule", "interleaved": "the interleaved (virtual) "
+                      "pipeline schedule", "dualpipev": "the DualPipeV pipeline schedule"}
+
+
+def engine_schedule_errors(args):
+    """The pipeline schedules pretrain.py's engine does not run yet (tools/plan.py plans them all)."""
+    if args.pipeline_schedule == "1f1b":
+        return []
+    return [f"--pipeline-schedule {args.pipeline_schedule}: {_SCHEDULE_FEATURES[args.pipeline_schedule]} is not "
+            f"built into pretrain.py's pipeline engine yet (tools/plan.py plans it); DeepSpeed's 1F1B schedule runs "
+            f"without the flag"]
 
 
 def data_source_errors(args):

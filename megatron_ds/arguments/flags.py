@@ -7,6 +7,7 @@ import functools
 import sys
 import types
 
+from megatron_ds.core.pipeline_schedules import SCHEDULES
 from megatron_ds.core.transformer.transformer_config import (ATTENTION_BACKENDS, FUSION_BACKENDS, NORMALIZATIONS,
                                                               POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES,
                                                               RECOMPUTE_METHODS)
@@ -174,6 +175,17 @@ def _add_parallel_args(parser):
                        "over the TP ranks")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
+                       help="the pipeline schedule (default 1f1b, DeepSpeed's): zbh1 (zero bubble, weight gradients "
+                            "deferred), interleaved (Megatron's virtual stages), dualpipev (DeepSeek's V shape)")
+    group.add_argument("--enable-zbh1-pipeline", action="store_true",
+                       help="Megatron-DeepSpeed's spelling of --pipeline-schedule zbh1")
+    group.add_argument("--enable-zbh1-exact-semantics", action="store_true",
+                       help="ZB-H1 keeping 1F1B's exact update order (Megatron-DeepSpeed's flag; implies zbh1)")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Megatron's interleaved schedule: N layers per virtual stage (v = layers / (PP x N))")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Megatron's interleaved schedule: v virtual stages per pipeline rank")
     group.add_argument("--zero-stage", type=int, default=None, help="default: DeepSpeed JSON, or 1")
     group.add_argument("--no-pipeline-parallel", action="store_true",
                        help="Megatron-DeepSpeed compatibility: PP = 1 always uses the plain DeepSpeed engine")
@@ -336,9 +348,6 @@ def _add_unbuilt_feature_args(parser):
     group.add_argument("--num-experts-teacher", type=int, nargs="+", default=[1])
     group.add_argument("--random-ltd", action="store_true")
     group.add_argument("--data-efficiency-curriculum-learning", action="store_true")
-    group.add_argument("--enable-zbh1-pipeline", action="store_true")
-    group.add_argument("--enable-zbh1-exact-semantics", action="store_true")
-    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     for flag in ("--train-doc-idx-path", "--train-sample-idx-path", "--train-shuffle-idx-path"):
         group.add_argument(flag, default=None)
 

@@ -7,6 +7,8 @@ function named here, and the checks in `checks.py` only read:
                               schedule_errors: one of --train-iters / --train-samples, LR flags in its unit
   2. model_defaults           aliases (RoPE, recompute, flash attention, tokenizer names), positions, key/value
                               heads, FFN width, tokenizer type, LR schedule lengths, whether it is an MoE
+     pipeline_schedule_values the pipeline schedule and its chunks per rank, from --pipeline-schedule or its
+                              Megatron spellings (--enable-zbh1-*, --num-*-virtual-*)
   3. flag checks              layout, model, activation memory, optimization, checkpoint,
                               Megatron-DeepSpeed values and features not built here (+ data files*)
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
@@ -35,6 +37,7 @@ import torch
 
 from megatron_ds.arguments import checks, configs
 from megatron_ds.batch_schedule import build_batch_schedule
+from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
@@ -74,6 +77,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     raise_if_invalid(checks.size_errors(args))
     errors = checks.schedule_errors(args)  # on the flags as given, before defaults fill them
     vars(args).update(model_defaults(args))
+    errors += _apply(args, pipeline_schedule_values(args))
     errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
     if checks.parallel_layout(args).divides_world:
@@ -115,7 +119,8 @@ def flag_errors(args, on_this_host):
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
               + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
               + checks.ulysses_errors(args))
-    return errors + (checks.data_source_errors(args) if on_this_host else [])
+    # tools/plan.py plans every schedule; pretrain.py's engine runs those it has
+    return errors + (checks.data_source_errors(args) + checks.engine_schedule_errors(args) if on_this_host else [])
 
 
 # --- the derived values, in order ---------------------------------------------------------------------
@@ -155,6 +160,48 @@ def tokenizer_type(args):
     if args.tokenizer_type is None:
         return "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     return TOKENIZER_ALIASES.get(args.tokenizer_type, args.tokenizer_type)
+
+
+def pipeline_schedule_values(args):
+    """({pipeline_schedule, virtual_pipeline_stages}, errors): --pipeline-schedule, or what Megatron's spellings
+    ask for (--enable-zbh1-pipeline / --enable-zbh1-exact-semantics: zbh1; --num-layers-per-virtual-pipeline-stage
+    N or --num-virtual-stages-per-pipeline-rank v: interleaved); a spelling that asks for another schedule than
+    --pipeline-schedule, or two that disagree, is an error naming both. virtual_pipeline_stages: the model
+    stages each pipeline rank holds (interleaved: v; dualpipev: 2; else 1)."""
+    asked = {}
+    if args.enable_zbh1_pipeline or args.enable_zbh1_exact_semantics:
+        asked["zbh1"] = "--enable-zbh1-pipeline" if args.enable_zbh1_pipeline else "--enable-zbh1-exact-semantics"
+    virtual, errors = _virtual_stages(args)
+    if virtual is not None:
+        asked["interleaved"] = ("--num-layers-per-virtual-pipeline-stage" if args.num_layers_per_virtual_pipeline_stage
+                                else "--num-virtual-stages-per-pipeline-rank")
+    if args.pipeline_schedule is not None:
+        asked = {args.pipeline_schedule: f"--pipeline-schedule {args.pipeline_schedule}",
+                 **{name: flag for name, flag in asked.items() if name != args.pipeline_schedule}}
+    if len(asked) > 1:
+        errors.append(f"{' and '.join(asked.values())} ask for different pipeline schedules "
+                      f"({', '.join(asked)}): give one")
+    schedule = next(iter(asked), "1f1b")
+    chunks = (virtual or 1) if schedule == "interleaved" else chunks_per_rank(schedule)
+    return {"pipeline_schedule": schedule, "virtual_pipeline_stages": chunks}, errors
+
+
+def _virtual_stages(args):
+    """(v, errors) of Megatron's interleaving flags (None when neither is given)."""
+    layers_per_stage, given = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if layers_per_stage is None:
+        return given, []
+    if layers_per_stage < 1 or layers % (pp * layers_per_stage):
+        return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: --num-layers {layers} is not "
+                      f"--pipeline-model-parallel-size {pp} x a whole number of virtual stages of {layers_per_stage} "
+                      f"layers"]
+    virtual = layers // (pp * layers_per_stage)
+    if given is not None and given != virtual:
+        return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage} makes {virtual} virtual stages per "
+                      f"pipeline rank (--num-layers {layers} / (PP {pp} x {layers_per_stage})), "
+                      f"--num-virtual-stages-per-pipeline-rank {given}: give one"]
+    return virtual, []
 
 
 def tokenizer_values(args):

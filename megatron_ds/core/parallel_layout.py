@@ -9,6 +9,9 @@ Ranks are TP fastest, then Ulysses SP, then DP, then PP (core/parallel_state.py 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megatron_ds.core import pipeline_schedules
+from megatron_ds.core.pipeline_schedules import nearest_multiples
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -60,8 +63,9 @@ class ParallelLayout:
     expert: int = 1
     expert_tensor_parallel: bool = False
     sequence_parallel: bool = False
-    virtual_stages: int = 1
+    virtual_stages: int = 1        # model stages (chunks) per pipeline rank: interleaved's v, dualpipev's 2
     zero_stage: Optional[int] = None
+    pipeline_schedule: str = "1f1b"
 
     @property
     def model_parallel_size(self) -> int:
@@ -106,7 +110,8 @@ class ParallelLayout:
     def problems(self, model: ModelShape, batch: Optional[Tuple[int, int]] = None) -> List[LayoutProblem]:
         """Every rule the layout breaks for the model; with batch = (micro batch, global batch) the batch
         arithmetic too, and with a known zero_stage the ZeRO rules."""
-        found = self._division_problems(model) + self._sequence_problems(model) + self._expert_problems(model)
+        found = (self._division_problems(model) + self._schedule_problems() + self._sequence_problems(model)
+                 + self._expert_problems(model))
         if batch is not None and self.divides_world:
             found += self.batch_problems(*batch)
         return found + self.zero_problems(model)
@@ -135,10 +140,18 @@ class ParallelLayout:
              f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"),
             (v > 1 and model.num_layers % (pp * v), "layers not divisible by PP x virtual stages",
              f"{model.num_layers} layers over PP {pp} x {v} virtual stages",
-             f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x {v} virtual "
-             f"stages per pipeline rank"),
+             f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x {v} "
+             f"{self._chunk_name()} per pipeline rank (nearest: "
+             f"{' or '.join(map(str, nearest_multiples(model.num_layers, pp * v)))} layers)"),
         ]
         return _broken(rules)
+
+    def _chunk_name(self):
+        return "stages (dualpipev's V)" if self.pipeline_schedule == "dualpipev" else "virtual stages"
+
+    def _schedule_problems(self):
+        return [LayoutProblem("pipeline schedule", message, message) for message in
+                pipeline_schedules.schedule_problems(self.pipeline_schedule, self.pipeline, self.virtual_stages)]
 
     def _sequence_problems(self, model):
         tp, u, seq, heads, megatron_sp = (self.tensor, self.ulysses, model.seq_length, model.num_attention_heads,
@@ -210,7 +223,9 @@ class ParallelLayout:
         """The global batch splits into micro-batches over the data-parallel ranks."""
         dp = self.data_parallel
         if global_batch_size % (micro_batch_size * dp) == 0:
-            return []
+            micro_batches = micro_batches_per_step(global_batch_size, micro_batch_size, dp)
+            return [LayoutProblem("pipeline schedule", message, message) for message in
+                    pipeline_schedules.micro_batch_problems(self.pipeline_schedule, self.pipeline, micro_batches)]
         return [LayoutProblem(
             "global batch not a multiple of micro batch x DP", f"{global_batch_size} over {micro_batch_size} x {dp}",
             f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size {micro_batch_size} x "

@@ -101,7 +101,8 @@ def layout_from_args(args) -> Layout:
                   recompute_method=args.recompute_method or DEFAULT_RECOMPUTE_METHOD,
                   recompute_num_layers=args.recompute_num_layers or DEFAULT_RECOMPUTE_NUM_LAYERS,
                   distribute_saved_activations=args.distribute_saved_activations,
-                  ulysses=args.ds_sequence_parallel_size)
+                  ulysses=args.ds_sequence_parallel_size, pipeline_schedule=args.pipeline_schedule,
+                  virtual_stages=args.virtual_pipeline_stages)
 
 
 def model_summary(model: ModelSpec) -> dict:
@@ -134,7 +135,8 @@ def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:
 def assumptions_text(assumptions: PerformanceAssumptions):
     return assumptions.describe() + [
         f"memory: {RUNTIME_OVERHEAD_BYTES / GIB:g} GiB per device for CUDA context, NCCL and allocator slack; "
-        f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the 1F1B in-flight micro-batches"]
+        f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the micro-batches a stage holds in "
+        f"flight (1F1B: min(p - stage, m); other schedules: simulated)"]
 
 
 def instantiate_check(model: ModelSpec, tp: int, pp: int) -> dict:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
+from megatron_ds.planning.pipeline import pipeline_traffic_factor
 
 
 def all_reduce_bytes(ranks: int, payload: float) -> float:
@@ -121,6 +122,14 @@ def pipeline_payload_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
     return tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
 
 
+def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
+    """Bytes a device sends over the pipeline per micro-batch: an activation forward and its gradient backward,
+    at each of the schedule's crossings (interleaving crosses every rank v times, DualPipeV's V twice)."""
+    if layout.pp == 1:
+        return 0.0
+    return 2 * pipeline_payload_per_micro_batch(model, layout) * pipeline_traffic_factor(layout)
+
+
 def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
     if model.precision == "bf16" and layout.zero_stage == 1:
         return 4
@@ -150,8 +159,9 @@ def largest_stage_data_parallel_traffic(model: ModelSpec, layout: Layout, stages
 
 
 def tied_embedding_traffic(model: ModelSpec, layout: Layout) -> float:
-    """First and last stage all-reduce the shared embedding's gradient once per iteration (2 ranks)."""
-    if not model.tied_embeddings or layout.pp == 1:
+    """First and last stage all-reduce the shared embedding's gradient once per iteration (2 ranks; none where
+    one rank holds both: PP 1, DualPipeV's rank 0)."""
+    if not model.tied_embeddings or layout.pp == 1 or layout.pipeline_schedule == "dualpipev":
         return 0.0
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp * model.config.hidden_size
     return all_reduce_bytes(2, vocab_shard * gradient_reduction_element_bytes(model, layout))

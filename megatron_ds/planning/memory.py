@@ -44,6 +44,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List
 
+from megatron_ds.planning import pipeline
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, total_parameters
 
@@ -102,9 +103,10 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float
     return per_layer * (1 if model.sixteen_bit else 2)
 
 
-def in_flight_micro_batches(layout: Layout, stage: int) -> int:
-    """Micro-batches whose activations a 1F1B stage holds at its peak."""
-    return min(layout.pp - stage, layout.num_micro_batches)
+def in_flight_micro_batches(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak (1F1B: min(p - stage, m); the other schedules
+    as planning/pipeline.py simulates them)."""
+    return pipeline.in_flight_micro_batches(layout, stage)
 
 
 def _first_stage_extra_bytes(model, layout):
@@ -146,7 +148,7 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_lay
     total = in_flight * kept + recompute_working_set
     if stage == 0:
         total += in_flight * _first_stage_extra_bytes(model, layout)
-    if stage == layout.pp - 1:
+    if stage == pipeline.head_rank(layout):
         total += _last_stage_extra_bytes(model, layout)
     return total
 

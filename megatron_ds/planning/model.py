@@ -57,6 +57,8 @@ class Layout:
     recompute_num_layers: int = DEFAULT_RECOMPUTE_NUM_LAYERS  # full only: N
     distribute_saved_activations: bool = False   # full only: saved layer inputs split across TP
     ulysses: int = 1                   # DeepSpeed-Ulysses SP (--ds-sequence-parallel-size): ranks splitting a sample
+    pipeline_schedule: str = "1f1b"    # core/pipeline_schedules.py
+    virtual_stages: int = 1            # model stages per pipeline rank: interleaved's v, dualpipev's 2
 
     @property
     def world_size(self) -> int:
@@ -100,7 +102,14 @@ class Layout:
     def describe(self) -> str:
         return (f"{self.describe_sizes()}, micro batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches} micro-batches, SP {'on' if self.sequence_parallel else 'off'}, "
-                f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}")
+                f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}{self.describe_schedule()}")
+
+    def describe_schedule(self) -> str:
+        """", pipeline schedule S" (with its virtual stages for interleaved) when it is not 1F1B."""
+        if self.pipeline_schedule == "1f1b" or self.pp == 1:
+            return ""
+        virtual = f" (v = {self.virtual_stages})" if self.pipeline_schedule == "interleaved" else ""
+        return f", pipeline schedule {self.pipeline_schedule}{virtual}"
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ def parallel_layout(model: ModelSpec, layout: Layout) -> ParallelLayout:
     return ParallelLayout(world_size=layout.world_size, tensor=layout.tp, pipeline=layout.pp, ulysses=layout.ulysses,
                           expert=config.moe_expert_parallel_size,
                           expert_tensor_parallel=config.moe_expert_tensor_parallel,
-                          sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage)
+                          sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage,
+                          pipeline_schedule=layout.pipeline_schedule, virtual_stages=layout.virtual_stages)
 
 
 def model_shape(model: ModelSpec) -> ModelShape:

@@ -153,3 +153,23 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = Non
             first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers)))
         first += count
     return stages
+
+
+def rank_parameters(model: ModelSpec, layout, tp: Optional[int] = None, ep: Optional[int] = None
+                    ) -> List[StageParameters]:
+    """Per pipeline rank, one device's parameters (stage_parameters' tp and ep, default the layout's and the
+    model's). DualPipeV's rank r holds model stages r and 2p - 1 - r of 2p (rank 0 the embedding and the head,
+    tied in one module there: no copy)."""
+    tp = layout.tp if tp is None else tp
+    if layout.pipeline_schedule != "dualpipev":
+        return stage_parameters(model, tp, layout.pp, ep)
+    stages = stage_parameters(model, tp, 2 * layout.pp, ep)
+    ranks = []
+    for rank in range(layout.pp):
+        down, up = stages[rank], stages[2 * layout.pp - 1 - rank]
+        head = 0 if model.tied_embeddings else up.output_head
+        ranks.append(StageParameters(stage=rank, num_layers=down.num_layers + up.num_layers,
+                                     embedding=down.embedding, layers=down.layers + up.layers,
+                                     final_norm=up.final_norm, output_head=head, first_layer=down.first_layer,
+                                     experts=down.experts + up.experts))
+    return ranks

@@ -8,7 +8,8 @@ The model (assumptions also printed with every plan and listed in the README):
   Ulysses all-to-alls sit on the critical path; DeepSpeed's pipeline engine sends/receives blockingly and
   reduces gradients after the last micro-batch);
 - 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
-  micro-batch, so the bubble is (p - 1) / (m + p - 1) of it;
+  micro-batch, so the bubble is (p - 1) / (m + p - 1) of it; the other pipeline schedules are simulated with
+  every stage as slow as the slowest (planning/pipeline.py);
 - memory-bound work at `bandwidth_efficiency` x HBM bandwidth: with bf16 + ZeRO-1 DeepSpeed's BF16_Optimizer
   adds each micro-batch's bf16 gradients into its fp32 buffer (read 2 + 4, write 4 bytes per parameter);
   the optimizer step reads and writes its states once (read the fp32 gradient, read and write master, m,
@@ -17,6 +18,7 @@ The model (assumptions also printed with every plan and listed in the README):
 from dataclasses import asdict, dataclass
 
 from megatron_ds.planning import communication as comm
+from megatron_ds.planning import pipeline
 from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
                                         stage_hardware_flops_per_micro_batch)
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
@@ -35,12 +37,9 @@ class PerformanceAssumptions:
                 f"no latency term); memory-bound work at {self.bandwidth_efficiency:.0%} of HBM bandwidth",
                 "no overlap: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the "
                 "data-parallel reduction and the optimizer step add to compute time",
-                "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch"]
-
-
-def bubble_fraction(pp: int, num_micro_batches: int) -> float:
-    """1F1B: (p - 1) / (m + p - 1) of the iteration is pipeline fill and drain."""
-    return (pp - 1) / (num_micro_batches + pp - 1)
+                "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch; "
+                "ZB-H1, interleaved and DualPipeV: their order simulated with every stage as slow as the slowest, "
+                "forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1"]
 
 
 def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) -> float:
@@ -75,12 +74,13 @@ class StageTime:
 
 
 def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
-    flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers, last=stage.stage == layout.pp - 1,
+    flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers,
+                                                 last=stage.stage == pipeline.head_rank(layout),
                                                  first_layer=stage.first_layer)
     tp_bytes = comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
     ep_bytes = comm.expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
     ulysses_bytes = comm.ulysses_bytes_per_micro_batch(model, layout, stage.num_layers)
-    pp_bytes = 2 * comm.pipeline_payload_per_micro_batch(model, layout) if layout.pp > 1 else 0
+    pp_bytes = comm.pipeline_bytes_per_micro_batch(model, layout)
     hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
 
     def seconds(nbytes, bandwidth):   # an axis the layout does not use sends nothing
@@ -100,21 +100,21 @@ def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, sta
     eff = assumptions.bandwidth_efficiency
     times = [stage_time(model, layout, cluster, assumptions, stage, links) for stage in stages]
     slowest = max(times, key=lambda t: t.total)
-    m = layout.num_micro_batches
-    pipeline = (m + layout.pp - 1) * slowest.total
+    schedule = pipeline.estimate(layout, slowest.total)
     largest = max(stages, key=lambda stage: stage.total)
     data_parallel = sum(comm.largest_stage_data_parallel_traffic(model, layout, stages).values()) / (links.data * eff)
     tied = comm.tied_embedding_traffic(model, layout) / (links.pipeline * eff)
     optimizer = _optimizer_step_bytes(model, layout, largest) / (cluster.device.memory_bandwidth_gbs * 1e9 * eff)
-    iteration = pipeline + data_parallel + tied + optimizer
+    iteration = schedule.seconds + data_parallel + tied + optimizer
     hardware, model_flops = hardware_flops_per_iteration(model, layout), model_flops_per_iteration(model, layout)
     peak = cluster.peak_flops(model.sixteen_bit)
     return {
         "iteration_s": iteration,
-        "breakdown_s": {"pipeline": pipeline, "of_which_bubble": pipeline * bubble_fraction(layout.pp, m),
+        "breakdown_s": {"pipeline": schedule.seconds, "of_which_bubble": schedule.seconds * schedule.bubble_fraction,
                         "data_parallel": data_parallel, "tied_embedding": tied, "optimizer_step": optimizer},
         "slowest_stage": asdict(slowest) | {"total": slowest.total},
-        "bubble_fraction": bubble_fraction(layout.pp, m),
+        "pipeline_schedule": layout.pipeline_schedule,
+        "bubble_fraction": schedule.bubble_fraction,
         "hardware_tflops_per_device": hardware / iteration / layout.world_size / 1e12,
         "model_tflops_per_device": model_flops / iteration / layout.world_size / 1e12,
         "mfu": model_flops / iteration / layout.world_size / peak,

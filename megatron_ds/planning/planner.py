@@ -7,7 +7,7 @@ from megatron_ds.planning.memory import (GIB, layer_activation_bytes, memory_per
                                          state_bytes_per_parameter)
 from megatron_ds.planning.model import (RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, expert_data_parallel_size,
                                         layout_errors)
-from megatron_ds.planning.parameters import active_parameters, mlp_parameters, stage_parameters, total_parameters
+from megatron_ds.planning.parameters import active_parameters, mlp_parameters, rank_parameters, total_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
 
 
@@ -43,7 +43,7 @@ def moe_section(model, layout=None):
 def _parameters_section(model, layout, stages):
     padded = dataclasses.replace(model, vocab_size=model.padded_vocab_size(layout.tp), make_vocab_size_divisible_by=1)
     # distinct over the stage's TP ranks and (with MoE) EP ranks
-    whole = {stage.stage: stage for stage in stage_parameters(padded, 1, layout.pp, ep=1)}
+    whole = {stage.stage: stage for stage in rank_parameters(padded, layout, tp=1, ep=1)}
     section = {
         "total": total_parameters(model, layout.tp),
         "active": active_parameters(model, layout.tp),
@@ -101,7 +101,7 @@ def _communication_section(model, layout, stages):
                             "per_iteration_per_device": comm.tensor_parallel_bytes_per_micro_batch(
                                 model, layout, most_layers) * m},
         "pipeline": {"payload_bytes_per_micro_batch": pp_payload,
-                     "per_iteration_per_device": 2 * pp_payload * m if layout.pp > 1 else 0.0},
+                     "per_iteration_per_device": comm.pipeline_bytes_per_micro_batch(model, layout) * m},
         "data_parallel": {"ranks": layout.sequence_data_parallel,
                           "per_iteration_per_device": comm.largest_stage_data_parallel_traffic(model, layout, stages),
                           "tied_embedding_all_reduce": comm.tied_embedding_traffic(model, layout)},
@@ -150,7 +150,7 @@ def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
     errors = layout_errors(model, layout, cluster.world_size)
     if errors:
         return {"layout": dataclasses.asdict(layout), "errors": [list(error) for error in errors]}
-    stages = stage_parameters(model, layout.tp, layout.pp)
+    stages = rank_parameters(model, layout)
     if not all_stages:
         stages = representative_stages(stages)
     performance = estimate_performance(model, layout, cluster, stages, assumptions)

@@ -210,12 +210,13 @@ def search_text(result) -> str:
     if search["ulysses_skipped"]:
         lines.append(f"         {search['ulysses_skipped']} layouts with Ulysses SP not tried: the same TP, PP, micro "
                      f"batch, SP and recompute fit with a smaller Ulysses size (or none)")
-    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute  mem GiB  bubble   iter s  TFLOP/s    MFU")
+    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute     schedule  mem GiB  bubble   iter s  TFLOP/s    MFU")
     for rank, row in enumerate(search["ranked"], 1):
         lines.append(f"  {rank:>2} {row['tp']:>4} {row['ulysses']:>4} {row['pp']:>4} {row['dp']:>4} "
                      f"{row['micro_batch_size']:>3} {row['num_micro_batches']:>5}  "
                      f"{'on ' if row['sequence_parallel'] else 'off'} "
-                     f"{row['recompute'] or 'none':>11} {row['peak_memory_gib']:>8.1f} {row['bubble_fraction']:>7.1%} "
+                     f"{row['recompute'] or 'none':>11} {_schedule_name(row):>12} "
+                     f"{row['peak_memory_gib']:>8.1f} {row['bubble_fraction']:>7.1%} "
                      f"{row['iteration_s']:>8.3f} {row['hardware_tflops_per_device']:>8.1f} {row['mfu']:>6.1%}"
                      + ("  TP spans nodes" if row["tp_spans_nodes"] else ""))
     lines.append("Infeasible, by the first rule broken:")
@@ -224,6 +225,13 @@ def search_text(result) -> str:
         lines += [f"      e.g. {example}" for example in entry["examples"]]
     lines += ["", "Assumptions"] + [f"  - {assumption}" for assumption in result["assumptions"]]
     return "\n".join(lines)
+
+
+def _schedule_name(row) -> str:
+    """"1f1b", "zbh1", "dualpipev", "interleaved 2" (v) as the search table shows them."""
+    if row["pipeline_schedule"] == "interleaved":
+        return f"interleaved {row['virtual_stages']}"
+    return row["pipeline_schedule"]
 
 
 def instantiate_text(check) -> str:

@@ -1,5 +1,8 @@
 """--search: every (tp, Ulysses, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by
 estimated iteration time; the infeasible ones counted by the first rule they break, with the nearest examples.
+Each layout with PP > 1 that fits under 1F1B is also timed under every pipeline schedule its layers and
+micro-batches allow (ZB-H1; DualPipeV; interleaved with v = 2 to 4 virtual stages), and keeps the fastest that
+fits: its row names the schedule.
 
 DeepSpeed-Ulysses is searched only where it is needed. Its use is to split a sample's activations (and its
 tokens, where the global batch has fewer samples than data-parallel ranks); the time model credits it with
@@ -17,7 +20,7 @@ from collections import defaultdict
 from megatron_ds.core.parallel_layout import divisors, layouts_of_world
 from megatron_ds.planning.memory import GIB, memory_per_stage
 from megatron_ds.planning.model import RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, layout_errors
-from megatron_ds.planning.parameters import stage_parameters
+from megatron_ds.planning.parameters import rank_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
 from megatron_ds.planning.planner import representative_stages
 
@@ -49,20 +52,45 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: Pe
     errors = layout_errors(model, layout)
     if errors:
         return errors[0] + (None,)
-    stages = representative_stages(stage_parameters(model, layout.tp, layout.pp))
+    stages = representative_stages(rank_parameters(model, layout))
     peak = max(memory.total for memory in memory_per_stage(model, layout, stages))
     capacity = cluster.device.memory_gib * GIB
     if peak > capacity:
         return ("out of memory", f"needs {peak / GIB:.1f} GiB of {cluster.device.memory_gib:g} "
                                  f"(over by {(peak - capacity) / GIB:.1f} GiB)", peak - capacity)
     performance = estimate_performance(model, layout, cluster, stages, assumptions)
-    return {"tp": layout.tp, "ulysses": layout.ulysses, "pp": layout.pp, "dp": layout.dp,
+    return {"pipeline_schedule": layout.pipeline_schedule, "virtual_stages": layout.virtual_stages,
+            "tp": layout.tp, "ulysses": layout.ulysses, "pp": layout.pp, "dp": layout.dp,
             "micro_batch_size": layout.micro_batch_size,
             "num_micro_batches": layout.num_micro_batches, "sequence_parallel": layout.sequence_parallel,
             "recompute": layout.recompute, "peak_memory_gib": peak / GIB, "margin_gib": (capacity - peak) / GIB,
             "bubble_fraction": performance["bubble_fraction"], "iteration_s": performance["iteration_s"],
             "hardware_tflops_per_device": performance["hardware_tflops_per_device"], "mfu": performance["mfu"],
             "tp_spans_nodes": performance["links"]["tensor_spans_nodes"]}
+
+
+MAX_SEARCHED_VIRTUAL_STAGES = 4
+
+
+def schedule_variants(model: ModelSpec, layout: Layout):
+    """The layout under each other pipeline schedule whose rules it meets (none at PP 1)."""
+    if layout.pp == 1:
+        return []
+    variants = [dataclasses.replace(layout, pipeline_schedule="zbh1"),
+                dataclasses.replace(layout, pipeline_schedule="dualpipev", virtual_stages=2)]
+    layers_per_rank = model.config.num_layers // layout.pp
+    variants += [dataclasses.replace(layout, pipeline_schedule="interleaved", virtual_stages=v)
+                 for v in range(2, MAX_SEARCHED_VIRTUAL_STAGES + 1) if layers_per_rank % v == 0]
+    return [variant for variant in variants if not layout_errors(model, variant)]
+
+
+def _fastest_schedule(model, layout, cluster, assumptions, row):
+    """The row of the fastest schedule of the layout that fits (row: its 1F1B row)."""
+    for variant in schedule_variants(model, layout):
+        result = evaluate(model, variant, cluster, assumptions)
+        if isinstance(result, dict) and result["iteration_s"] < row["iteration_s"]:
+            row = result
+    return row
 
 
 def _describe(layout: Layout) -> str:
@@ -92,6 +120,7 @@ def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, z
             continue
         result = evaluate(model, layout, cluster, assumptions)
         if isinstance(result, dict):
+            result = _fastest_schedule(model, layout, cluster, assumptions, result)
             feasible.append(result)
             fitting.add(layout)
         else:

@@ -6,8 +6,8 @@ from megatron_ds.planning import communication as comm
 from megatron_ds.planning.flops import model_flops_per_iteration
 from megatron_ds.planning.model import Layout
 from megatron_ds.planning.parameters import stage_parameters
-from megatron_ds.planning.performance import (PerformanceAssumptions, bubble_fraction, estimate_performance,
-                                              stage_time)
+from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance, stage_time
+from megatron_ds.planning.pipeline import bubble_fraction
 from tests.planning.specs import cpu_cluster, hand_case, time_case
 
 # distinct efficiencies, so a term divided by the wrong one shows

@@ -1,0 +1,98 @@
+"""The planner under each pipeline schedule (--pipeline-schedule and Megatron's spellings): the flags resolve
+to the schedule, the plan's bubble and in-flight activations are the simulated schedule's, DualPipeV's rank 0
+holds the embedding and the head, and --search names the schedule it chose. pretrain.py refuses the schedules
+its engine does not run yet, by name."""
+import dataclasses
+
+import pytest
+
+from megatron_ds.arguments import ArgumentsError, parse_args, parse_flags, raise_if_invalid
+from megatron_ds.planning import cli, search
+from megatron_ds.planning.memory import in_flight_micro_batches
+from megatron_ds.planning.model import Layout
+from megatron_ds.planning.parameters import rank_parameters, stage_parameters, total_parameters
+from megatron_ds.planning.planner import make_plan
+from tests.planning.specs import cpu_cluster, small_model
+
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def _planned(*flags, world=4):
+    args, problems = parse_flags(cli.build_plan_parser(), MODEL + list(flags) + ["--world-size", str(world)])
+    raise_if_invalid(problems)
+    return cli.run(args)[0]["plan"]
+
+
+@pytest.mark.parametrize("flags, schedule, virtual", [
+    ([], "1f1b", 1),
+    (["--enable-zbh1-pipeline"], "zbh1", 1),
+    (["--enable-zbh1-exact-semantics"], "zbh1", 1),
+    (["--pipeline-schedule", "dualpipev"], "dualpipev", 2),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved", 2),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "interleaved"], "interleaved", 2),
+])
+def test_spellings_resolve_to_the_schedule(flags, schedule, virtual):
+    plan = _planned("--pipeline-model-parallel-size", "4", *flags)
+    assert (plan["layout"]["pipeline_schedule"], plan["layout"]["virtual_stages"]) == (schedule, virtual)
+
+
+def test_conflicting_spellings_are_refused_naming_both():
+    with pytest.raises(ArgumentsError, match="--pipeline-schedule dualpipev and --enable-zbh1-pipeline ask for "
+                                             "different pipeline schedules"):
+        _planned("--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipev", "--enable-zbh1-pipeline")
+    with pytest.raises(ArgumentsError, match="makes 2 virtual stages per pipeline rank"):
+        _planned("--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+                 "--num-virtual-stages-per-pipeline-rank", "4")
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "interleaved", "dualpipev"])
+def test_pretrain_refuses_a_schedule_its_engine_does_not_run(schedule):
+    virtual = ["--num-virtual-stages-per-pipeline-rank", "2"] if schedule == "interleaved" else []
+    with pytest.raises(ArgumentsError) as raised:
+        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
+                            "--pipeline-schedule", schedule] + virtual, world_size=4)
+    assert any(f"--pipeline-schedule {schedule}:" in problem and "is not built into pretrain.py's pipeline engine"
+               in problem for problem in raised.value.problems), raised.value
+
+
+def test_the_plan_times_the_schedule_it_is_given():
+    bubbles = {schedule: _planned("--pipeline-model-parallel-size", "4", "--pipeline-schedule", schedule,
+                                  *(["--num-virtual-stages-per-pipeline-rank", "2"] if schedule == "interleaved"
+                                    else []))["performance"]["bubble_fraction"]
+               for schedule in ("1f1b", "zbh1", "interleaved", "dualpipev")}
+    assert bubbles["1f1b"] == pytest.approx(3 / 11)
+    assert bubbles["zbh1"] == pytest.approx(3 / 27)       # (p - 1)(F + B - 2W) with F = B - W = W: 3 of 24 + 3
+    assert bubbles["interleaved"] == pytest.approx(4.5 / 28.5)
+    assert bubbles["dualpipev"] < bubbles["zbh1"] < bubbles["1f1b"]
+
+
+def test_in_flight_activations_follow_the_schedule():
+    layout = Layout(tp=1, pp=4, dp=1, micro_batch_size=1, global_batch_size=8)
+    assert [in_flight_micro_batches(layout, rank) for rank in range(4)] == [4, 3, 2, 1]
+    zero_bubble = dataclasses.replace(layout, pipeline_schedule="zbh1")
+    assert [in_flight_micro_batches(zero_bubble, rank) for rank in range(4)] == [4, 4, 4, 4]
+    interleaved = dataclasses.replace(layout, pipeline_schedule="interleaved", virtual_stages=2)
+    assert in_flight_micro_batches(interleaved, 0) == (2 * 3 + 4 + 1) / 2   # Megatron's warm-up + 1, in chunks
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_dualpipev_rank_zero_holds_the_embedding_and_the_head(tied):
+    model = small_model(tied=tied, layers=8)
+    layout = Layout(tp=1, pp=2, dp=1, micro_batch_size=1, global_batch_size=8, pipeline_schedule="dualpipev",
+                    virtual_stages=2)
+    ranks = rank_parameters(model, layout)
+    four = stage_parameters(model, 1, 4)
+    assert [rank.num_layers for rank in ranks] == [4, 4]
+    assert ranks[0].embedding == four[0].embedding and ranks[1].embedding == ranks[1].output_head == 0
+    assert ranks[0].output_head == (0 if tied else four[3].output_head) and ranks[0].final_norm == four[3].final_norm
+    assert sum(rank.total for rank in ranks) == total_parameters(model)
+    plan = make_plan(model, layout, cpu_cluster(2))
+    assert plan["errors"] == [] and plan["communication"]["data_parallel"]["tied_embedding_all_reduce"] == 0
+
+
+def test_search_names_the_schedule_it_chose():
+    result = search.search_layouts(small_model(layers=8), cpu_cluster(4), 16, top=1000)
+    pipelined = [row for row in result["ranked"] if row["pp"] > 1]
+    assert pipelined and all(row["pipeline_schedule"] != "1f1b" for row in pipelined)
+    assert all(row["pipeline_schedule"] == "1f1b" for row in result["ranked"] if row["pp"] == 1)
