@@ -40,6 +40,7 @@ from megatron_ds.iteration_plan import plan_iteration
 from megatron_ds.metrics import MetricsLogger, logging_rank, loss_scale
 from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_ds.pipeline_timeline import pipeline_timeline
 from megatron_ds.planning.cli import model_spec
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
@@ -156,6 +157,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     experts = moe_layers(engine.module) if args.moe else None
     skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
     profiler = IterationProfiler(args.logging, dist.get_rank())
+    timeline = pipeline_timeline(args, engine, progress.iteration + 1)
     compile_watch = CompileWatch(bool(compiled_ops(args.model)))
     engine.train()
     if checkpoints is not None:
@@ -171,10 +173,12 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         _begin_iteration(args, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
+        timeline.begin(iteration, plan.micro_batches)
         compile_watch.before_iteration()
         loss, moe_loss = run_global_batch(engine, train_iterator, plan.micro_batches, train=True, experts=experts)
         compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
+        timeline.end()
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
         progress.consumed_train_tokens += plan.tokens
@@ -186,7 +190,9 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
             progress.consumed_valid_samples += args.eval_iters * plan.global_batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
+            timeline.finish()
             return progress
+    timeline.finish()
     _log_compile(compile_watch.summary())
     if checkpoints is not None:
         checkpoints.finish(progress)

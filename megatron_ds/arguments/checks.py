@@ -389,4 +389,12 @@ def this_host_errors(args):
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         errors.append(f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed: "
                       f"pip install wandb (or drop --wandb-project)")
-    return errors + profile_errors(args)
+    return errors + profile_errors(args) + pipeline_timeline_errors(args)
+
+
+def pipeline_timeline_errors(args):
+    """--pipeline-timeline records the pipeline schedule's instructions (megatron_ds/pipeline_timeline.py)."""
+    if args.pipeline_timeline and args.pipeline_model_parallel_size < 2:
+        return [f"--pipeline-timeline {args.pipeline_timeline} records the pipeline schedule's instructions: it "
+                f"needs --pipeline-model-parallel-size 2 or more (it is {args.pipeline_model_parallel_size})"]
+    return []

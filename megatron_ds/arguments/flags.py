@@ -240,6 +240,10 @@ def _add_logging_args(parser):
     group.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
     group.add_argument("--profile-dir", default=None,
                        help="where traces go (default: --tensorboard-dir, else the working directory)")
+    group.add_argument("--pipeline-timeline", metavar="DIR", default=None,
+                       help="PP > 1: each rank's pipeline instructions with their times as a Chrome trace in DIR, "
+                            "for the --profile window or the three iterations after the first; each stage's idle "
+                            "share printed at the end (megatron_ds/pipeline_timeline.py)")
 
 
 def _add_data_args(parser):

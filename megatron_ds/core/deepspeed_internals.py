@@ -131,9 +131,10 @@ def install_moe_tensor_parallel_gather(gather):
 
 def wrap_pipeline_instructions(engine, wrap):
     """Make the pipeline engine run wrap(instruction class, function) for each schedule instruction: it runs
-    them through its class's _INSTRUCTION_MAP {instruction class: unbound method}, looked up on self (0.19.8)."""
+    them through _INSTRUCTION_MAP {instruction class: unbound method}, looked up on self (0.19.8). Wrapping again
+    wraps the wrapped functions."""
     engine._INSTRUCTION_MAP = {instruction: wrap(instruction, function)
-                               for instruction, function in type(engine)._INSTRUCTION_MAP.items()}
+                               for instruction, function in engine._INSTRUCTION_MAP.items()}
 
 
 def replace_gradient_reduction(engine, reduce):

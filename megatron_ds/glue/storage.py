@@ -1,8 +1,9 @@
 """Start-up checks of the folders a run writes, so that a folder it cannot write, or a --save file system
 too full for one checkpoint, stops the run before training instead of at its first save.
 
-Each rank checks the folders it will write itself: every rank writes its checkpoint files to --save, the
-logging rank writes --tensorboard-dir, rank 0 builds the sample indices in --data-cache-path.
+Each rank checks the folders it will write itself: every rank writes its checkpoint files to --save and its
+trace to --pipeline-timeline, the logging rank writes --tensorboard-dir, rank 0 builds the sample indices in
+--data-cache-path.
 """
 import os
 import shutil
@@ -13,7 +14,7 @@ GIB = 1024 ** 3
 
 def folders_written_by(args, rank, logging_rank):
     """[(flag, folder)] this rank writes to."""
-    folders = [("--save", args.save),
+    folders = [("--save", args.save), ("--pipeline-timeline", args.pipeline_timeline),
                ("--tensorboard-dir", args.tensorboard_dir if rank == logging_rank else None),
                ("--data-cache-path", args.data_cache_path if rank == 0 else None)]
     return [(flag, folder) for flag, folder in folders if folder]

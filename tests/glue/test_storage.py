@@ -11,7 +11,8 @@ from tests.launch import run_alone
 
 
 def _args(**folders):
-    return types.SimpleNamespace(**{"save": None, "tensorboard_dir": None, "data_cache_path": None, **folders})
+    return types.SimpleNamespace(**{"save": None, "tensorboard_dir": None, "data_cache_path": None,
+                                    "pipeline_timeline": None, **folders})
 
 
 def test_a_folder_that_cannot_be_made_names_the_flag_the_path_and_the_os_error(tmp_path):
@@ -35,6 +36,7 @@ def test_each_rank_checks_the_folders_it_writes(tmp_path):
     assert folders_written_by(args, rank=0, logging_rank=3) == [("--save", "/ckpt"), ("--data-cache-path", "/cache")]
     assert folders_written_by(args, rank=3, logging_rank=3) == [("--save", "/ckpt"), ("--tensorboard-dir", "/tb")]
     assert folders_written_by(_args(), rank=0, logging_rank=0) == []
+    assert folders_written_by(_args(pipeline_timeline="/tl"), rank=5, logging_rank=0) == [("--pipeline-timeline", "/tl")]
     needed = 2 ** 70  # more than any disk
     assert storage_problems(_args(save=str(tmp_path)), 0, 0, needed)[0].startswith(f"--save {tmp_path}: its file "
                                                                                    f"system has ")

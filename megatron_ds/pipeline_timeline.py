@@ -1,0 +1,149 @@
+"""--pipeline-timeline DIR: what each pipeline rank ran, and when, for a few iterations, and how much of the
+pipeline it spent waiting.
+
+Every instruction DeepSpeed's pipeline engine executes (its schedule's loads, forwards, backwards, sends,
+receives, gradient reductions and optimizer step) is timed on every rank for the recorded iterations: those of
+the --profile window (--profile-step-start .. --profile-step-end - 1), else the three after the run's first
+(warm-up) iteration. Each rank writes
+
+    DIR/timeline_rank<R>.json    Chrome trace events (open in https://ui.perfetto.dev or chrome://tracing):
+                                 one complete event per instruction, the process named by stage and rank
+
+and at the end of training rank 0 prints each stage's idle share of the pipeline: 1 - (forward + backward
+time) / (the time from its first instruction to its last one before the gradient reductions), the mean over the
+recorded iterations and the stage's ranks, beside the planner's bubble for the schedule. tools/plot_timeline.py
+draws all ranks' timelines into one PNG.
+"""
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+from megatron_ds.core import deepspeed_internals, parallel_state
+from megatron_ds.core.pipeline_schedules import ChunkTimes, chunks_per_rank, simulate
+
+COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
+PIPELINE_END = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+FILE_PATTERN = "timeline_rank{rank}.json"
+RECORDED_AFTER_WARMUP = 3
+
+
+def recorded_iterations(logging, first_iteration, last_iteration):
+    """The iterations a timeline records: the --profile window, else the three after the first of this run."""
+    if logging.profile:
+        return range(logging.profile_step_start, logging.profile_step_end)
+    return range(first_iteration + 1, min(first_iteration + 1 + RECORDED_AFTER_WARMUP, last_iteration + 1))
+
+
+def pipeline_timeline(args, engine, first_iteration):
+    """The run's PipelineTimeline with --pipeline-timeline, else one that records nothing."""
+    if not args.pipeline_timeline:
+        return NoTimeline()
+    iterations = recorded_iterations(args.logging, first_iteration, args.train_iters)
+    return PipelineTimeline(args.pipeline_timeline, engine, iterations, parallel_state.get_pipeline_model_parallel_rank(),
+                            dist.get_rank(), args.pipeline_schedule, args.virtual_pipeline_stages,
+                            full_recompute=args.recompute_granularity == "full")
+
+
+class NoTimeline:
+    def begin(self, iteration, micro_batches):
+        pass
+
+    def end(self):
+        pass
+
+    def finish(self):
+        pass
+
+
+class PipelineTimeline:
+    """Call begin(iteration, micro-batches) before and end() after each iteration, finish() once training is over
+    (every rank: finish gathers the idle shares)."""
+
+    def __init__(self, folder, engine, iterations, stage, rank, schedule, virtual_stages=1, full_recompute=False):
+        self.folder, self.iterations, self.stage, self.rank = folder, iterations, stage, rank
+        self.schedule, self.virtual_stages, self.full_recompute = schedule, virtual_stages, full_recompute
+        self.stages = parallel_state.get_pipeline_model_parallel_world_size()
+        self.planned_bubbles = {}  # micro-batches -> the planner's bubble
+        self.events, self.recording, self.iteration = [], False, None
+        self.idle_shares = []  # one per recorded iteration
+        deepspeed_internals.wrap_pipeline_instructions(engine, self._timed)
+
+    def _timed(self, instruction, method):
+        name = instruction.__name__
+
+        def run(engine, **kwargs):
+            if not self.recording:
+                return method(engine, **kwargs)
+            start = time.time()
+            try:
+                return method(engine, **kwargs)
+            finally:
+                self.events.append((self.iteration, name, kwargs.get("buffer_id"), start, time.time()))
+        return run
+
+    def begin(self, iteration, micro_batches):
+        self.recording, self.iteration = iteration in self.iterations, iteration
+        if self.recording and micro_batches not in self.planned_bubbles:
+            self.planned_bubbles[micro_batches] = self.planned_bubble(micro_batches)
+
+    def planned_bubble(self, micro_batches):
+        """The planner's bubble (planning/pipeline.py's split of a micro-batch's time, equal stages)."""
+        chunks = chunks_per_rank(self.schedule, self.virtual_stages)
+        unit = 1.0 / chunks
+        times = ChunkTimes(unit, unit * (2 if self.full_recompute else 1), unit)
+        return simulate(self.schedule, self.stages, micro_batches, times, self.virtual_stages).bubble_fraction
+
+    def end(self):
+        if self.recording:
+            self.idle_shares.append(idle_share([event for event in self.events if event[0] == self.iteration]))
+        self.recording = False
+
+    def finish(self):
+        """Write this rank's trace; rank 0 prints every stage's idle share."""
+        if self.events:
+            _write_trace(os.path.join(self.folder, FILE_PATTERN.format(rank=self.rank)), self.events, self.stage,
+                         self.rank)
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, (self.stage, self.idle_shares))
+        if self.rank == 0 and any(recorded for _, recorded in shares):
+            print(self.summary(shares), flush=True)
+
+    def summary(self, shares):
+        by_stage = {}
+        for stage, recorded in shares:
+            by_stage.setdefault(stage, []).extend(recorded)
+        measured = ", ".join(f"stage {stage} {sum(values) / len(values):.1%}"
+                             for stage, values in sorted(by_stage.items()) if values)
+        first, last = self.iterations[0], self.iterations[-1]
+        planned = ", ".join(f"{bubble:.1%} at {m} micro-batches" for m, bubble in sorted(self.planned_bubbles.items()))
+        return (f"megatron_ds: pipeline timeline of iterations {first}-{last} ({self.schedule}): idle share of the "
+                f"pipeline per stage: {measured}; the planner's bubble for this schedule: {planned}; traces: "
+                f"{os.path.join(self.folder, FILE_PATTERN.format(rank='*'))} (https://ui.perfetto.dev)")
+
+
+def idle_share(events):
+    """1 - compute time / the span from the iteration's first instruction to the end of its last one before the
+    gradient reductions (events: (iteration, name, buffer, start, end))."""
+    pipeline = [event for event in events if event[1] not in PIPELINE_END]
+    if not pipeline:
+        return 0.0
+    span = max(event[4] for event in pipeline) - min(event[3] for event in pipeline)
+    compute = sum(event[4] - event[3] for event in pipeline if event[1] in COMPUTE)
+    return 1.0 - compute / span if span > 0 else 0.0
+
+
+def _write_trace(path, events, stage, rank):
+    """Chrome trace-event JSON, written to a temporary name and renamed."""
+    trace = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"stage {stage} (rank {rank})"}},
+             {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+    for iteration, name, buffer_id, start, end in events:
+        trace.append({"name": name if buffer_id is None else f"{name} {buffer_id}", "cat": name, "ph": "X",
+                      "pid": rank, "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6,
+                      "args": {"iteration": iteration, "buffer": buffer_id, "stage": stage}})
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, handle)
+    os.replace(temporary, path)
