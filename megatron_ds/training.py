@@ -32,6 +32,7 @@ from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
+from megatron_ds.glue.pipeline_schedules import install_schedule
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size, print_rank_0
 from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
@@ -77,6 +78,7 @@ def setup_engine(args, config):
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
+        install_schedule(engine, args.pipeline_schedule)
     else:
         parallel_state.assert_matches_deepspeed_engine(engine)
     install_flat_gradient_reduction(engine, parallel_state.get_sequence_data_parallel_group())

@@ -1,5 +1,7 @@
 """Training launches of one small model at a (tp, pp, dp) layout, shared (memoized) by the tests that compare
 layouts and memory savers: fp32, no dropout, one seed, per-iteration lm losses."""
+import re
+
 from megatron_ds.glue.runtime import available_cores
 from tests.launch import launch, losses
 
@@ -16,11 +18,21 @@ FAMILIES = {
 }
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? grad norm: ([0-9.E+-]+) \|")
 _runs = {}
 
 
 def run_layout(family, tp, pp, dp, extra=()):
     """Per-iteration losses of one launch; memoized, so test files that need the same run share it."""
+    return _run(family, tp, pp, dp, extra)[0]
+
+
+def run_layout_grad_norms(family, tp, pp, dp, extra=()):
+    """Per-iteration grad norms of the same (memoized) launch."""
+    return _run(family, tp, pp, dp, extra)[1]
+
+
+def _run(family, tp, pp, dp, extra):
     key = (family, tp, pp, dp, tuple(extra))
     if key not in _runs:
         _runs[key] = _launch_layout(family, tp, pp, dp, extra)
@@ -39,4 +51,4 @@ def _launch_layout(family, tp, pp, dp, extra):
     assert shared_memory == (tp == tp * pp * dp > 1 and tp <= available_cores()), result.stdout[-4000:]
     trajectory = losses(result.stdout)
     assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
-    return trajectory
+    return trajectory, {int(it): float(norm) for it, norm in GRAD_NORM.findall(result.stdout)}

@@ -26,6 +26,8 @@ OWNED_NAMES = (
     "groups.mpu", "_gather_tokens", "sharded_moe.drop_tokens", "sharded_moe.gather_tokens",
     "__compatible_ops__", "comm.cdb", "shm_comm_op", "shm_vector_kernel_level",
     "deepspeed_saved_tensors", "saved_data",
+    "_train_schedule", "_running_engine_backward", "immediate_grad_update", "pipe_partition_output_meta_cache",
+    "grad_partition_grad_layer_meta_cache", "update_hp_grads", "clear_lp_grads", "_backward_prologue_per_tensor",
 )
 
 
@@ -135,6 +137,88 @@ def wrap_pipeline_instructions(engine, wrap):
     wraps the wrapped functions."""
     engine._INSTRUCTION_MAP = {instruction: wrap(instruction, function)
                                for instruction, function in engine._INSTRUCTION_MAP.items()}
+
+
+def install_train_schedule(engine, schedule_class, instructions):
+    """Make the pipeline engine's train_batch run schedule_class(micro_batches, stages, stage_id) (a PipeSchedule)
+    and understand `instructions` {instruction class: function(engine, **instruction kwargs)} besides its own:
+    train_batch asks self._train_schedule() for the schedule and runs each instruction through
+    self._INSTRUCTION_MAP (0.19.8). Install before anything wraps the instructions."""
+    engine._train_schedule = lambda: schedule_class(micro_batches=engine.micro_batches, stages=engine.num_stages,
+                                                    stage_id=engine.stage_id)
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, **instructions}
+
+
+def scale_loss_outside_output_hooks(engine):
+    """From now on the engine's forwards register output hooks that leave gradients as they are: DeepSpeed's
+    last stage otherwise divides its output's gradient by the accumulation steps in a hook on that tensor
+    (_backward_prologue_per_tensor), which a weight-gradient pass starting at that tensor's node would run a
+    second time; backward_targets divides the loss instead (0.19.8)."""
+    engine._backward_prologue_per_tensor = lambda grad: grad
+
+
+def backward_targets(engine, buffer_id):
+    """(tensors, their gradients) a backward of the buffer's micro-batch starts from, as the pipeline engine's
+    _exec_backward_pass has them: the last stage's loss over the accumulation steps (gradient None; see
+    scale_loss_outside_output_hooks), else the stage's floating-point outputs, reassembled where DeepSpeed split
+    them over the TP ranks (pipe_partitioned / grad_partitioned), with the received gradients (0.19.8)."""
+    from deepspeed.runtime.utils import PartitionedTensor
+    if engine.is_last_stage():
+        return [engine.loss / engine.gradient_accumulation_steps()], None
+    outputs = engine.pipe_buffers["outputs"][buffer_id]
+    group = engine.grid.get_slice_parallel_group()
+    if engine.is_pipe_partitioned:
+        whole = engine.pipe_buffers["output_tensors"][buffer_id]
+        if engine.is_grad_partitioned:
+            if engine.pipe_partition_output_meta_cache is None:
+                engine.pipe_partition_output_meta_cache = outputs[0].to("cpu")
+            whole.data = PartitionedTensor.from_meta(meta=engine.pipe_partition_output_meta_cache,
+                                                     local_part=outputs[1], group=group).full()
+            outputs = (whole, *outputs[2:])
+        else:
+            whole.data = outputs[0]
+            outputs = (whole, *outputs[1:])
+    gradients = engine.grad_layer
+    if engine.is_grad_partitioned:
+        if engine.grad_partition_grad_layer_meta_cache is None:
+            engine.grad_partition_grad_layer_meta_cache = engine.grad_layer[0].to("cpu")
+        full = PartitionedTensor.from_meta(meta=engine.grad_partition_grad_layer_meta_cache,
+                                           local_part=engine.grad_layer[1], group=group).full()
+        gradients = (full, *gradients[2:])
+    outputs = [tensor for tensor in outputs if tensor.is_floating_point()] if isinstance(outputs, tuple) else [outputs]
+    return outputs, list(gradients) if isinstance(gradients, (tuple, list)) else [gradients]
+
+
+@contextlib.contextmanager
+def engine_backward(engine):
+    """Within the block a backward counts as the engine's own (_running_engine_backward), as in
+    _exec_backward_pass: DeepSpeed's post-backward hook then skips its check for a direct tensor.backward()
+    (0.19.8)."""
+    engine._running_engine_backward = True
+    try:
+        yield
+    finally:
+        engine._running_engine_backward = False
+
+
+def free_backward_buffers(engine, buffer_id):
+    """Drop the buffer's outputs once its backward has run, as _exec_backward_pass does (0.19.8)."""
+    engine.pipe_buffers["output_tensors"][buffer_id] = None
+    engine.pipe_buffers["outputs"][buffer_id] = None
+
+
+def before_weight_gradients(engine):
+    """BF16_Optimizer: its 16-bit gradients cleared before weight gradients are added into them, as the pipeline
+    engine does before a backward (0.19.8)."""
+    if engine.using_bf16_optimizer:
+        engine.optimizer.clear_lp_grads()
+
+
+def after_weight_gradients(engine):
+    """BF16_Optimizer (without immediate_grad_update): the 16-bit weight gradients just computed added into its
+    fp32 gradients and cleared, which the pipeline engine does after a backward (update_hp_grads) (0.19.8)."""
+    if engine.using_bf16_optimizer and not engine.optimizer.immediate_grad_update:
+        engine.optimizer.update_hp_grads(clear_lp_grads=True)
 
 
 def replace_gradient_reduction(engine, reduce):

@@ -21,6 +21,7 @@ TRAINED = [
     "examples_deepspeed/pretrain_llama2_distributed.sh",                   # LLaMA: rmsnorm, GPTSentencePiece, GQA
     "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh",          # partial rotary, curriculum, tokens
     "examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh",  # LLaMA, bf16
+    "examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh",         # ZB-H1 (exact semantics), ZeRO 0
 ]
 
 
