@@ -1,7 +1,7 @@
 """Pipeline schedules at PP 2, one rank per core: each schedule pretrain.py's engine runs, at m = 4, 8 and 16
 micro-batches per iteration, in alternated rounds in one run; per (m, schedule) the step time and its ratio to
 1F1B's, each stage's measured idle share of the pipeline (--pipeline-timeline) and the planner's bubble
-(core/pipeline_schedules.py's simulation, equal stages, F : B : W = 1 : 1 : 1).
+(core/pipeline_schedules.py's simulation, equal stages, its split_micro_batch).
 
     python bench/pipeline_schedules.py                          # m = 4 8 16, 3 rounds
     python bench/pipeline_schedules.py --micro-batches 8 --rounds 5 --hidden-size 512
@@ -26,8 +26,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_ds.core.pipeline_schedules import (SCHEDULES, ChunkTimes, chunks_per_rank, micro_batch_problems,  # noqa: E402
-                                                 simulate)
+from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
+                                                 split_micro_batch)
 
 RUN_BY_ENGINE = ("1f1b", "zbh1")
 ITERATION_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -48,10 +48,9 @@ def parse_args(argv=None):
 
 def planned_bubble(schedule, micro_batches, virtual_stages=2):
     """The planner's bubble at PP 2 (interleaved with 2 virtual stages), None where the schedule cannot run m."""
-    chunks = chunks_per_rank(schedule, virtual_stages)
     if micro_batch_problems(schedule, 2, micro_batches):
         return None
-    times = ChunkTimes(1 / chunks, 1 / chunks, 1 / chunks)
+    times = split_micro_batch(schedule, virtual_stages)
     return simulate(schedule, 2, micro_batches, times, virtual_stages).bubble_fraction
 
 

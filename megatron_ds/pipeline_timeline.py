@@ -21,7 +21,7 @@ import time
 import torch.distributed as dist
 
 from megatron_ds.core import deepspeed_internals, parallel_state
-from megatron_ds.core.pipeline_schedules import ChunkTimes, chunks_per_rank, simulate
+from megatron_ds.core.pipeline_schedules import simulate, split_micro_batch
 
 COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
 PIPELINE_END = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
@@ -41,9 +41,9 @@ def pipeline_timeline(args, engine, first_iteration):
     if not args.pipeline_timeline:
         return NoTimeline()
     iterations = recorded_iterations(args.logging, first_iteration, args.train_iters)
-    return PipelineTimeline(args.pipeline_timeline, engine, iterations, parallel_state.get_pipeline_model_parallel_rank(),
-                            dist.get_rank(), args.pipeline_schedule, args.virtual_pipeline_stages,
-                            full_recompute=args.recompute_granularity == "full")
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return PipelineTimeline(args.pipeline_timeline, engine, iterations, stage, dist.get_rank(), args.pipeline_schedule,
+                            args.virtual_pipeline_stages, full_recompute=args.recompute_granularity == "full")
 
 
 class NoTimeline:
@@ -89,10 +89,8 @@ class PipelineTimeline:
             self.planned_bubbles[micro_batches] = self.planned_bubble(micro_batches)
 
     def planned_bubble(self, micro_batches):
-        """The planner's bubble (planning/pipeline.py's split of a micro-batch's time, equal stages)."""
-        chunks = chunks_per_rank(self.schedule, self.virtual_stages)
-        unit = 1.0 / chunks
-        times = ChunkTimes(unit, unit * (2 if self.full_recompute else 1), unit)
+        """The planner's bubble: its split of a micro-batch's time, equal stages."""
+        times = split_micro_batch(self.schedule, self.virtual_stages, self.full_recompute)
         return simulate(self.schedule, self.stages, micro_batches, times, self.virtual_stages).bubble_fraction
 
     def end(self):

@@ -212,6 +212,14 @@ class ChunkTimes:
                 BACKWARD: self.input_grad + self.weight_grad}[kind]
 
 
+def split_micro_batch(schedule: str, virtual_stages: int = 1, full_recompute: bool = False) -> ChunkTimes:
+    """One micro-batch through one chunk, in units of a stage's forward: forward 1, input gradient 1 (2 with full
+    recompute, which runs the forward again first), weight gradient 1 (a linear layer's two backward GEMMs each
+    cost its forward's), each over the rank's chunks. The planner's and the timeline's assumption."""
+    chunks = chunks_per_rank(schedule, virtual_stages)
+    return ChunkTimes(1.0 / chunks, (2.0 if full_recompute else 1.0) / chunks, 1.0 / chunks)
+
+
 @dataclass(frozen=True)
 class Simulation:
     makespan: float                    # seconds from the first op to the last

@@ -4,13 +4,12 @@ bubble, and how many micro-batches' activations a rank holds at its peak.
 1F1B keeps its closed form ((m + p - 1) slots of the slowest stage, (p - 1) / (m + p - 1) bubble, min(p - r, m)
 micro-batches in flight on rank r). The other schedules are timed by simulating their order
 (core/pipeline_schedules.py) with every chunk as slow as the slowest stage's share, a micro-batch's time split
-into forward : input gradient : weight gradient = 1 : 1 (+1 with full recompute) : 1 (a linear layer's two
-backward GEMMs each cost its forward's; full recompute runs the forward again before the input gradient).
+as split_micro_batch says (forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1).
 """
 import functools
 from dataclasses import dataclass
 
-from megatron_ds.core.pipeline_schedules import ChunkTimes, chunks_per_rank, simulate
+from megatron_ds.core.pipeline_schedules import chunks_per_rank, simulate, split_micro_batch
 
 
 @dataclass(frozen=True)
@@ -24,19 +23,19 @@ def bubble_fraction(pp: int, num_micro_batches: int) -> float:
     return (pp - 1) / (num_micro_batches + pp - 1)
 
 
-def _chunk_unit_and_times(layout, stage_seconds: float):
-    """(seconds of one unit, ChunkTimes in units) of one micro-batch through one chunk of a rank whose whole stage
-    takes stage_seconds (forward + backward); the times are in units so that one simulation serves every speed."""
+def _unit_and_times(layout, stage_seconds: float):
+    """(seconds of a stage's forward, ChunkTimes in those units) for a rank whose whole stage takes stage_seconds
+    per micro-batch (forward + backward); in units, one simulation serves every speed."""
+    times = split_micro_batch(layout.pipeline_schedule, layout.virtual_stages, layout.recompute == "full")
     chunks = chunks_per_rank(layout.pipeline_schedule, layout.virtual_stages)
-    recompute = 1 if layout.recompute == "full" else 0
-    return stage_seconds / (3 + recompute) / chunks, ChunkTimes(1.0, 1.0 + recompute, 1.0)
+    return stage_seconds / ((times.forward + times.input_grad + times.weight_grad) * chunks), times
 
 
 def estimate(layout, stage_seconds: float) -> PipelineEstimate:
     p, m = layout.pp, layout.num_micro_batches
     if layout.pipeline_schedule == "1f1b" or p == 1:
         return PipelineEstimate((m + p - 1) * stage_seconds, bubble_fraction(p, m))
-    unit, times = _chunk_unit_and_times(layout, stage_seconds)
+    unit, times = _unit_and_times(layout, stage_seconds)
     simulation = _simulation(layout.pipeline_schedule, p, m, layout.virtual_stages, times)
     return PipelineEstimate(simulation.makespan * unit, simulation.bubble_fraction)
 
@@ -46,7 +45,7 @@ def in_flight_micro_batches(layout, rank: int) -> float:
     p, m = layout.pp, layout.num_micro_batches
     if layout.pipeline_schedule == "1f1b" or p == 1:
         return min(p - rank, m)
-    _, times = _chunk_unit_and_times(layout, 1.0)
+    _, times = _unit_and_times(layout, 1.0)
     simulation = _simulation(layout.pipeline_schedule, p, m, layout.virtual_stages, times)
     return simulation.peak_in_flight[rank] / chunks_per_rank(layout.pipeline_schedule, layout.virtual_stages)
 
