@@ -62,7 +62,7 @@ def _tokens(flag, value):
 def world_size(name, argv):
     """TP x Ulysses SP x PP x a data-parallel size that fits the script's batch sizes: the one its DeepSpeed JSON
     implies (train_batch_size / micro batch / accumulation), else the largest at which its batches (and ramp-up)
-    divide."""
+    divide, and, for Megatron's interleaved schedule, leave a multiple of PP micro-batches."""
     def number(flag, default):
         return int(argv[argv.index(flag) + 1]) if flag in argv else default
     config = SCRIPTS[name]["ds_config"] or {}
@@ -74,6 +74,11 @@ def world_size(name, argv):
         start = argv.index("--rampup-batch-size") + 1
         batches += [int(argv[start]), int(argv[start + 1])]
     data_parallel = math.gcd(*[batch // micro for batch in batches])
+    pipeline = number("--pipeline-model-parallel-size", 1)
+    if "--num-layers-per-virtual-pipeline-stage" in argv:
+        data_parallel = max(size for size in range(1, data_parallel + 1)
+                            if data_parallel % size == 0 and all(batch // micro // size % pipeline == 0
+                                                                  for batch in batches))
     return (number("--tensor-model-parallel-size", 1) * number("--ds-sequence-parallel-size", 1)
             * number("--pipeline-model-parallel-size", 1) * data_parallel)
 
