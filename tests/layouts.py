@@ -32,6 +32,11 @@ def run_layout_grad_norms(family, tp, pp, dp, extra=()):
     return _run(family, tp, pp, dp, extra)[1]
 
 
+def run_layout_output(family, tp, pp, dp, extra=()):
+    """The whole output of the same (memoized) launch."""
+    return _run(family, tp, pp, dp, extra)[2]
+
+
 def _run(family, tp, pp, dp, extra):
     key = (family, tp, pp, dp, tuple(extra))
     if key not in _runs:
@@ -51,4 +56,4 @@ def _launch_layout(family, tp, pp, dp, extra):
     assert shared_memory == (tp == tp * pp * dp > 1 and tp <= available_cores()), result.stdout[-4000:]
     trajectory = losses(result.stdout)
     assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
-    return trajectory, {int(it): float(norm) for it, norm in GRAD_NORM.findall(result.stdout)}
+    return trajectory, {int(it): float(norm) for it, norm in GRAD_NORM.findall(result.stdout)}, result.stdout
