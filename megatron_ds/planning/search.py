@@ -73,7 +73,8 @@ MAX_SEARCHED_VIRTUAL_STAGES = 4
 
 
 def schedule_variants(model: ModelSpec, layout: Layout):
-    """The layout under each other pipeline schedule whose rules it meets (none at PP 1)."""
+    """The layout under each other pipeline schedule (none at PP 1); evaluate() refuses those whose rules it
+    breaks."""
     if layout.pp == 1:
         return []
     variants = [dataclasses.replace(layout, pipeline_schedule="zbh1"),
@@ -81,7 +82,7 @@ def schedule_variants(model: ModelSpec, layout: Layout):
     layers_per_rank = model.config.num_layers // layout.pp
     variants += [dataclasses.replace(layout, pipeline_schedule="interleaved", virtual_stages=v)
                  for v in range(2, MAX_SEARCHED_VIRTUAL_STAGES + 1) if layers_per_rank % v == 0]
-    return [variant for variant in variants if not layout_errors(model, variant)]
+    return variants
 
 
 def _fastest_schedule(model, layout, cluster, assumptions, row):
