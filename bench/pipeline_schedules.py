@@ -13,7 +13,7 @@ rounds' range. Whole launches alternate rather than iterations: a pipeline uses 
 two configurations cannot run concurrently without sharing them. A ratio whose rounds spread by more than
 --max-spread (default 10%) prints as "unstable", with the number of rounds it would take.
 
-Schedules the engine does not run yet (interleaved, dualpipev) show the planner's bubble only.
+The schedule the engine does not run yet (interleaved) shows the planner's bubble only.
 """
 import argparse
 import os
@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 
-RUN_BY_ENGINE = ("1f1b", "zbh1")
+RUN_BY_ENGINE = ("1f1b", "zbh1", "dualpipev")
 ITERATION_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 IDLE = re.compile(r"idle share of the pipeline per stage: (.*?); the planner")
 

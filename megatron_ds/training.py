@@ -32,7 +32,7 @@ from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
-from megatron_ds.glue.pipeline_schedules import install_schedule
+from megatron_ds.glue.pipeline_schedules import install_schedule, pipeline_module_class
 from megatron_ds.glue.runtime import device, init_distributed, local_world_size, print_rank_0
 from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
@@ -55,8 +55,9 @@ def build_model(args, config):
         return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
-        model = deepspeed.pipe.PipelineModule(layers=specs, topology=parallel_state.deepspeed_topology(),
-                                              loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
+        module_class = pipeline_module_class(args.pipeline_schedule)
+        model = module_class(layers=specs, topology=parallel_state.deepspeed_topology(),
+                             loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
     assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
     return model
 

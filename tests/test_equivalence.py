@@ -2,7 +2,7 @@
 trains the same model on the same global batches, so its per-iteration lm loss equals the (1,1,1) run."""
 import pytest
 
-from tests.layouts import FAMILIES, ITERATIONS, LAYOUTS, run_layout
+from tests.layouts import ITERATIONS, LAYOUTS, run_layout
 
 pytestmark = pytest.mark.e2e  # launches several real processes
 

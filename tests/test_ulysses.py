@@ -75,3 +75,16 @@ def test_checkpoints_resume_at_another_sequence_parallel_size(saved_sp, resumed_
     resumed = launch(WORLD, flags)
     assert resumed.returncode == 0 and "resuming at iteration 5" in resumed.stdout, resumed.stdout[-4000:]
     _assert_close(losses(resumed.stdout), straight, range(6, ITERATIONS + 1))
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+def test_the_pipeline_schedules_run_ulysses_inside_their_stages(schedule):
+    """SP 2 x PP 2 (4 micro-batches): ZB-H1 and the zero-bubble DualPipeV, whose split backwards run the Ulysses
+    all-to-alls of each stage, train what 1F1B trains (ZB-H1 bitwise, DualPipeV to the rounding of its other
+    order of summing the micro-batches' weight gradients)."""
+    expected, _, _ = _run("gpt2", 1, 2, 2)
+    observed, _, _ = _run("gpt2", 1, 2, 2, "--pipeline-schedule", schedule)
+    assert sorted(observed) == list(range(1, ITERATIONS + 1)), observed
+    for iteration in expected:
+        assert observed[iteration] == pytest.approx(expected[iteration], rel=0 if schedule == "zbh1" else 1e-5,
+                                                    abs=0), (iteration, observed, expected)

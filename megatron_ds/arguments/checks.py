@@ -192,10 +192,24 @@ def warnings(args):
 def batch_errors(args):
     """Batch arithmetic and the ZeRO stage, on the values reconciled with the DeepSpeed JSON."""
     micro, global_batch, dp = args.micro_batch_size, args.global_batch_size, args.data_parallel_size
-    errors = [problem.message for problem in parallel_layout(args).batch_problems(micro, global_batch)]
+    layout = parallel_layout(args)
+    errors = [problem.message for problem in layout.batch_problems(micro, global_batch)]
     if args.rampup_batch_size:
-        errors += rampup_errors(*args.rampup_batch_size, global_batch, micro, dp)
+        errors += (rampup_errors(*args.rampup_batch_size, global_batch, micro, dp)
+                   or _rampup_schedule_errors(args, layout))
     return errors
+
+
+def _rampup_schedule_errors(args, layout):
+    """The pipeline schedule's rule on the micro-batches per iteration, at the ramp-up's first global batch (the
+    smallest; interleaved's multiple of PP at every batch of the ramp)."""
+    start, increment, _ = args.rampup_batch_size
+    for global_batch in range(start, args.global_batch_size, increment):
+        problems = layout.batch_problems(args.micro_batch_size, global_batch)
+        if problems:
+            return [f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: at its global batch "
+                    f"{global_batch}, {problems[0].message}"]
+    return []
 
 
 def zero_stage_errors(args):
@@ -345,10 +359,10 @@ _SCHEDULE_FEATURES = {"zbh1": "the zero-bubble pipeline schedule", "interleaved"
 
 def engine_schedule_errors(args):
     """The pipeline schedules pretrain.py's engine does not run yet (tools/plan.py plans them all)."""
-    if args.pipeline_schedule == "zbh1" and args.fp16:
-        return ["--pipeline-schedule zbh1 with --fp16: the split backward does not apply fp16's loss scale yet; use "
-                "--bf16, or 1f1b with --fp16"]
-    if args.pipeline_schedule in ("1f1b", "zbh1"):
+    if args.pipeline_schedule in ("zbh1", "dualpipev") and args.fp16:
+        return [f"--pipeline-schedule {args.pipeline_schedule} with --fp16: the split backward does not apply fp16's "
+                f"loss scale yet; use --bf16, or 1f1b with --fp16"]
+    if args.pipeline_schedule in ("1f1b", "zbh1", "dualpipev"):
         return []
     return [f"--pipeline-schedule {args.pipeline_schedule}: {_SCHEDULE_FEATURES[args.pipeline_schedule]} is not "
             f"built into pretrain.py's pipeline engine yet (tools/plan.py plans it); DeepSpeed's 1F1B schedule runs "

@@ -31,6 +31,8 @@ import re
 
 import torch
 
+from megatron_ds.core.pipeline_schedules import chunks_per_rank, pipeline_rank_of
+
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -156,18 +158,21 @@ def layer_index(name):
     return int(match.group(1)) if match else None
 
 
-def stages_holding(name, num_layers, pp_size, tied):
-    """Pipeline stages whose module holds the canonical parameter `name` (layers split evenly, as
-    PipelineModule's partition by TransformerLayer does when PP divides the layers)."""
-    last = pp_size - 1
+def stages_holding(name, num_layers, pp_size, tied, schedule="1f1b", virtual_stages=1):
+    """Pipeline ranks (stages) whose module holds the canonical parameter `name`: the layers split evenly over
+    the schedule's model stages (PP of them, or PP x its stages per rank for dualpipev and interleaved), as
+    PipelineModule's partition by TransformerLayer does when they divide the layers."""
+    model_stages = pp_size * chunks_per_rank(schedule, virtual_stages)
+    rank_of = lambda stage: pipeline_rank_of(schedule, pp_size, stage, virtual_stages)  # noqa: E731
+    last = model_stages - 1
     if name.startswith("embedding."):
         # the last stage's head is a second EmbeddingPipe (position table included) tied to the first
-        return sorted({0, last}) if tied else [0]
+        return sorted({rank_of(0), rank_of(last)}) if tied else [rank_of(0)]
     index = layer_index(name)
     if index is not None:
-        return [index // (num_layers // pp_size)]
+        return [rank_of(index // (num_layers // model_stages))]
     if name.startswith("decoder.final_layernorm.") or name == OUTPUT_LAYER:
-        return [last]
+        return [rank_of(last)]
     raise LayoutError(f"unknown canonical parameter {name!r}")
 
 

@@ -13,6 +13,7 @@ import os
 from megatron_ds.checkpointing import files, universal
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.core.parallel_layout import ParallelLayout
+from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK
 from megatron_ds.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 
 UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
@@ -61,16 +62,18 @@ class LoadPlan:
     position: Position
     schedule_source: str
 
-    def describe_method(self, tensor_model_parallel_size, pipeline_model_parallel_size) -> str:
+    def describe_method(self, layout: ParallelLayout) -> str:
         """How the states are read, as the load line says it."""
         if self.method == UNIVERSAL:
             return "DeepSpeed's universal checkpoint loading"
         if self.method == DEEPSPEED:
             return "DeepSpeed load_checkpoint"
         what = "weights and optimizer states" if self.load_optimizer else "weights"
-        return (f"{self.format} files read per rank ({what}"
-                + (f", resharded to TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size})"
-                   if self.resharded else ")"))
+        if not self.resharded:
+            return f"{self.format} files read per rank ({what})"
+        placement = "" if layout.stage_placement == ONE_STAGE_PER_RANK else f", {layout.stage_placement}"
+        return (f"{self.format} files read per rank ({what}, resharded to TP {layout.tensor} x PP {layout.pipeline}"
+                f"{placement})")
 
 
 def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:
@@ -94,10 +97,13 @@ def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:
 
 
 def needs_resharding(request: LoadRequest, metadata):
-    """Saved at another TP or PP, or with the experts split over TP where this run keeps them whole (or the
+    """Saved at another TP or PP or with another placement of the stages on the pipeline ranks (dualpipev's V,
+    interleaved's virtual stages), or with the experts split over TP where this run keeps them whole (or the
     reverse): every tensor is merged over the saved TP ranks and split again (state.read_resharded_rank_state)."""
     saved, layout = metadata["layout"], request.layout
     if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != (layout.tensor, layout.pipeline):
+        return True
+    if saved.get("stage_placement", ONE_STAGE_PER_RANK) != layout.stage_placement:
         return True
     saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
     return files.is_moe(request.shape) and layout.tensor > 1 and saved_sharded != layout.expert_tensor_parallel

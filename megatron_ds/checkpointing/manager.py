@@ -39,7 +39,14 @@ from megatron_ds.checkpointing.load_plan import TrainingProgress
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
 from megatron_ds.core import deepspeed_internals, parallel_state
+from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK
 from megatron_ds.glue.runtime import device, print_rank_0
+
+
+def _placement_note(metadata):
+    """', dualpipev: 2 stages per rank' where the checkpoint's stages were not one per pipeline rank."""
+    placement = metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK)
+    return "" if placement == ONE_STAGE_PER_RANK else f", {placement}"
 
 
 def _coordinates():
@@ -270,7 +277,7 @@ class CheckpointManager:
                 "data_parallel_size": layout.data_parallel, "world_size": layout.world_size,
                 "sequence_parallel_size": layout.ulysses,
                 "zero_stage": layout.zero_stage, "precision": str(self.model.params_dtype).replace("torch.", ""),
-                "engine": "pipeline" if self.pipelined else "plain",
+                "engine": "pipeline" if self.pipelined else "plain", "stage_placement": layout.stage_placement,
                 "expert_parallel_size": layout.expert if max(self.model.num_experts) > 1 else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
@@ -326,7 +333,7 @@ class CheckpointManager:
         plan = load_plan.plan_load(self.request, self.config.load, tag, metadata)
         verified = self._verify_checksums(tag, metadata)
         start = time.perf_counter()
-        how = plan.describe_method(self.layout.tensor, self.layout.pipeline)
+        how = plan.describe_method(self.layout)
         load_optimizer = self._execute(plan, metadata)
         progress, path, finetune = plan.progress, plan.path, plan.finetune
         self.engine.lr_scheduler.resume(plan.schedule, plan.position)  # after the optimizer states: they hold the LR
@@ -338,7 +345,7 @@ class CheckpointManager:
         print_rank_0(f"loaded checkpoint {path} ({metadata['format']} format, saved at TP "
                       f"{metadata['layout']['tensor_model_parallel_size']} x PP "
                       f"{metadata['layout']['pipeline_model_parallel_size']} x DP "
-                      f"{metadata['layout'].get('data_parallel_size')}) via {how} in "
+                      f"{metadata['layout'].get('data_parallel_size')}{_placement_note(metadata)}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
                       f"samples {progress.consumed_train_samples}, optimizer states "
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "

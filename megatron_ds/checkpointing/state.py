@@ -355,7 +355,8 @@ def _stage_to_read(names, args, saved_pp):
     """{name: the saved pipeline stage to read it from}: a tensor two stages hold (the tied embedding, on the first
     and the last) is read from a stage this rank reads anyway, so no stage is read for it alone."""
     tied = not args.get("untie_embeddings_and_output_weights")
-    holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied) for name in names}
+    placement = (args.get("pipeline_schedule", "1f1b"), args.get("virtual_pipeline_stages", 1))
+    holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied, *placement) for name in names}
     needed = {stages[0] for stages in holding.values() if len(stages) == 1}
     return {name: next((stage for stage in stages if stage in needed), stages[0]) for name, stages in holding.items()}
 

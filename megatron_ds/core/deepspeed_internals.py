@@ -201,6 +201,21 @@ def engine_backward(engine):
         engine._running_engine_backward = False
 
 
+def dualpipev_backward(engine, buffer_id, phase, backward):
+    """DualPipeVEngine's backward of the buffer in `phase` - its loss or received (or, on the last rank, turned
+    around) gradients made the engine's, the phase's layers active, its buffers freed after - with backward() in
+    place of the pipeline engine's own, which DualPipeVEngine._exec_backward_pass calls through super() and is
+    therefore swapped on the class for the call (0.19.8)."""
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    own = PipelineEngine._exec_backward_pass
+    PipelineEngine._exec_backward_pass = lambda self, buffer_id: backward()
+    try:
+        DualPipeVEngine._exec_backward_pass(engine, buffer_id, phase)
+    finally:
+        PipelineEngine._exec_backward_pass = own
+
+
 def free_backward_buffers(engine, buffer_id):
     """Drop the buffer's outputs once its backward has run, as _exec_backward_pass does (0.19.8)."""
     engine.pipe_buffers["output_tensors"][buffer_id] = None

@@ -102,6 +102,10 @@ class ParallelLayout:
         sharing = self.sequence_data_parallel * (1 if self.expert_tensor_parallel else self.tensor)
         return max(sharing // self.expert, 1)
 
+    @property
+    def stage_placement(self) -> str:
+        return pipeline_schedules.stage_placement(self.pipeline_schedule, self.virtual_stages)
+
     def describe_model_parallel(self) -> str:
         """"TP t x PP p", with "x Ulysses SP u" after TP when u > 1."""
         ulysses = f" x Ulysses SP {self.ulysses}" if self.ulysses > 1 else ""

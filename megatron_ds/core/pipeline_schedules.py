@@ -25,6 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved", "dualpipev")
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
+ONE_STAGE_PER_RANK = "one stage per rank"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,22 @@ def model_stage(schedule: str, ranks: int, rank: int, chunk: int) -> int:
     if schedule == "dualpipev":
         return rank if chunk == 0 else 2 * ranks - 1 - rank
     return chunk * ranks + rank
+
+
+def pipeline_rank_of(schedule: str, ranks: int, stage: int, virtual_stages: int = 1) -> int:
+    """The pipeline rank that holds model stage `stage` (the inverse of model_stage)."""
+    if schedule == "dualpipev":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def stage_placement(schedule: str, virtual_stages: int = 1) -> str:
+    """How the model's stages lie on the pipeline ranks, as a checkpoint's layout records it: a checkpoint saved
+    with another placement holds other layers per rank and is resharded on load."""
+    chunks = chunks_per_rank(schedule, virtual_stages)
+    if chunks == 1:
+        return ONE_STAGE_PER_RANK
+    return f"{schedule}: {chunks} stages per rank"
 
 
 def nearest_multiples(value: int, of: int) -> List[int]:

@@ -277,7 +277,7 @@ def build_deepspeed_config(args):
     config.setdefault("wall_clock_breakdown", False)
     config.setdefault("zero_allow_untested_optimizer", True)
     config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
-    if args.sequence_parallel:
+    if args.sequence_parallel or args.pipeline_schedule == "dualpipev":
         # DeepSpeed splits pipeline messages across the TP ranks assuming they are replicated there; with
         # sequence parallelism each TP rank holds other tokens, so the messages must travel whole
         config["pipeline"] = {**config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}

@@ -15,10 +15,17 @@ after the next step's gradient send (core/pipeline_schedules.py: the same order,
 receives are exactly 1F1B's, so the pairing of DeepSpeed's blocking p2p is unchanged. Rank 0 sends no gradient
 and keeps the whole backward. --enable-zbh1-exact-semantics changes nothing here: every weight gradient is taken
 before the optimizer step, which runs where 1F1B's runs, so the update is 1F1B's exactly.
+
+dualpipev is DeepSpeed's DualPipeVModule (two stages per rank, rank r: stages r and 2p - 1 - r) run by its
+DualPipeVEngine, with DeepSpeed's DualPipeVSchedule's steps made zero-bubble: the backwards that
+core/pipeline_schedules.py's dualpipev order splits run as B, and each W goes where that order puts it, after
+the next commit of the rank's sends and receives (DualPipe's weight chunk: commit, then a W), so that it fills
+time the rank would wait. DeepSpeed's sends, receives and commits are untouched, and so is their pairing.
 """
 from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
 from megatron_ds.core import deepspeed_internals
+from megatron_ds.core.pipeline_schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, stage_order
 
 
 class BackwardInputPass(deepspeed_schedule.BufferOpInstruction):
@@ -59,22 +66,94 @@ class ZeroBubbleH1Schedule(deepspeed_schedule.TrainSchedule):
         return max(2, min(self.stages, self.micro_batches))
 
 
+class ZeroBubbleDualPipeVSchedule(deepspeed_schedule.DualPipeVSchedule):
+    """DeepSpeed's DualPipeV steps, with core/pipeline_schedules.py's dualpipev split of the backwards and
+    placement of the weight gradients (the order the planner times)."""
+
+    def steps(self):
+        order = stage_order("dualpipev", self.stages, self.micro_batches, self.stage_id)
+        position, due = 0, []  # the next op of `order`; the W's to emit after the next commit
+        for step in super().steps():
+            commands = []
+            for command in step:
+                if isinstance(command, (deepspeed_schedule.ForwardPass, deepspeed_schedule.BackwardPass)):
+                    commands += due
+                    due = []
+                    command, position = self._matched(command, order, position)
+                    while position < len(order) and order[position].kind == WEIGHT_GRAD:
+                        due.append(self._weight_pass(order[position]))
+                        position += 1
+                    if command is None:
+                        continue
+                elif isinstance(command, deepspeed_schedule.ReduceTiedGrads):
+                    commands += due
+                    due = []
+                commands.append(command)
+                if isinstance(command, deepspeed_schedule.CommitP2P):
+                    commands += due
+                    due = []
+            yield commands
+        if position != len(order):
+            raise RuntimeError(f"DeepSpeed's DualPipeV schedule ran {position} of the {len(order)} ops that "
+                               f"megatron_ds's dualpipev order has for rank {self.stage_id} (p {self.stages}, "
+                               f"m {self.micro_batches}): the orders differ")
+
+    def _matched(self, command, order, position):
+        """The command to run for DeepSpeed's forward or backward `command` (a B where the order splits it), and
+        the position after its op in the order, which must be that command's."""
+        chunk, micro_batch = command.phase, command.buffer_id - command.phase * self.micro_batches
+        kind = FORWARD if isinstance(command, deepspeed_schedule.ForwardPass) else BACKWARD
+        op = order[position] if position < len(order) else None
+        if op is None or (op.kind if op.kind != INPUT_GRAD else BACKWARD, op.chunk, op.micro_batch) != (
+                kind, chunk, micro_batch):
+            raise RuntimeError(f"DeepSpeed's DualPipeV schedule runs {command} on rank {self.stage_id} where "
+                               f"megatron_ds's dualpipev order has {op} (p {self.stages}, m {self.micro_batches})")
+        if op.kind == INPUT_GRAD:
+            command = None if self._is_first_stage(chunk) else BackwardInputPass(command.buffer_id, phase=chunk)
+        return command, position + 1
+
+    def _weight_pass(self, op):
+        """The W of the op; the model's first stage has no input gradient to split off (its input is the token
+        ids), so its whole backward waits there instead (nothing is sent after it)."""
+        buffer_id = op.chunk * self.micro_batches + op.micro_batch
+        if self._is_first_stage(op.chunk):
+            return deepspeed_schedule.BackwardPass(buffer_id, phase=op.chunk)
+        return BackwardWeightPass(buffer_id, phase=op.chunk)
+
+    def _is_first_stage(self, chunk):
+        return self.stage_id == 0 and chunk == 0
+
+
 def _is_receive(command):
     return isinstance(command, (deepspeed_schedule.RecvActivation, deepspeed_schedule.RecvGrad))
+
+
+def pipeline_module_class(name):
+    """The PipelineModule class that lays a schedule's stages out: DeepSpeed's DualPipeVModule holds two stages per
+    rank (rank r: stage r and stage 2p-1-r), and deepspeed.initialize runs it with its DualPipeVEngine."""
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    from deepspeed.runtime.pipe.module import PipelineModule
+    return DualPipeVModule if name == "dualpipev" else PipelineModule
 
 
 def install_schedule(engine, name):
     """Make the pipeline engine train with the schedule `name` (1f1b: DeepSpeed's own, nothing to do)."""
     if name == "1f1b":
         return
-    if name != "zbh1":
-        raise ValueError(f"pipeline schedule {name!r} is not run by the pipeline engine yet")
     deferred = {}  # buffer -> what its B kept for its W
+    weight_pass = lambda self, buffer_id, **_: _backward_weight(self, buffer_id, deferred)  # noqa: E731
+    if name == "zbh1":
+        schedule = ZeroBubbleH1Schedule
+        input_pass = lambda self, buffer_id: _backward_input(self, buffer_id, deferred)  # noqa: E731
+    elif name == "dualpipev":  # the input gradient inside DualPipeVEngine's per-phase bookkeeping
+        schedule = ZeroBubbleDualPipeVSchedule
+        input_pass = lambda self, buffer_id, phase: deepspeed_internals.dualpipev_backward(  # noqa: E731
+            self, buffer_id, phase, lambda: _backward_input(self, buffer_id, deferred))
+    else:
+        raise ValueError(f"pipeline schedule {name!r} is not run by the pipeline engine yet")
     deepspeed_internals.scale_loss_outside_output_hooks(engine)
-    deepspeed_internals.install_train_schedule(
-        engine, ZeroBubbleH1Schedule,
-        {BackwardInputPass: lambda self, buffer_id: _backward_input(self, buffer_id, deferred),
-         BackwardWeightPass: lambda self, buffer_id: _backward_weight(self, buffer_id, deferred)})
+    deepspeed_internals.install_train_schedule(engine, schedule, {BackwardInputPass: input_pass,
+                                                                  BackwardWeightPass: weight_pass})
 
 
 def _backward_input(engine, buffer_id, deferred):

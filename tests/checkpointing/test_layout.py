@@ -31,3 +31,20 @@ def test_live_names_map_to_canonical_names():
     assert layout.canonical_name("4.linear.weight", 2, True) == layout.OUTPUT_LAYER
     with pytest.raises(layout.LayoutError):
         layout.canonical_name("5.linear.weight", 2, True)
+
+
+@pytest.mark.parametrize("schedule, virtual_stages, layers, holders", [
+    ("1f1b", 1, 4, [0, 0, 1, 1]),
+    ("zbh1", 1, 4, [0, 0, 1, 1]),
+    ("dualpipev", 2, 4, [0, 1, 1, 0]),            # model stages 0 1 | 2 3 on ranks 0 1 | 1 0
+    ("interleaved", 2, 8, [0, 0, 1, 1, 0, 0, 1, 1]),  # model stage c x PP + r on rank r
+])
+def test_the_stages_holding_a_parameter_follow_the_schedules_placement(schedule, virtual_stages, layers, holders):
+    """Which saved pipeline rank to read each tensor from, at PP 2: the layers by the placement of the model
+    stages; the embedding on model stage 0's rank (and the last's when tied), the final norm and head on the last's."""
+    hold = lambda name, tied=True: layout.stages_holding(name, layers, 2, tied, schedule, virtual_stages)  # noqa: E731
+    assert [hold(f"decoder.layers.{i}.mlp.linear_fc1.weight")[0] for i in range(layers)] == holders
+    last = 0 if schedule == "dualpipev" else 1
+    assert hold("embedding.word_embeddings.weight") == sorted({0, last})
+    assert hold("embedding.word_embeddings.weight", tied=False) == [0]
+    assert hold("decoder.final_layernorm.weight") == hold("output_layer.weight") == [last]

@@ -1,7 +1,8 @@
 """The planner under each pipeline schedule (--pipeline-schedule and Megatron's spellings): the flags resolve
 to the schedule, the plan's bubble and in-flight activations are the simulated schedule's, DualPipeV's rank 0
-holds the embedding and the head, and --search names the schedule it chose. pretrain.py runs zbh1 (not with
-fp16 yet) and refuses the schedules its engine does not run yet, by name."""
+holds the embedding and the head, and --search names the schedule it chose. pretrain.py runs zbh1 and dualpipev
+(not with fp16 yet), refuses interleaved, which its engine does not run yet, by name, and checks a batch ramp-up
+against the schedule's micro-batch rule."""
 import dataclasses
 
 import pytest
@@ -46,14 +47,28 @@ def test_conflicting_spellings_are_refused_naming_both():
                  "--num-virtual-stages-per-pipeline-rank", "4")
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
-def test_pretrain_refuses_a_schedule_its_engine_does_not_run(schedule):
-    virtual = ["--num-virtual-stages-per-pipeline-rank", "2"] if schedule == "interleaved" else []
+def _pretrain_problems(*flags):
     with pytest.raises(ArgumentsError) as raised:
-        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
-                            "--pipeline-schedule", schedule] + virtual, world_size=4)
-    assert any(f"--pipeline-schedule {schedule}:" in problem and "is not built into pretrain.py's pipeline engine"
-               in problem for problem in raised.value.problems), raised.value
+        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4", *flags],
+                   world_size=4)
+    return raised.value.problems
+
+
+def test_pretrain_refuses_a_schedule_its_engine_does_not_run():
+    problems = _pretrain_problems("--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "2")
+    assert any("--pipeline-schedule interleaved:" in problem and "is not built into pretrain.py's pipeline engine"
+               in problem for problem in problems), problems
+
+
+def test_a_batch_ramp_up_must_give_dualpipev_its_micro_batches_from_the_first_batch():
+    """DualPipeV needs 2 x PP = 8 micro-batches: a ramp from 4 samples (4 micro-batches) is refused at once."""
+    problems = _pretrain_problems("--pipeline-schedule", "dualpipev", "--rampup-batch-size", "4", "4", "16")
+    assert problems == ["--rampup-batch-size 4 4 16: at its global batch 4, the dualpipev schedule needs at least 2 "
+                        "x --pipeline-model-parallel-size = 8 micro-batches per iteration (it has 4: global batch / "
+                        "(micro batch x data-parallel size))"], problems
+    parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
+                        "--pipeline-schedule", "dualpipev", "--global-batch-size", "16", "--rampup-batch-size", "8",
+                        "8", "16"], world_size=4)
 
 
 def test_the_plan_times_the_schedule_it_is_given():
