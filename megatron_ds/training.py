@@ -55,7 +55,7 @@ def build_model(args, config):
         return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
-        module_class = pipeline_module_class(args.pipeline_schedule)
+        module_class = pipeline_module_class(args.pipeline_schedule, args.virtual_pipeline_stages)
         model = module_class(layers=specs, topology=parallel_state.deepspeed_topology(),
                              loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
     assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
@@ -79,7 +79,7 @@ def setup_engine(args, config):
                                            dist_init_required=False)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
-        install_schedule(engine, args.pipeline_schedule)
+        install_schedule(engine, args.pipeline_schedule, args.virtual_pipeline_stages)
     else:
         parallel_state.assert_matches_deepspeed_engine(engine)
     install_flat_gradient_reduction(engine, parallel_state.get_sequence_data_parallel_group())

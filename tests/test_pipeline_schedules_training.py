@@ -3,11 +3,12 @@ and grad norm at every iteration (fp32, dropout 0), at PP 2 and PP 4 with tied e
 Megatron's sequence parallelism and untied embeddings (LLaMA), in bf16, and with an MoE layer in each stage
 under full recompute. ZB-H1 takes the weight gradients later but in 1F1B's order, so its updates are 1F1B's
 bitwise; the zero-bubble DualPipeV (DeepSpeed's DualPipeVModule and DualPipeVEngine, two stages per rank) sums
-each weight's micro-batch gradients in another order, so it agrees to rounding. A checkpoint saved under one
-schedule continues under another (DualPipeV places the layers otherwise: resharded on load), with dropout a
-resume under full recompute repeats the run bitwise, and the sequence-length curriculum, batch ramp-up and
-evaluation run under each. The PP 2 runs also record
---pipeline-timeline: it shows the split backward really ran, and the timeline's files, summary and plot."""
+each weight's micro-batch gradients in another order, so it agrees to rounding; interleaved (Megatron's order,
+2 virtual stages per rank, on DeepSpeed's DualPipeV machinery) agrees the same way. A checkpoint saved under one
+schedule continues under another (DualPipeV and interleaved place the layers otherwise: resharded on load), with
+dropout a resume under full recompute repeats the run bitwise, and the sequence-length curriculum, batch ramp-up
+and evaluation run under each. The ZB-H1 and DualPipeV PP 2 runs also record --pipeline-timeline: it shows the
+split backward really ran, and the timeline's files, summary and plot."""
 import json
 import re
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import launch, losses
-from tests.layouts import COMMON, ITERATIONS, run_layout, run_layout_grad_norms, run_layout_output
+from tests.layouts import COMMON, ITERATIONS, SCHEDULE_FLAGS, run_layout, run_layout_grad_norms, run_layout_output
 
 pytestmark = pytest.mark.e2e  # launches several real processes
 
@@ -38,8 +39,8 @@ CASES = {
 
 def _scheduled(case, schedule):
     family, tp, pp, dp, extra = CASES[case]
-    recorded = ["--pipeline-timeline", str(TIMELINES[schedule])] if case == "gpt2-pp2" else []
-    return family, tp, pp, dp, extra + ["--pipeline-schedule", schedule] + recorded
+    recorded = ["--pipeline-timeline", str(TIMELINES[schedule])] if case == "gpt2-pp2" and schedule in TIMELINES else []
+    return family, tp, pp, dp, extra + SCHEDULE_FLAGS[schedule] + recorded
 
 
 def _assert_trains_the_same(case, schedule, loss_rel, norm_abs):
@@ -65,6 +66,15 @@ def test_zero_bubble_dualpipev_trains_what_one_forward_one_backward_trains(case)
     """fp32 within 1e-5 of the loss and one unit of the printed grad norm (3 decimals); bf16 to its rounding."""
     bf16 = "--bf16" in CASES[case][4]
     _assert_trains_the_same(case, "dualpipev", loss_rel=1e-4 if bf16 else 1e-5, norm_abs=2.1e-3 if bf16 else 1.1e-3)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interleaved_trains_what_one_forward_one_backward_trains(case):
+    """Megatron's interleaved order with 2 virtual stages per rank (rank r: model stages r and p + r; the tied
+    embedding's two copies on rank 0 and the last rank, as under 1F1B)."""
+    bf16 = "--bf16" in CASES[case][4]
+    _assert_trains_the_same(case, "interleaved", loss_rel=1e-4 if bf16 else 1e-5,
+                            norm_abs=2.1e-3 if bf16 else 1.1e-3)
 
 
 def _trace_kinds(schedule, rank, iteration):
@@ -121,15 +131,18 @@ SAVED_AT = 5
 PP2 = ["--pipeline-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256"]
 
 
-@pytest.mark.parametrize("saved_under, resumed_under", [("dualpipev", "zbh1"), ("1f1b", "dualpipev")])
+@pytest.mark.parametrize("saved_under, resumed_under", [("dualpipev", "zbh1"), ("1f1b", "dualpipev"),
+                                                        ("interleaved", "1f1b")])
 def test_a_checkpoint_saved_under_one_schedule_continues_under_another(tmp_path, saved_under, resumed_under):
-    """DualPipeV's ranks hold other layers than 1F1B's (rank 0: the first and the last stage): the load reshards."""
-    saved = launch(2, COMMON + PP2 + ["--pipeline-schedule", saved_under, "--save", str(tmp_path),
-                                      "--exit-interval", str(SAVED_AT)])
+    """DualPipeV's and interleaved's ranks hold other layers than 1F1B's (DualPipeV's rank 0: the first and the last
+    stage; interleaved's: stages 0 and 2): the load reshards."""
+    saved = launch(2, COMMON + PP2 + SCHEDULE_FLAGS[saved_under] + ["--save", str(tmp_path),
+                                                                   "--exit-interval", str(SAVED_AT)])
     assert saved.returncode == 0, saved.stdout[-4000:]
-    resumed = launch(2, COMMON + PP2 + ["--pipeline-schedule", resumed_under, "--load", str(tmp_path)])
+    resumed = launch(2, COMMON + PP2 + SCHEDULE_FLAGS[resumed_under] + ["--load", str(tmp_path)])
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    placement = {"dualpipev": ", dualpipev: 2 stages per rank", "1f1b": "", "zbh1": ""}
+    placement = {"dualpipev": ", dualpipev: 2 stages per rank", "interleaved": ", interleaved: 2 stages per rank",
+                 "1f1b": "", "zbh1": ""}
     assert (f"saved at TP 1 x PP 2 x DP 1{placement[saved_under]}) via deepspeed files read per rank (weights and "
             f"optimizer states, resharded to TP 1 x PP 2{placement[resumed_under]})") in resumed.stdout, \
         resumed.stdout[-3000:]
@@ -143,11 +156,11 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 
 
-@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev", "interleaved"])
 def test_with_dropout_a_resume_under_full_recompute_repeats_the_run_bitwise(tmp_path, schedule):
     """Dropout 0.1: iterations 6-10 resumed from the straight run's checkpoint at 5, with full recompute on (the
     masks replayed in the recomputed forwards, the RNG states restored by the load), are the straight run's."""
-    flags = COMMON + PP2 + DROPOUT + ["--pipeline-schedule", schedule]
+    flags = COMMON + PP2 + DROPOUT + SCHEDULE_FLAGS[schedule]
     straight = launch(2, flags + ["--save", str(tmp_path), "--save-interval", str(SAVED_AT)])
     assert straight.returncode == 0, straight.stdout[-4000:]
     resumed = launch(2, flags + FULL_RECOMPUTE + ["--load", str(tmp_path), "--load-iteration", str(SAVED_AT)])
@@ -171,7 +184,7 @@ def _curriculum_run(schedule):
     if schedule not in _curriculum_runs:
         config = Path(tempfile.mkdtemp(prefix="megatron_ds_curriculum_")) / "ds.json"
         config.write_text(json.dumps(CURRICULUM))
-        result = launch(2, COMMON + PP2 + ["--pipeline-schedule", schedule, "--deepspeed_config", str(config),
+        result = launch(2, COMMON + PP2 + SCHEDULE_FLAGS[schedule] + ["--deepspeed_config", str(config),
                                            "--global-batch-size", "16", "--rampup-batch-size", "8", "8", "24",
                                            "--eval-interval", "3", "--eval-iters", "1"])
         assert result.returncode == 0, result.stdout[-4000:]
@@ -179,7 +192,7 @@ def _curriculum_run(schedule):
     return _curriculum_runs[schedule]
 
 
-@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev", "interleaved"])
 def test_the_curriculum_the_batch_ramp_up_and_evaluation_run_under_each_schedule(schedule):
     (expected, expected_validation), (observed, validation) = _curriculum_run("1f1b"), _curriculum_run(schedule)
     assert sorted(observed) == sorted(expected) == list(range(1, ITERATIONS + 1))

@@ -8,7 +8,7 @@ checkpoints saved at SP 2 resume at SP 1 and the reverse."""
 import pytest
 
 from tests.launch import launch, losses
-from tests.layouts import COMMON, FAMILIES, ITERATIONS
+from tests.layouts import COMMON, FAMILIES, ITERATIONS, SCHEDULE_FLAGS
 
 pytestmark = pytest.mark.e2e  # launches real training processes
 
@@ -77,13 +77,13 @@ def test_checkpoints_resume_at_another_sequence_parallel_size(saved_sp, resumed_
     _assert_close(losses(resumed.stdout), straight, range(6, ITERATIONS + 1))
 
 
-@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev", "interleaved"])
 def test_the_pipeline_schedules_run_ulysses_inside_their_stages(schedule):
     """SP 2 x PP 2 (4 micro-batches): ZB-H1 and the zero-bubble DualPipeV, whose split backwards run the Ulysses
-    all-to-alls of each stage, train what 1F1B trains (ZB-H1 bitwise, DualPipeV to the rounding of its other
-    order of summing the micro-batches' weight gradients)."""
+    all-to-alls of each stage, and interleaved train what 1F1B trains (ZB-H1 bitwise, the others to the rounding
+    of another order of summing the micro-batches' weight gradients)."""
     expected, _, _ = _run("gpt2", 1, 2, 2)
-    observed, _, _ = _run("gpt2", 1, 2, 2, "--pipeline-schedule", schedule)
+    observed, _, _ = _run("gpt2", 1, 2, 2, *SCHEDULE_FLAGS[schedule])
     assert sorted(observed) == list(range(1, ITERATIONS + 1)), observed
     for iteration in expected:
         assert observed[iteration] == pytest.approx(expected[iteration], rel=0 if schedule == "zbh1" else 1e-5,

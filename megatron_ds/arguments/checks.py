@@ -9,7 +9,7 @@ import os
 import torch
 
 from megatron_ds.batch_schedule import rampup_errors
-from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout
+from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
@@ -362,11 +362,27 @@ def engine_schedule_errors(args):
     if args.pipeline_schedule in ("zbh1", "dualpipev") and args.fp16:
         return [f"--pipeline-schedule {args.pipeline_schedule} with --fp16: the split backward does not apply fp16's "
                 f"loss scale yet; use --bf16, or 1f1b with --fp16"]
+    if args.pipeline_schedule == "interleaved":
+        return _interleaved_engine_errors(args)
     if args.pipeline_schedule in ("1f1b", "zbh1", "dualpipev"):
         return []
     return [f"--pipeline-schedule {args.pipeline_schedule}: {_SCHEDULE_FEATURES[args.pipeline_schedule]} is not "
             f"built into pretrain.py's pipeline engine yet (tools/plan.py plans it); DeepSpeed's 1F1B schedule runs "
             f"without the flag"]
+
+
+def _interleaved_engine_errors(args):
+    """pretrain.py runs interleaved on DeepSpeed's DualPipeVEngine, which takes at least 2 x PP micro-batches."""
+    pp, layout = args.pipeline_model_parallel_size, parallel_layout(args)
+    if not layout.divides_world:
+        return []  # the layout's own error says so
+    smallest_batch = args.rampup_batch_size[0] if args.rampup_batch_size else args.global_batch_size
+    micro_batches = micro_batches_per_step(smallest_batch, args.micro_batch_size, layout.data_parallel)
+    if micro_batches >= 2 * pp:
+        return []
+    return [f"--pipeline-schedule interleaved in pretrain.py needs at least 2 x --pipeline-model-parallel-size = "
+            f"{2 * pp} micro-batches per iteration (it has {micro_batches}): its engine is built on DeepSpeed's "
+            f"DualPipeVEngine, which asserts it (Megatron-LM's interleaving takes {pp})"]
 
 
 def data_source_errors(args):

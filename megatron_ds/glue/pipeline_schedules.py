@@ -26,6 +26,7 @@ from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
 from megatron_ds.core import deepspeed_internals
 from megatron_ds.core.pipeline_schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, stage_order
+from megatron_ds.glue.interleaved_pipeline import become_interleaved, interleaved_module_class
 
 
 class BackwardInputPass(deepspeed_schedule.BufferOpInstruction):
@@ -128,17 +129,23 @@ def _is_receive(command):
     return isinstance(command, (deepspeed_schedule.RecvActivation, deepspeed_schedule.RecvGrad))
 
 
-def pipeline_module_class(name):
+def pipeline_module_class(name, virtual_stages=1):
     """The PipelineModule class that lays a schedule's stages out: DeepSpeed's DualPipeVModule holds two stages per
-    rank (rank r: stage r and stage 2p-1-r), and deepspeed.initialize runs it with its DualPipeVEngine."""
+    rank (rank r: stage r and stage 2p-1-r), and deepspeed.initialize runs it with its DualPipeVEngine; the
+    interleaved module (a DualPipeVModule too) holds v, rank r stages c x p + r."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.module import PipelineModule
+    if name == "interleaved":
+        return interleaved_module_class(virtual_stages)
     return DualPipeVModule if name == "dualpipev" else PipelineModule
 
 
-def install_schedule(engine, name):
+def install_schedule(engine, name, virtual_stages=1):
     """Make the pipeline engine train with the schedule `name` (1f1b: DeepSpeed's own, nothing to do)."""
     if name == "1f1b":
+        return
+    if name == "interleaved":
+        become_interleaved(engine, virtual_stages)
         return
     deferred = {}  # buffer -> what its B kept for its W
     weight_pass = lambda self, buffer_id, **_: _backward_weight(self, buffer_id, deferred)  # noqa: E731

@@ -1,8 +1,8 @@
 """The planner under each pipeline schedule (--pipeline-schedule and Megatron's spellings): the flags resolve
 to the schedule, the plan's bubble and in-flight activations are the simulated schedule's, DualPipeV's rank 0
-holds the embedding and the head, and --search names the schedule it chose. pretrain.py runs zbh1 and dualpipev
-(not with fp16 yet), refuses interleaved, which its engine does not run yet, by name, and checks a batch ramp-up
-against the schedule's micro-batch rule."""
+holds the embedding and the head, and --search names the schedule it chose. pretrain.py runs zbh1, dualpipev (not
+with fp16 yet) and interleaved (with at least 2 x PP micro-batches), and checks a batch ramp-up against the
+schedule's micro-batch rule."""
 import dataclasses
 
 import pytest
@@ -54,10 +54,16 @@ def _pretrain_problems(*flags):
     return raised.value.problems
 
 
-def test_pretrain_refuses_a_schedule_its_engine_does_not_run():
-    problems = _pretrain_problems("--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "2")
-    assert any("--pipeline-schedule interleaved:" in problem and "is not built into pretrain.py's pipeline engine"
-               in problem for problem in problems), problems
+def test_pretrain_refuses_interleaving_with_fewer_micro_batches_than_its_engine_takes():
+    """MODEL's global batch 8 at micro batch 1 over PP 4 x DP 1: 8 micro-batches pass; 4 (Megatron-LM's minimum,
+    a multiple of PP) are refused by pretrain.py, whose engine is DeepSpeed's DualPipeVEngine (2 x PP)."""
+    interleaved = ["--num-virtual-stages-per-pipeline-rank", "2"]
+    parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4", *interleaved],
+               world_size=4)
+    problems = _pretrain_problems(*interleaved, "--global-batch-size", "4")
+    assert problems == ["--pipeline-schedule interleaved in pretrain.py needs at least 2 x "
+                        "--pipeline-model-parallel-size = 8 micro-batches per iteration (it has 4): its engine is "
+                        "built on DeepSpeed's DualPipeVEngine, which asserts it (Megatron-LM's interleaving takes 4)"]
 
 
 def test_a_batch_ramp_up_must_give_dualpipev_its_micro_batches_from_the_first_batch():
