@@ -13,7 +13,7 @@ import os
 from megatron_ds.checkpointing import files, universal
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.core.parallel_layout import ParallelLayout
-from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK
+from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
 from megatron_ds.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 
 UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
@@ -71,9 +71,8 @@ class LoadPlan:
         what = "weights and optimizer states" if self.load_optimizer else "weights"
         if not self.resharded:
             return f"{self.format} files read per rank ({what})"
-        placement = "" if layout.stage_placement == ONE_STAGE_PER_RANK else f", {layout.stage_placement}"
         return (f"{self.format} files read per rank ({what}, resharded to TP {layout.tensor} x PP {layout.pipeline}"
-                f"{placement})")
+                f"{placement_note(layout.stage_placement)})")
 
 
 def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:

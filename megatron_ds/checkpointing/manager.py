@@ -39,14 +39,8 @@ from megatron_ds.checkpointing.load_plan import TrainingProgress
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
 from megatron_ds.core import deepspeed_internals, parallel_state
-from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK
+from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
 from megatron_ds.glue.runtime import device, print_rank_0
-
-
-def _placement_note(metadata):
-    """', dualpipev: 2 stages per rank' where the checkpoint's stages were not one per pipeline rank."""
-    placement = metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK)
-    return "" if placement == ONE_STAGE_PER_RANK else f", {placement}"
 
 
 def _coordinates():
@@ -341,11 +335,12 @@ class CheckpointManager:
         self.engine.global_samples = progress.consumed_train_samples
         self.loaded_iteration = progress.iteration
         rng = self._stage_rng_state(path, metadata) if plan.load_rng else "not restored"
+        saved_placement = placement_note(metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK))
         dist.barrier()
         print_rank_0(f"loaded checkpoint {path} ({metadata['format']} format, saved at TP "
                       f"{metadata['layout']['tensor_model_parallel_size']} x PP "
                       f"{metadata['layout']['pipeline_model_parallel_size']} x DP "
-                      f"{metadata['layout'].get('data_parallel_size')}{_placement_note(metadata)}) via {how} in "
+                      f"{metadata['layout'].get('data_parallel_size')}{saved_placement}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
                       f"samples {progress.consumed_train_samples}, optimizer states "
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "

@@ -64,6 +64,11 @@ def stage_placement(schedule: str, virtual_stages: int = 1) -> str:
     return f"{schedule}: {chunks} stages per rank"
 
 
+def placement_note(placement: str) -> str:
+    """', <placement>' for a load line, empty for one stage per rank."""
+    return "" if placement == ONE_STAGE_PER_RANK else f", {placement}"
+
+
 def nearest_multiples(value: int, of: int) -> List[int]:
     """The positive multiples of `of` just below and above value."""
     return sorted({n for n in (value // of * of, -(-value // of) * of) if n > 0})

@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from megatron_ds.core import deepspeed_internals
-from megatron_ds.core.pipeline_schedules import FORWARD, stage_order
+from megatron_ds.core.pipeline_schedules import FORWARD, model_stage, pipeline_rank_of, stage_order
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 MESSAGE_TAGS = {deepspeed_schedule.SendActivation: ACTIVATION_TAG, deepspeed_schedule.RecvActivation: ACTIVATION_TAG,
@@ -39,12 +39,14 @@ class InterleavedModule(DualPipeVModule):
         self.pipeline_ranks = self.num_stages
         self.num_stages *= self.virtual_stages
         PipelineModule._partition_layers(self, method)
-        stages = [chunk * self.pipeline_ranks + self.stage_id for chunk in range(self.virtual_stages)]
+        stages = [model_stage("interleaved", self.pipeline_ranks, self.stage_id, chunk)
+                  for chunk in range(self.virtual_stages)]
         self.phase_bounds = [(self.parts[stage], self.parts[stage + 1]) for stage in stages]
 
     def stage_owner(self, layer_idx):
-        """The pipeline rank that owns layer_idx (its model stage modulo p)."""
-        return PipelineModule.stage_owner(self, layer_idx) % self.pipeline_ranks
+        """The pipeline rank that owns layer_idx (the rank of its model stage)."""
+        return pipeline_rank_of("interleaved", self.pipeline_ranks, PipelineModule.stage_owner(self, layer_idx),
+                                self.virtual_stages)
 
     def _precompute_checkpointable_values(self):
         self.phase_checkpointable = [[] for _ in range(self.virtual_stages)]
