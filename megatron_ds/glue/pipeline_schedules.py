@@ -10,9 +10,14 @@ linears, norms, embeddings, the output layer, experts), with Megatron's sequence
 pipelining split (torch.distributed.pipelining._backward: stage_backward_input / stage_backward_weight, torch
 2.13), the gradients added into each weight's .grad.
 
-zbh1 is DeepSpeed's TrainSchedule with the backward of rank r > 0 split and each W taken r backward steps later,
-after the next step's gradient send (core/pipeline_schedules.py: the same order, simulated): the sends and
-receives are exactly 1F1B's, so the pairing of DeepSpeed's blocking p2p is unchanged. Rank 0 sends no gradient
+zbh1 is DeepSpeed's TrainSchedule with the backward of rank r > 0 split and each W taken r backward steps later
+(core/pipeline_schedules.py: the same order, simulated): the sends and receives are exactly 1F1B's, so the
+pairing of DeepSpeed's blocking p2p is unchanged. Where a W sits between them decides whether it fills a wait or
+makes one, since a blocking send waits for its receive: in the steady state it goes first in the next step,
+before the gradient send, which the previous stage only receives after its forward (a W after the send holds up
+that stage's activation send instead, and the pipeline idles a W per micro-batch); in the cool-down, which
+receives nothing, it goes after the send. So placed, the steps take the planner's time when played with blocking
+p2p (tests/glue/test_pipeline_schedules.py). Rank 0 sends no gradient
 and keeps the whole backward. --enable-zbh1-exact-semantics changes nothing here: every weight gradient is taken
 before the optimizer step, which runs where 1F1B's runs, so the update is 1F1B's exactly.
 
@@ -43,9 +48,12 @@ class ZeroBubbleH1Schedule(deepspeed_schedule.TrainSchedule):
 
     def steps(self):
         pending = []  # buffers whose W waits, oldest first
-        due = []      # W's to emit at the start of the next step
+        due = []      # W's to emit in the next step
         for step in super().steps():
+            receives = any(isinstance(command, deepspeed_schedule.RecvActivation) for command in step)
             commands = []
+            if receives:  # the previous stage is still in its forward: the W fills the wait before the send
+                commands, due = [BackwardWeightPass(buffer) for buffer in due], []
             for command in step:
                 if isinstance(command, deepspeed_schedule.ReduceTiedGrads):
                     commands += [BackwardWeightPass(buffer) for buffer in due + pending]
@@ -57,7 +65,7 @@ class ZeroBubbleH1Schedule(deepspeed_schedule.TrainSchedule):
                         due.append(pending.pop(0))
                     continue
                 commands.append(command)
-                if isinstance(command, deepspeed_schedule.SendGrad) or (due and _is_receive(command)):
+                if isinstance(command, deepspeed_schedule.SendGrad):  # the cool-down: nothing to receive
                     commands += [BackwardWeightPass(buffer) for buffer in due]
                     due = []
             yield commands
@@ -123,10 +131,6 @@ class ZeroBubbleDualPipeVSchedule(deepspeed_schedule.DualPipeVSchedule):
 
     def _is_first_stage(self, chunk):
         return self.stage_id == 0 and chunk == 0
-
-
-def _is_receive(command):
-    return isinstance(command, (deepspeed_schedule.RecvActivation, deepspeed_schedule.RecvGrad))
 
 
 def pipeline_module_class(name, virtual_stages=1):
