@@ -1,11 +1,15 @@
 # Sourced by the examples/pretrain_*.sh scripts: launch pretrain.py on a SLURM allocation (srun, one task
-# per GPU) or on hosts from a DeepSpeed hostfile, or only plan the run with tools/plan.py.
+# per GPU) or on hosts from a DeepSpeed hostfile, or only plan the run with tools/plan.py or check its start-up with
+# tools/dry_run.py.
 #
 # The sourcing script defines NODES, GPUS_PER_NODE, DEVICE, VOCAB_SIZE and the flag arrays MODEL_ARGS,
 # PARALLEL_ARGS, BATCH_ARGS (what tools/plan.py also reads) and TRAIN_ARGS, DS_ARGS (training only), then
 # calls `launch`. Environment:
 #   PLAN=1            print tools/plan.py's plan for these flags on NODES x GPUS_PER_NODE DEVICEs (no GPU needed)
-#   DRY_RUN=1         print the arguments (NUL-separated) of pretrain.py, or with PLAN=1 of tools/plan.py; run nothing
+#   DRY_RUN=1         run tools/dry_run.py on these flags: every pipeline stage's start-up on a fake process group of
+#                     NODES x GPUS_PER_NODE ranks, checked against the plan (no GPU needed; extra arguments such as
+#                     --ranks all or --jobs 2 go to it)
+#   PRINT_ARGS=1      print the arguments (NUL-separated) of pretrain.py, or with PLAN=1 of tools/plan.py; run nothing
 #   HOSTFILE=path     launch with `deepspeed --hostfile` ("hostname slots=8" lines) instead of srun
 #   DATA_PATH=prefix  a preprocessed dataset (tools/preprocess_data.py); unset: --mock-data
 #   CHECKPOINT_DIR    where to --save / --load (default checkpoints/<script name>)
@@ -33,7 +37,7 @@ checkpoint_and_log_args() {
 plan() {
     local plan_args=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" --vocab-size "$VOCAB_SIZE"
                      --world-size $((NODES * GPUS_PER_NODE)) --gpus-per-node "$GPUS_PER_NODE" --device "$DEVICE" "$@")
-    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
         printf '%s\0' "${plan_args[@]}"
         exit 0
     fi
@@ -63,16 +67,19 @@ launch() {
     checkpoint_and_log_args
     ALL_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}"
               "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "$@")
-    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
         printf '%s\0' "${ALL_ARGS[@]}"
         exit 0
+    elif [[ "${DRY_RUN:-0}" == 1 ]]; then
+        exec "$PYTHON" tools/dry_run.py "${ALL_ARGS[@]}" --world-size $((NODES * GPUS_PER_NODE)) \
+            --gpus-per-node "$GPUS_PER_NODE" --device "$DEVICE"
     elif [[ -n "${HOSTFILE:-}" ]]; then
         launch_hostfile
     elif [[ -n "${SLURM_JOB_ID:-}" ]]; then
         launch_srun
     else
         echo "not inside a SLURM allocation and no HOSTFILE given: sbatch this script, set HOSTFILE=path," \
-             "or PLAN=1 to print the plan" >&2
+             "PLAN=1 to print the plan, or DRY_RUN=1 to check the start-up of every stage" >&2
         exit 2
     fi
 }

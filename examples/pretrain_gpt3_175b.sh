@@ -9,6 +9,7 @@
 #   sbatch examples/pretrain_gpt3_175b.sh                          # SLURM: 128 nodes x 8 GPUs (srun)
 #   HOSTFILE=hosts NODES=128 bash examples/pretrain_gpt3_175b.sh   # deepspeed --hostfile
 #   PLAN=1 bash examples/pretrain_gpt3_175b.sh [--search]          # tools/plan.py on these flags, no GPU
+#   DRY_RUN=1 bash examples/pretrain_gpt3_175b.sh [--ranks all]    # tools/dry_run.py: each stage's start-up, fake ranks
 #
 #SBATCH --job-name=gpt3-175b
 #SBATCH --nodes=128

@@ -9,6 +9,7 @@
 #   sbatch examples/pretrain_gpt_1t.sh                             # SLURM: 384 nodes x 8 GPUs (srun)
 #   HOSTFILE=hosts NODES=384 bash examples/pretrain_gpt_1t.sh      # deepspeed --hostfile
 #   PLAN=1 bash examples/pretrain_gpt_1t.sh [--search]             # tools/plan.py on these flags, no GPU
+#   DRY_RUN=1 bash examples/pretrain_gpt_1t.sh [--ranks all]       # tools/dry_run.py: each stage's start-up, fake ranks
 #
 #SBATCH --job-name=gpt-1t
 #SBATCH --nodes=384

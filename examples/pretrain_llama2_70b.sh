@@ -9,6 +9,7 @@
 #   sbatch examples/pretrain_llama2_70b.sh                         # SLURM: 128 nodes x 8 GPUs (srun)
 #   HOSTFILE=hosts NODES=128 bash examples/pretrain_llama2_70b.sh  # deepspeed --hostfile
 #   PLAN=1 bash examples/pretrain_llama2_70b.sh [--search]         # tools/plan.py on these flags, no GPU
+#   DRY_RUN=1 bash examples/pretrain_llama2_70b.sh [--ranks all]   # tools/dry_run.py: each stage's start-up, fake ranks
 #
 #SBATCH --job-name=llama2-70b
 #SBATCH --nodes=128

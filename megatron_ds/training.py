@@ -4,6 +4,7 @@ PP > 1: the model is a DeepSpeed PipelineModule (1F1B schedule) over our topolog
 runs a whole global batch. PP = 1: the plain DeepSpeed engine runs GPTModel with our mpu (so ZeRO-2/3
 also work), and this loop runs the micro-batches.
 """
+import contextlib
 import copy
 import json
 import logging
@@ -69,8 +70,10 @@ def build_optimizer_and_scheduler(optimization, model):
     return optimizer, scheduler
 
 
-def setup_engine(args, config):
-    model = build_model(args, config).to(device())
+def setup_engine(args, config, building_model=contextlib.nullcontext):
+    with building_model():
+        model = build_model(args, config)
+    model = model.to(device())
     optimizer, scheduler = build_optimizer_and_scheduler(args.optimization, model)
     pipelined = args.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -419,22 +422,37 @@ def _claim_save_folder(args):
     return True
 
 
-def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
-    _configure_logging()
+def initialize_groups(args):
+    """The model-parallel groups and, for an MoE, the expert groups (every rank creates all of them, in order)."""
     parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel))
     if args.moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
         mend_token_split()
+
+
+def start_up(args, watchdog=None, all_reduce_note=None, building_model=contextlib.nullcontext):
+    """What every rank does once the process group exists, before any data: the model-parallel and expert
+    groups, the placement log, DeepSpeed's activation checkpointing, seeding, the model inside its DeepSpeed
+    engine (built under `building_model()`) and the start-up log. pretrain() and tools/dry_run.py (the model
+    under FakeTensorMode, on a fake process group) both run it. Returns (engine, MFU peak per device)."""
+    _configure_logging()
+    initialize_groups(args)
     _log_placement(args)
     if all_reduce_note:
         print_rank_0(all_reduce_note)
     configure_activation_checkpointing(args, device())  # DeepSpeed's checkpoint and RNG tracker, if asked for
     model_parallel_cuda_manual_seed(args.seed)
-    config = args.model
-    watchdog.activity = "building the model and the DeepSpeed engine"
-    engine = setup_engine(args, config)
+    if watchdog is not None:
+        watchdog.activity = "building the model and the DeepSpeed engine"
+    engine = setup_engine(args, args.model, building_model)
     peak, peak_source = peak_tflops_per_device(args.peak_tflops, args.params_dtype, device())
-    log_startup(args, config, engine, peak, peak_source)
+    log_startup(args, args.model, engine, peak, peak_source)
+    return engine, peak
+
+
+def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
+    engine, peak = start_up(args, watchdog, all_reduce_note)
+    config = args.model
     watchdog.activity = "building the datasets"
     datasets = build_datasets(args.data)
     logger = MetricsLogger(args.logging, config, peak, engine)

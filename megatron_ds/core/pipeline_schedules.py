@@ -55,6 +55,32 @@ def pipeline_rank_of(schedule: str, ranks: int, stage: int, virtual_stages: int 
     return stage % ranks
 
 
+def messages_split_over_tensor_parallel(schedule: str, sequence_parallel: bool) -> bool:
+    """Whether DeepSpeed's pipeline engine splits each activation and gradient it sends over the TP ranks
+    (pipe_partitioned / grad_partitioned, its default; the receiving stage all-gathers it over TP). Off with
+    Megatron's sequence parallelism, where each TP rank holds other tokens, and under DualPipeVEngine (dualpipev and
+    interleaved here), which asserts it off."""
+    return not sequence_parallel and schedule not in ("dualpipev", "interleaved")
+
+
+def pipeline_messages_per_micro_batch(schedule: str, ranks: int, rank: int, virtual_stages: int = 1) -> dict:
+    """Per micro-batch, what pipeline rank `rank` sends to and receives from other ranks: {'send_activation',
+    'send_gradient', 'receive_activation', 'receive_gradient'}, one per model-stage boundary it sits on that
+    crosses to another rank (1F1B: a middle rank one of each, rank 0 sends activations and receives gradients
+    only)."""
+    counts = dict.fromkeys(("send_activation", "send_gradient", "receive_activation", "receive_gradient"), 0)
+    last = ranks * chunks_per_rank(schedule, virtual_stages) - 1
+    for chunk in range(chunks_per_rank(schedule, virtual_stages)):
+        stage = model_stage(schedule, ranks, rank, chunk)
+        if stage < last and pipeline_rank_of(schedule, ranks, stage + 1, virtual_stages) != rank:
+            counts["send_activation"] += 1
+            counts["receive_gradient"] += 1
+        if stage > 0 and pipeline_rank_of(schedule, ranks, stage - 1, virtual_stages) != rank:
+            counts["receive_activation"] += 1
+            counts["send_gradient"] += 1
+    return counts
+
+
 def stage_placement(schedule: str, virtual_stages: int = 1) -> str:
     """How the model's stages lie on the pipeline ranks, as a checkpoint's layout records it: a checkpoint saved
     with another placement holds other layers per rank and is resharded on load."""

@@ -21,6 +21,7 @@ import json
 import math
 
 from megatron_ds.core.parallel_layout import micro_batches_per_step
+from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 from megatron_ds.glue import curriculum, deepspeed_keys
 
@@ -277,10 +278,7 @@ def build_deepspeed_config(args):
     config.setdefault("wall_clock_breakdown", False)
     config.setdefault("zero_allow_untested_optimizer", True)
     config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
-    if args.sequence_parallel or args.pipeline_schedule in ("dualpipev", "interleaved"):
-        # DeepSpeed splits pipeline messages across the TP ranks assuming they are replicated there; with
-        # sequence parallelism each TP rank holds other tokens, so the messages must travel whole. DualPipeVEngine
-        # (which runs dualpipev and interleaved here) asserts the splitting off.
+    if not messages_split_over_tensor_parallel(args.pipeline_schedule, args.sequence_parallel):
         config["pipeline"] = {**config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}

@@ -26,14 +26,19 @@ from megatron_ds.planning.search import search_layouts
 DEFAULT_VOCAB_SIZE = 51200
 
 
+def add_cluster_flags(group):
+    """The cluster a run is planned (or dry-run) for."""
+    group.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
+    group.add_argument("--gpus-per-node", type=int, default=8)
+    group.add_argument("--device", choices=list(DEVICES), default="a100-80gb")
+
+
 def build_plan_parser():
     parser = build_parser(prog="tools/plan.py")
     parser.description = ("Plan a 3D-parallel run: parameters, memory, FLOPs, communication and estimated time "
                           "for pretrain.py's flags on a cluster, or --search every layout")
     group = parser.add_argument_group("planner")
-    group.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
-    group.add_argument("--gpus-per-node", type=int, default=8)
-    group.add_argument("--device", choices=list(DEVICES), default="a100-80gb")
+    add_cluster_flags(group)
     group.add_argument("--search", action="store_true",
                        help="rank every (tp, Ulysses SP, pp, dp, micro batch, recompute, SP); Ulysses only where "
                             "a layout needs it (megatron_ds/planning/search.py)")

@@ -8,8 +8,13 @@ forward (attention projection, fc2) and 2 in backward (the inputs of QKV and fc1
 + 2 reduce-scatters in forward, and in backward their conjugates plus 2 all-gathers of the saved input
 shards for the weight gradients (megatron_ds keeps only the [s/t, b, h] shard). Full recompute repeats
 the forward's collectives for each recomputed layer; selective recompute repeats none.
-PP, per micro-batch and stage boundary: the activation forward and its gradient backward, s b h each
-(s/t b h with SP, / U with Ulysses), sent by every TP and Ulysses rank (DeepSpeed's pipeline sends whole tensors).
+PP, per micro-batch and stage boundary that crosses ranks: the activation forward and its gradient backward,
+payload s b h each (s/t b h with SP, / U with Ulysses); a rank sends one message per boundary it sits on each way
+(core/pipeline_schedules.pipeline_messages_per_micro_batch: a 1F1B middle rank an activation and a gradient, the
+end ranks one of them). Where DeepSpeed splits the messages over TP (pipe_partitioned / grad_partitioned, its
+default: not with SP, DualPipeV or interleaving) each TP rank sends 1/t of the payload and the receiving side
+all-gathers it over TP, on the TP link: the received activation (forward), the stage's own partitioned output
+(before its backward) and the received gradient, each (t-1)/t x payload sent per rank.
 Ulysses (DeepSpeed's DistributedAttention, --ds-sequence-parallel-size U), per transformer layer and
 micro-batch: 4 all-to-alls over the Ulysses group in forward (q, k and v, k and v already expanded to every
 query head, from the sequence split to the head split, and the context back) and their 4 conjugates in
@@ -19,7 +24,9 @@ recomputed layer; selective recompute reruns only the core attention, between th
 DP, per iteration: the gradient all-reduce over the data-parallel group (U x DP ranks with Ulysses: the weights
 are replicated on a sample's U ranks, which DeepSpeed counts as data-parallel), 2 (dp-1)/dp x gradient bytes
 (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
-updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). With tied embeddings and PP > 1 the
+updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). ZeRO-2 and 3 reduce-scatter the gradients
+after every micro-batch, m (dp-1)/dp x gradient bytes; ZeRO-3 all-gathers the weights for every micro-batch's
+forward and backward (and recomputed forward): 2m (3m) x (dp-1)/dp x weight bytes, instead of once. With tied embeddings and PP > 1 the
 first and last stages also all-reduce the embedding gradient. With MoE the experts' gradients are reduced
 (and their 16-bit weights all-gathered) over the expert-data-parallel group (TP x DP / EP ranks) instead.
 EP (Mixture of Experts), per MoE layer and micro-batch: DeepSpeed-MoE's dispatch and combine all-to-alls in
@@ -33,8 +40,8 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel, pipeline_messages_per_micro_batch
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
-from megatron_ds.planning.pipeline import pipeline_traffic_factor
 
 
 def all_reduce_bytes(ranks: int, payload: float) -> float:
@@ -122,12 +129,37 @@ def pipeline_payload_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
     return tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
 
 
-def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
-    """Bytes a device sends over the pipeline per micro-batch: an activation forward and its gradient backward,
-    at each of the schedule's crossings (interleaving crosses every rank v times, DualPipeV's V twice)."""
+def _messages(layout: Layout, rank: int) -> dict:
+    return pipeline_messages_per_micro_batch(layout.pipeline_schedule, layout.pp, rank, layout.virtual_stages)
+
+
+def _split_over_tensor_parallel(layout: Layout) -> bool:
+    return layout.tp > 1 and messages_split_over_tensor_parallel(layout.pipeline_schedule, layout.sequence_parallel)
+
+
+def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optional[int] = None) -> float:
+    """Bytes a device of pipeline rank `rank` (default: the rank that sends most) sends over the pipeline per
+    micro-batch: each activation and gradient it sends, 1/t of the payload where the messages are split over TP."""
     if layout.pp == 1:
         return 0.0
-    return 2 * pipeline_payload_per_micro_batch(model, layout) * pipeline_traffic_factor(layout)
+    if rank is None:
+        return max(pipeline_bytes_per_micro_batch(model, layout, r) for r in range(layout.pp))
+    messages = _messages(layout, rank)
+    payload = pipeline_payload_per_micro_batch(model, layout) / (layout.tp if _split_over_tensor_parallel(layout)
+                                                                 else 1)
+    return (messages["send_activation"] + messages["send_gradient"]) * payload
+
+
+def pipeline_gather_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optional[int] = None) -> float:
+    """TP all-gather bytes a device of pipeline rank `rank` (default: the most) sends per micro-batch to rebuild
+    messages split over TP: the received activation, its own output before the backward, the received gradient."""
+    if layout.pp == 1 or not _split_over_tensor_parallel(layout):
+        return 0.0
+    if rank is None:
+        return max(pipeline_gather_bytes_per_micro_batch(model, layout, r) for r in range(layout.pp))
+    messages = _messages(layout, rank)
+    gathers = messages["receive_activation"] + messages["send_activation"] + messages["receive_gradient"]
+    return gathers * all_gather_bytes(layout.tp, pipeline_payload_per_micro_batch(model, layout))
 
 
 def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
@@ -137,15 +169,24 @@ def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
 
 
 def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, expert_parameters: int = 0) -> dict:
-    """Bytes one device sends per iteration for gradient reduction (and ZeRO-1's weight all-gather) over U x DP
-    ranks. parameters: the device's; expert_parameters: the MoE experts among them, reduced over TP x DP / EP
-    ranks."""
+    """Bytes one device sends per iteration for the gradient reduction and ZeRO's weight all-gathers over U x DP
+    ranks, as DeepSpeed runs them: ZeRO-0 and 1 all-reduce the gradients once, at the end of the accumulation;
+    ZeRO-2 and 3 reduce-scatter them after every micro-batch's backward into this rank's partition (DeepSpeed's
+    reduce_ready_partitions_and_remove_grads). ZeRO-1 and 2 all-gather the updated 16-bit weights once; ZeRO-3
+    keeps only its partition and all-gathers each layer's weights for every micro-batch's forward, backward and
+    (full recompute) recomputed forward. parameters: the device's; expert_parameters: the MoE experts among them,
+    reduced over TP x DP / EP ranks. Keys as before for ZeRO-0/1: 'gradient_all_reduce' is the reduction, whichever
+    collective runs it."""
     groups = ((layout.sequence_data_parallel, parameters - expert_parameters),
               (expert_data_parallel_size(model, layout), expert_parameters))
     gradient_bytes, weight_bytes = gradient_reduction_element_bytes(model, layout), 2 if model.sixteen_bit else 4
-    gradients = sum(all_reduce_bytes(ranks, count * gradient_bytes) for ranks, count in groups)
-    weights = (sum(all_gather_bytes(ranks, count * weight_bytes) for ranks, count in groups)
-               if layout.zero_stage >= 1 else 0.0)
+    m = layout.num_micro_batches
+    if layout.zero_stage >= 2:
+        gradients = m * sum(all_gather_bytes(ranks, count * gradient_bytes) for ranks, count in groups)
+    else:
+        gradients = sum(all_reduce_bytes(ranks, count * gradient_bytes) for ranks, count in groups)
+    gathers = {0: 0, 1: 1, 2: 1}.get(layout.zero_stage, m * (3 if layout.recompute == "full" else 2))
+    weights = gathers * sum(all_gather_bytes(ranks, count * weight_bytes) for ranks, count in groups)
     return {"gradient_all_reduce": gradients, "weight_all_gather": weights}
 
 

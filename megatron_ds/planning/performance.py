@@ -77,10 +77,11 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
     flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers,
                                                  last=stage.stage == pipeline.head_rank(layout),
                                                  first_layer=stage.first_layer)
-    tp_bytes = comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
+    tp_bytes = (comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
+                + comm.pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage))
     ep_bytes = comm.expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
     ulysses_bytes = comm.ulysses_bytes_per_micro_batch(model, layout, stage.num_layers)
-    pp_bytes = comm.pipeline_bytes_per_micro_batch(model, layout)
+    pp_bytes = comm.pipeline_bytes_per_micro_batch(model, layout, stage.stage)
     hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
 
     def seconds(nbytes, bandwidth):   # an axis the layout does not use sends nothing

@@ -55,11 +55,6 @@ def head_rank(layout) -> int:
     return 0 if layout.pipeline_schedule == "dualpipev" else layout.pp - 1
 
 
-def pipeline_traffic_factor(layout) -> int:
-    """How many times a micro-batch crosses each pipeline rank boundary, relative to 1F1B's once each way."""
-    return chunks_per_rank(layout.pipeline_schedule, layout.virtual_stages)
-
-
 @functools.lru_cache(maxsize=256)
 def _simulation(schedule, ranks, micro_batches, virtual_stages, times):
     return simulate(schedule, ranks, micro_batches, times, virtual_stages)

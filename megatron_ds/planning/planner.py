@@ -101,7 +101,10 @@ def _communication_section(model, layout, stages):
                             "per_iteration_per_device": comm.tensor_parallel_bytes_per_micro_batch(
                                 model, layout, most_layers) * m},
         "pipeline": {"payload_bytes_per_micro_batch": pp_payload,
-                     "per_iteration_per_device": comm.pipeline_bytes_per_micro_batch(model, layout) * m},
+                     "split_over_tensor_parallel": comm.pipeline_gather_bytes_per_micro_batch(model, layout) > 0,
+                     "per_iteration_per_device": comm.pipeline_bytes_per_micro_batch(model, layout) * m,
+                     "tensor_parallel_gathers_per_iteration_per_device":
+                         comm.pipeline_gather_bytes_per_micro_batch(model, layout) * m},
         "data_parallel": {"ranks": layout.sequence_data_parallel,
                           "per_iteration_per_device": comm.largest_stage_data_parallel_traffic(model, layout, stages),
                           "tied_embedding_all_reduce": comm.tied_embedding_traffic(model, layout)},

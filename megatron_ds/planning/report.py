@@ -12,7 +12,7 @@ def _gib(x) -> str:
     return f"{x / GIB:.2f}"
 
 
-def _bytes(x) -> str:
+def human_bytes(x) -> str:
     return f"{x / GIB:.2f} GiB" if x >= GIB else f"{x / MIB:.1f} MiB"
 
 
@@ -103,7 +103,7 @@ def _memory_lines(memory):
                  f"{_gib(memory['capacity_bytes'])} GiB: {verdict}, margin {_gib(memory['margin_bytes'])} GiB")
     per_layer = memory["activation_bytes_per_layer"]
     lines.append("  activations per layer and micro-batch: " + ", ".join(
-        f"{'no recompute' if key == 'None' else key} {_bytes(value)}" for key, value in per_layer.items()))
+        f"{'no recompute' if key == 'None' else key} {human_bytes(value)}" for key, value in per_layer.items()))
     return lines
 
 
@@ -121,13 +121,13 @@ def _expert_parallel_lines(communication, links):
         return []
     ep = communication["expert_parallel"]
     layers = "; ".join(
-        f"{row['num_experts']} experts x capacity {row['capacity']} slots: buffer {_bytes(row['payload'])}, "
-        f"{_bytes(row['per_all_to_all'])} sent per all-to-all, {_bytes(row['forward'] + row['backward'])} "
-        f"forward + backward" + (f", recompute {_bytes(row['recompute'])}" if row["recompute"] else "")
+        f"{row['num_experts']} experts x capacity {row['capacity']} slots: buffer {human_bytes(row['payload'])}, "
+        f"{human_bytes(row['per_all_to_all'])} sent per all-to-all, {human_bytes(row['forward'] + row['backward'])} "
+        f"forward + backward" + (f", recompute {human_bytes(row['recompute'])}" if row["recompute"] else "")
         for row in ep["all_to_all_per_layer_per_micro_batch"])
     return [f"  EP ({_link(links, 'expert')}): 4 all-to-alls per MoE layer per micro-batch "
             f"(dispatch and combine, forward and backward), (EP-1)/EP of each sent: {layers}; per iteration "
-            f"{_bytes(ep['per_iteration_per_device'])}"]
+            f"{human_bytes(ep['per_iteration_per_device'])}"]
 
 
 def _link(links, axis) -> str:
@@ -136,8 +136,8 @@ def _link(links, axis) -> str:
 
 
 def _per_layer(per_layer) -> str:
-    return (f"per layer per micro-batch forward {_bytes(per_layer['forward'])}, backward "
-            f"{_bytes(per_layer['backward'])}, recompute {_bytes(per_layer['recompute'])}")
+    return (f"per layer per micro-batch forward {human_bytes(per_layer['forward'])}, backward "
+            f"{human_bytes(per_layer['backward'])}, recompute {human_bytes(per_layer['recompute'])}")
 
 
 def _ulysses_lines(communication, links):
@@ -146,9 +146,18 @@ def _ulysses_lines(communication, links):
     ulysses = communication["ulysses"]
     per_layer = ulysses["per_layer_per_micro_batch"]
     return [f"  Ulysses SP {ulysses['ranks']} ({_link(links, 'ulysses')}): 4 all-to-alls in forward (q, k, v, "
-            f"context), 4 in backward, (U-1)/U of each sent: payload {_bytes(per_layer['payload'])}, "
-            f"{_bytes(per_layer['per_all_to_all'])} sent per all-to-all; {_per_layer(per_layer)}; per iteration "
-            f"{_bytes(ulysses['per_iteration_per_device'])}"]
+            f"context), 4 in backward, (U-1)/U of each sent: payload {human_bytes(per_layer['payload'])}, "
+            f"{human_bytes(per_layer['per_all_to_all'])} sent per all-to-all; {_per_layer(per_layer)}; per iteration "
+            f"{human_bytes(ulysses['per_iteration_per_device'])}"]
+
+
+def _split_note(pipeline, links):
+    """DeepSpeed's messages split over TP: each rank sends 1/t, the receiver all-gathers them on the TP link."""
+    if not pipeline["split_over_tensor_parallel"]:
+        return ""
+    return (f", split over TP (1/t sent per rank, all-gathered on arrival: "
+            f"{human_bytes(pipeline['tensor_parallel_gathers_per_iteration_per_device'])} per iteration over "
+            f"{_link(links, 'tensor')})")
 
 
 def _communication_lines(communication, links):
@@ -156,15 +165,17 @@ def _communication_lines(communication, links):
     dp_parts = dp["per_iteration_per_device"]
     over = f", over U x DP = {dp['ranks']} ranks" if "ulysses" in communication else ""
     return ["Communication per device per iteration (bytes sent, ring algorithms)",
-            f"  TP ({_link(links, 'tensor')}): {tp['collectives']}; payload {_bytes(tp['payload_bytes'])}; "
-            f"{_per_layer(tp['per_layer_per_micro_batch'])}; per iteration {_bytes(tp['per_iteration_per_device'])}",
+            f"  TP ({_link(links, 'tensor')}): {tp['collectives']}; payload {human_bytes(tp['payload_bytes'])}; "
+            f"{_per_layer(tp['per_layer_per_micro_batch'])}; per iteration "
+            f"{human_bytes(tp['per_iteration_per_device'])}",
             *_ulysses_lines(communication, links),
-            f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {_bytes(pp['payload_bytes_per_micro_batch'])} "
-            f"forward + gradient backward per micro-batch; per iteration {_bytes(pp['per_iteration_per_device'])}",
+            f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {human_bytes(pp['payload_bytes_per_micro_batch'])} "
+            f"forward + gradient backward per micro-batch{_split_note(pp, links)}; per iteration "
+            f"{human_bytes(pp['per_iteration_per_device'])} (the rank that sends most)",
             f"  DP ({links['data'] / 1e9:g} GB/s{over}): gradient all-reduce "
-            f"{_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
-            f"{_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
-            f"{_bytes(dp['tied_embedding_all_reduce'])}"] + _expert_parallel_lines(communication, links)
+            f"{human_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
+            f"{human_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
+            f"{human_bytes(dp['tied_embedding_all_reduce'])}"] + _expert_parallel_lines(communication, links)
 
 
 def _performance_lines(performance):

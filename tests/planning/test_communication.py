@@ -64,6 +64,42 @@ def test_pipeline_payload_is_one_activation_split_by_sp():
     assert comm.pipeline_payload_per_micro_batch(with_dtype(model, torch.float32), layout) == 2 * PAYLOAD
 
 
+@pytest.mark.parametrize("schedule, virtual_stages, sends", [
+    ("1f1b", 1, [1, 2, 2, 1]),         # the end ranks send activations only (rank 0) or gradients only
+    ("zbh1", 1, [1, 2, 2, 1]),
+    ("interleaved", 2, [3, 4, 4, 3]),  # 2v - 1 at the ends: stage 0 and the last stage have one neighbour
+    ("dualpipev", 1, [2, 4, 4, 2]),    # rank 0 holds both ends; rank 3 stages 3 and 4, joined on the rank
+])
+def test_pipeline_messages_per_rank(schedule, virtual_stages, sends):
+    from megatron_ds.core.pipeline_schedules import pipeline_messages_per_micro_batch
+    counted = [pipeline_messages_per_micro_batch(schedule, 4, rank, virtual_stages) for rank in range(4)]
+    assert [c["send_activation"] + c["send_gradient"] for c in counted] == sends
+    assert [c["receive_activation"] + c["receive_gradient"] for c in counted] == sends
+
+
+def test_mt_nlg_stage_sends_one_eighth_and_all_gathers_three_messages_over_tp():
+    """TP 8 x PP 35 (240 micro-batches of 1 x 2048 tokens, h 20480, bf16): DeepSpeed splits each message over the
+    8 TP ranks, so a middle stage sends 2 x 1/8 of the 83,886,080-byte activation per micro-batch and all-gathers
+    3 of them (the received activation, its output before the backward, the received gradient) at 7/8 of the
+    payload each: 52.85 GB per iteration, what a dry run of stage 19 recorded (720 all-gathers)."""
+    model = dataclasses.replace(small_model(), seq_length=2048,
+                                config=dataclasses.replace(small_model().config, num_layers=105, hidden_size=20480,
+                                                           num_attention_heads=128, params_dtype=torch.bfloat16))
+    layout = Layout(tp=8, pp=35, dp=8, micro_batch_size=1, global_batch_size=1920)
+    payload = 2048 * 20480 * 2
+    assert comm.pipeline_payload_per_micro_batch(model, layout) == payload == 83_886_080
+    assert comm.pipeline_bytes_per_micro_batch(model, layout, 19) == 2 * payload / 8
+    assert comm.pipeline_bytes_per_micro_batch(model, layout, 0) == comm.pipeline_bytes_per_micro_batch(
+        model, layout, 34) == payload / 8
+    assert comm.pipeline_gather_bytes_per_micro_batch(model, layout, 19) * 240 == 3 * 7 / 8 * payload * 240
+    assert round(3 * 7 / 8 * payload * 240 / 1e9, 2) == 52.85
+    assert comm.pipeline_gather_bytes_per_micro_batch(model, layout, 0) == 2 * 7 / 8 * payload
+    assert comm.pipeline_gather_bytes_per_micro_batch(model, layout, 34) == 7 / 8 * payload
+    with_sp = dataclasses.replace(layout, sequence_parallel=True)   # whole messages of the s/t shard
+    assert comm.pipeline_bytes_per_micro_batch(model, with_sp, 19) == 2 * payload / 8
+    assert comm.pipeline_gather_bytes_per_micro_batch(model, with_sp, 19) == 0
+
+
 @pytest.mark.parametrize("dtype,zero_stage,element_bytes", [
     (torch.bfloat16, 1, 4),     # BF16_Optimizer reduces its fp32 accumulation buffer
     (torch.bfloat16, 0, 2), (torch.float16, 1, 2), (torch.float32, 1, 4)])
@@ -93,6 +129,22 @@ def test_no_weight_all_gather_without_zero():
     model, layout = hand_case()
     dp = comm.data_parallel_traffic(model, dataclasses.replace(layout, zero_stage=0), 60736)
     assert dp == {"gradient_all_reduce": 60736 * 2 * 2 * (2 - 1) / 2, "weight_all_gather": 0}   # bf16 gradients
+
+
+@pytest.mark.parametrize("zero_stage, recompute, gradients, weights", [
+    (2, None, 4 * 1 / 2 * 2, 1 / 2 * 2),            # reduce-scatter per micro-batch, one all-gather after the step
+    (3, None, 4 * 1 / 2 * 2, 2 * 4 * 1 / 2 * 2),    # and the weights gathered for each forward and backward
+    (3, "full", 4 * 1 / 2 * 2, 3 * 4 * 1 / 2 * 2),  # and for each recomputed forward
+])
+def test_zero_2_and_3_reduce_scatter_every_micro_batch(zero_stage, recompute, gradients, weights):
+    """The hand case at PP 1 (4 micro-batches, DP 2, bf16: DeepSpeed's ZeRO optimizer reduces bf16 gradients),
+    bytes per parameter."""
+    model, layout = hand_case()
+    layout = dataclasses.replace(layout, pp=1, zero_stage=zero_stage, recompute=recompute)
+    assert layout.num_micro_batches == 4
+    dp = comm.data_parallel_traffic(model, layout, 1000)
+    assert dp == {"gradient_all_reduce": pytest.approx(1000 * gradients),
+                  "weight_all_gather": pytest.approx(1000 * weights)}
 
 
 def test_tied_embedding_all_reduce_between_first_and_last_stage():

@@ -53,7 +53,11 @@ def test_communication_by_hand():
     tp = comm["tensor_parallel"]["per_layer_per_micro_batch"]
     assert (tp["forward"], tp["backward"], tp["recompute"]) == (2 * payload, 2 * payload, 0)   # 2 x 2(t-1)/t
     assert comm["tensor_parallel"]["per_iteration_per_device"] == 4 * payload * 2 * 4           # 2 layers, m 4
-    assert comm["pipeline"]["per_iteration_per_device"] == 2 * payload * 4
+    # PP 2: each rank sends one message per micro-batch (an activation, or a gradient), split over TP 2; the
+    # first rank all-gathers two of them over TP (its output before the backward, the gradient), m 4
+    assert comm["pipeline"]["split_over_tensor_parallel"]
+    assert comm["pipeline"]["per_iteration_per_device"] == payload / 2 * 4
+    assert comm["pipeline"]["tensor_parallel_gathers_per_iteration_per_device"] == 2 * payload / 2 * 4
     dp = comm["data_parallel"]["per_iteration_per_device"]
     assert dp["gradient_all_reduce"] == 60736 * 4 * 2 * (2 - 1) / 2       # fp32 (BF16_Optimizer) all-reduce
     assert dp["weight_all_gather"] == 60736 * 2 * (2 - 1) / 2

@@ -166,8 +166,8 @@ PENDING_FLAGS = {"--rampup-batch-size"}   # used by the scripts, being added to 
 
 
 def script_args(name, plan):
-    env = {key: value for key, value in os.environ.items() if key not in ("DATA_PATH", "PLAN", "HOSTFILE")}
-    env.update(DRY_RUN="1", **({"PLAN": "1"} if plan else {}))
+    env = {key: value for key, value in os.environ.items() if key not in ("DATA_PATH", "PLAN", "HOSTFILE", "DRY_RUN")}
+    env.update(PRINT_ARGS="1", **({"PLAN": "1"} if plan else {}))
     completed = subprocess.run(["bash", f"examples/pretrain_{name}.sh"], cwd=REPO, env=env, capture_output=True,
                                timeout=60)
     assert completed.returncode == 0, completed.stderr.decode()

@@ -1,0 +1,231 @@
+"""Ranks of tools/dry_run.py, in a process of their own: pretrain.py's start-up (training.start_up) as rank R of
+a world this machine does not have, on torch's fake process group (every collective returns at once, moving no
+data) with the model built under FakeTensorMode (shapes and dtypes, no storage); DeepSpeed's own small tensors
+stay real. For each rank it writes what the rank built as one JSON object, OUT_DIR/rank<R>.json:
+
+    rank, coordinates      its place in the (pipe, data, seq, model) topology
+    new_groups             the rank lists of every process group it created, in creation order (torch needs every
+                           rank to create the same groups in the same order); with --digest only their count and
+                           a SHA-256 of the sequence
+    groups                 its groups by axis, ours (parallel_state) and DeepSpeed's pipeline grid's
+    layers, parameters     transformer layers and parameters on this rank (start-up mode)
+    bytes                  of its weights and of what its optimizer allocated at start-up (DeepSpeed's flat fp32
+                           gradient buffer and master weights; the 16-bit gradients and Adam's moments come with
+                           the first step)
+
+    python -m megatron_ds.planning.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR RANKS [--digest] \
+        -- <tools/dry_run.py flags>
+
+start-up runs one rank (RANKS one number): the whole start-up. groups runs each of RANKS (0,5,8-11) in turn in
+this process: only the process groups (training.initialize_groups) and DeepSpeed's pipeline grid over them, the
+check --ranks all makes of every rank. Not run: data loading, the watchdog, storage checks, the save-folder lock,
+TensorBoard.
+"""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+
+
+def _environment(rank, world_size, gpus_per_node):
+    """What a launcher would export, before DeepSpeed is imported (it reads the accelerator then)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % gpus_per_node),
+                      LOCAL_WORLD_SIZE=str(gpus_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+                      DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+
+
+@contextlib.contextmanager
+def recorded_new_groups(calls):
+    """Every torch.distributed.new_group call's ranks appended to `calls` (None: the whole world)."""
+    import torch.distributed as dist
+    original = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        calls.append(None if ranks is None else [int(rank) for rank in ranks])
+        return original(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = original
+
+
+@contextlib.contextmanager
+def moves_in_place_skipped():
+    """Module.to to the device and dtype the module already has returns it untouched: torch 2.13 swaps each
+    FakeTensor parameter for a copy even then, and cannot (the fake mode keeps weak references to them)."""
+    import torch
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = list(module.parameters()) + list(module.buffers())
+        if all((device is None or tensor.device == device) and
+               (dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype) for tensor in tensors):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def _storage_bytes(tensors):
+    """Bytes of the distinct storages under `tensors` (views of one flat buffer count once)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
+    return storages
+
+
+def _tensors_in(value, depth=0):
+    """The tensors an optimizer object holds in its attributes, lists and dicts (a few levels deep)."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+    elif depth == 0 and hasattr(value, "__dict__"):
+        for name, item in vars(value).items():
+            if not name.startswith("__"):
+                yield from _tensors_in(item, depth + 1)
+
+
+def allocated_bytes(engine):
+    """{'weights': the module's parameters, 'optimizer': the storages the optimizer holds beside theirs} in
+    bytes (DeepSpeed makes the 16-bit parameters views of its flat buffers)."""
+    parameters = {id(param): param for param in engine.module.parameters()}.values()
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    held = list(_tensors_in(optimizer)) + (list(_tensors_in(inner.state)) if inner is not None else [])
+    weights = _storage_bytes(parameters)
+    others = {key: size for key, size in _storage_bytes(held).items() if key not in weights}
+    return {"weights": sum(param.numel() * param.element_size() for param in parameters),
+            "optimizer": sum(others.values())}
+
+
+def groups_by_axis(grid, args, rank):
+    """This rank's groups, ours (with MoE the expert and expert-data groups too) and (PP > 1) DeepSpeed's
+    pipeline grid's."""
+    from megatron_ds.core import parallel_state as ps
+    ours = {"tensor": ps.get_tensor_model_parallel_ranks(), "data": ps.get_data_parallel_ranks(),
+            "pipeline": ps.get_pipeline_model_parallel_ranks(), "sequence": ps.get_sequence_parallel_ranks(),
+            "sequence-data": ps.get_sequence_data_parallel_ranks()}
+    if args.moe:
+        for axis, groups in ps.expert_groups_by_axis(args.moe_expert_parallel_size,
+                                                     args.enable_expert_tensor_parallelism).items():
+            ours[axis] = next(ranks for ranks in groups if rank in ranks)
+    theirs = None if grid is None else {"data": list(grid.dp_group), "pipeline": list(grid.pp_group),
+                                        "tensor": list(grid.slice_group)}
+    return {"ours": {axis: [int(rank) for rank in ranks] for axis, ranks in ours.items()}, "deepspeed": theirs}
+
+
+def run_rank(rank, world_size, args):
+    """Start rank `rank` up on the fake backend; its record (the module docstring's fields)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import deepspeed
+    from megatron_ds import training
+    from megatron_ds.core.transformer.transformer_layer import TransformerLayer
+
+    start = time.perf_counter()
+    calls = []
+    with recorded_new_groups(calls), moves_in_place_skipped():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
+        engine, _ = training.start_up(args, building_model=lambda: FakeTensorMode(allow_non_fake_inputs=True))
+    parameters = {id(p): p.numel() for p in engine.module.parameters()}
+    return {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank),
+            "layers": sum(isinstance(module, TransformerLayer) for module in engine.module.modules()),
+            "parameters": sum(parameters.values()), "bytes": allocated_bytes(engine),
+            "seconds": time.perf_counter() - start}
+
+
+def group_rank(rank, world_size, args):
+    """Only rank `rank`'s process groups and DeepSpeed's pipeline grid (PP > 1) over the same topology, then
+    everything torn down for the next rank of this process."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import deepspeed
+    from megatron_ds import training
+    from megatron_ds.core import parallel_state
+
+    calls = []
+    with recorded_new_groups(calls):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
+        training.initialize_groups(args)
+        with contextlib.redirect_stdout(io.StringIO()):  # rank 0's grid prints every rank's coordinates
+            grid = (PipelineParallelGrid(topology=parallel_state.deepspeed_topology())
+                    if args.pipeline_model_parallel_size > 1 else None)
+    record = {**_placement(rank, calls), "groups": groups_by_axis(grid, args, rank)}
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return record
+
+
+def _placement(rank, calls):
+    from megatron_ds.core import parallel_state
+    return {"rank": rank, "coordinates": parallel_state.get_topology().get_coord(rank)._asdict(),
+            "new_groups": calls}
+
+
+def digested(record):
+    """The record with its group sequence as a count and a SHA-256 (--ranks all: thousands of ranks)."""
+    calls = record.pop("new_groups")
+    record["new_groups_count"] = len(calls)
+    record["new_groups_digest"] = hashlib.sha256(json.dumps(calls).encode()).hexdigest()
+    return record
+
+
+def parse_ranks(text):
+    ranks = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        ranks += range(int(first), int(last or first) + 1)
+    return ranks
+
+
+def main(argv):
+    mode, world_size, gpus_per_node, folder, ranks = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
+    digest = "--digest" in argv[5:argv.index("--")]
+    flags = argv[argv.index("--") + 1:]
+    ranks = parse_ranks(ranks)
+    if mode == "start-up" and len(ranks) != 1:
+        raise SystemExit(f"start-up runs one rank per process, got {ranks}")
+    _environment(ranks[0], world_size, gpus_per_node)
+    from megatron_ds.core import deepspeed_internals
+    from megatron_ds.planning.dry_run import resolve_flags
+    deepspeed_internals.skip_shared_memory_comm_build()
+    args = resolve_flags(flags, world_size)
+    for rank in ranks:
+        _environment(rank, world_size, gpus_per_node)
+        record = run_rank(rank, world_size, args) if mode == "start-up" else group_rank(rank, world_size, args)
+        _write(os.path.join(folder, f"rank{rank}.json"), digested(record) if digest else record)
+    return 0
+
+
+def _write(path, record):
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump(record, handle)
+    os.replace(temporary, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""tools/dry_run.py: pretrain.py's start-up of chosen ranks of a world this machine does not have, each in its
+own process on torch's fake process group, checked against each other and the planner. The worlds are small
+enough to work out by hand (16 ranks, TP 2 x PP 4 x DP 2; an MoE of 8), the faults are injected for real: a
+sitecustomize on the ranks' PYTHONPATH makes one rank create one process group more than the others."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.planning import dry_run
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
+         "--micro-batch-size", "1", "--global-batch-size", "16", "--mock-data", "--vocab-size", "1024",
+         "--train-iters", "1", "--lr", "1e-4", "--bf16"]
+WORLD_16 = MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                    "--world-size", "16", "--jobs", "2"]
+
+
+def dry(flags, environment=None):
+    return subprocess.run([sys.executable, "tools/dry_run.py", *flags], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(environment or {})}, timeout=900)
+
+
+def layer_parameters(h, tp):
+    """One GPT layer on one TP rank: QKV and fc1 split with their biases, dense and fc2 split (their biases
+    whole), two LayerNorms."""
+    return (3 * h * h + 3 * h) // tp + (h * h) // tp + h + 2 * 2 * h + (4 * h * h + 4 * h) // tp + (4 * h * h) // tp + h
+
+
+@pytest.mark.e2e
+def test_every_stage_of_a_16_rank_world_starts_up_as_planned(tmp_path):
+    result = dry(WORLD_16 + ["--json", str(tmp_path / "dry.json")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "covered 8 of 8 (pipeline stage, TP position) classes with 8 ranks" in result.stdout
+    records = json.loads((tmp_path / "dry.json").read_text())["ranks"]
+    assert sorted(map(int, records)) == [0, 1, 4, 5, 8, 9, 12, 13]   # data-parallel replica 0
+    # rank = pipe x 4 + data x 2 + tp: rank 5 is stage 1, replica 0, TP rank 1
+    assert records["5"]["groups"]["ours"] == {"tensor": [4, 5], "data": [5, 7], "pipeline": [1, 5, 9, 13],
+                                              "sequence": [5], "sequence-data": [5, 7]}
+    assert records["5"]["groups"]["deepspeed"] == {"tensor": [4, 5], "data": [5, 7], "pipeline": [1, 5, 9, 13]}
+    two_layers = 2 * layer_parameters(256, 2)
+    embedding = 1024 // 2 * 256 + 128 * 256   # word embeddings split over TP, positions whole
+    expected = {0: two_layers + embedding, 1: two_layers, 2: two_layers, 3: two_layers + 2 * 256 + embedding}
+    for record in records.values():   # the last stage holds DeepSpeed's tied embedding module whole
+        assert record["parameters"] == expected[record["coordinates"]["pipe"]], record["rank"]
+        assert record["bytes"]["weights"] == 2 * record["parameters"]            # bf16
+        assert record["new_groups"] == records["0"]["new_groups"]
+    assert f"{expected[3]:>15,} ({expected[3]:>15,})" in result.stdout
+
+
+@pytest.mark.e2e
+def test_all_ranks_form_their_groups_and_an_extra_group_on_one_rank_is_named(tmp_path):
+    result = dry(WORLD_16 + ["--ranks", "all", "--json", str(tmp_path / "all.json")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = json.loads((tmp_path / "all.json").read_text())["ranks"]
+    assert len(records) == 16 and len({record["new_groups_digest"] for record in records.values()}) == 1
+    assert "with 16 ranks (process groups only)" in result.stdout
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("DRY_RUN_TEST_EXTRA_GROUP"):
+            import torch.distributed as dist
+            from megatron_ds import training
+            initialize = training.initialize_groups
+
+            def with_an_extra_group(args):
+                initialize(args)
+                if dist.get_rank() == 5:
+                    dist.new_group(ranks=[5, 6])
+
+            training.initialize_groups = with_an_extra_group
+    """))
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_GROUP": "1"}
+    result = dry(WORLD_16 + ["--ranks", "all"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ranks 0 and 5 create different process groups" in result.stderr
+    assert "--ranks 0,5 names the first that differs" in result.stderr
+    result = dry(WORLD_16 + ["--ranks", "0,5"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    # ours first: 8 tensor, 8 data, 4 pipeline, 16 sequence (one rank each) and 8 sequence-data groups = 44; then
+    # DeepSpeed's grid, on rank 0 from the whole world, on rank 5 after the extra one
+    assert "ranks 0 and 5 create different process groups: group 44 is [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, " \
+           "13, 14, 15] on rank 0 and [5, 6] on rank 5 (71 and 72 groups in all)" in result.stderr, result.stderr
+
+
+@pytest.mark.e2e
+def test_an_moe_world_forms_its_expert_groups(tmp_path):
+    flags = MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-experts",
+                     "4", "--moe-expert-parallel-size", "2", "--world-size", "8", "--jobs", "2", "--json",
+                     str(tmp_path / "moe.json")]
+    result = dry(flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = json.loads((tmp_path / "moe.json").read_text())["ranks"]
+    # stage 1 holds ranks 4-7; EP 2 runs over consecutive ranks (TP fastest): experts split between 4 and 5
+    assert records["5"]["groups"]["ours"]["expert"] == [4, 5]
+    assert records["5"]["groups"]["ours"]["expert-data"] == [5, 7]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--step"], "--step (one iteration's collectives, p2p and activation peak) is not built yet"),
+    (["--ranks", "3,99"], "--ranks '3,99': ranks [99] are outside the world of 16"),
+    (["--ranks", "first"], "--ranks 'first': expected stages, all or a list like 0,5,8-11"),
+    (["--num-attention-heads", "3"], "--num-attention-heads 3"),
+], ids=["step", "outside", "spelling", "heads"])
+def test_bad_input_is_refused_before_any_rank_runs(flags, message, capsys):
+    assert dry_run.main(WORLD_16 + flags) == 2
+    error = capsys.readouterr().err
+    assert message in error and "dry run:" not in error
+
+
+def test_stages_choose_one_rank_per_stage_and_tp_position():
+    from megatron_ds.core.parallel_state import build_topology
+    topology = build_topology(2, 4, 16)
+    assert dry_run.chosen_ranks("stages", topology, 16) == [0, 1, 4, 5, 8, 9, 12, 13]
+    assert dry_run.chosen_ranks("2,8-10", topology, 16) == [2, 8, 9, 10]
+    assert dry_run.chosen_ranks("all", topology, 16) == list(range(16))
