@@ -13,6 +13,11 @@ rounds' range. Whole launches alternate rather than iterations: a pipeline uses 
 two configurations cannot run concurrently without sharing them. A ratio whose rounds spread by more than
 --max-spread (default 10%) prints as "unstable", with the number of rounds it would take.
 
+Idle shares are the timeline's: 1 - a stage's compute / the whole pipeline's span. The planner's bubble is the
+busiest rank's idle share of its simulated makespan (1 - max busy / makespan), so the measured figure to set beside
+it is the busiest stage's, the lowest idle share ("measured bubble"); the other stage also waits for what the
+stages' imbalance costs it (the last stage holds the head and the loss), which no schedule removes.
+
 interleaved runs with 2 virtual stages per rank (--num-virtual-stages-per-pipeline-rank 2; --num-layers must be
 a multiple of 4).
 """
@@ -97,14 +102,14 @@ def main(argv=None):
     print(f"PP 2, one rank per core, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, "
           f"micro batch {args.micro_batch_size}; medians over {args.rounds} alternated rounds (range)")
     print(f"{'m':>3} {'schedule':>12} {'step ms':>9} {'vs 1F1B':>22} {'idle stage 0':>13} {'idle stage 1':>13} "
-          f"{'planner bubble':>15}")
+          f"{'measured bubble':>16} {'planner bubble':>15}")
     for m in args.micro_batches:
         base = [step for step, _ in results[m, "1f1b"]]
         for schedule in SCHEDULES:
             bubble = planned_bubble(schedule, m)
             planned = f"{bubble:>15.1%}" if bubble is not None else f"{'n/a':>15}"
             if (m, schedule) not in results:
-                print(f"{m:>3} {schedule:>12} {'(not run at this m)':>59} {planned}")
+                print(f"{m:>3} {schedule:>12} {'(not run at this m)':>76} {planned}")
                 continue
             runs = results[m, schedule]
             steps = [step for step, _ in runs]
@@ -114,8 +119,9 @@ def main(argv=None):
                      if spread <= args.max_spread or schedule == "1f1b"
                      else f"unstable: {rounds_needed(ratios, args.max_spread)} rounds")
             idle = [statistics.median(shares[stage] for _, shares in runs) for stage in range(2)]
+            bubble = statistics.median(min(shares) for _, shares in runs)
             print(f"{m:>3} {schedule:>12} {statistics.median(steps):>9.1f} {ratio:>22} {idle[0]:>13.1%} "
-                  f"{idle[1]:>13.1%} {planned}")
+                  f"{idle[1]:>13.1%} {bubble:>16.1%} {planned}")
     return 0
 
 

@@ -10,8 +10,11 @@ the --profile window (--profile-step-start .. --profile-step-end - 1), else the 
                                  one complete event per instruction, the process named by stage and rank
 
 and at the end of training rank 0 prints each stage's idle share of the pipeline: 1 - (forward + backward
-time) / (the time from its first instruction to its last one before the gradient reductions), the mean over the
-recorded iterations and the stage's ranks, beside the planner's bubble for the schedule. tools/plot_timeline.py
+time) / (the pipeline's span: from the first instruction of any rank to the end of the last one before the
+gradient reductions, on the hosts' clocks), the mean over the recorded iterations and the stage's ranks, beside
+the planner's bubble for the schedule (which divides by the same span, its makespan). A stage's own span would
+leave out the time its rank waits before its first instruction or after its last: the last stage's cool-down
+under 1F1B. tools/plot_timeline.py
 draws all ranks' timelines into one PNG.
 """
 import json
@@ -67,7 +70,7 @@ class PipelineTimeline:
         self.stages = parallel_state.get_pipeline_model_parallel_world_size()
         self.planned_bubbles = {}  # micro-batches -> the planner's bubble
         self.events, self.recording, self.iteration = [], False, None
-        self.idle_shares = []  # one per recorded iteration
+        self.extents = []  # per recorded iteration: (iteration, first start, last end, compute seconds)
         deepspeed_internals.wrap_pipeline_instructions(engine, self._timed)
 
     def _timed(self, instruction, method):
@@ -95,7 +98,9 @@ class PipelineTimeline:
 
     def end(self):
         if self.recording:
-            self.idle_shares.append(idle_share([event for event in self.events if event[0] == self.iteration]))
+            extent = pipeline_extent([event for event in self.events if event[0] == self.iteration])
+            if extent is not None:
+                self.extents.append((self.iteration, *extent))
         self.recording = False
 
     def finish(self):
@@ -103,15 +108,12 @@ class PipelineTimeline:
         if self.events:
             _write_trace(os.path.join(self.folder, FILE_PATTERN.format(rank=self.rank)), self.events, self.stage,
                          self.rank)
-        shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, (self.stage, self.idle_shares))
-        if self.rank == 0 and any(recorded for _, recorded in shares):
-            print(self.summary(shares), flush=True)
+        extents = [None] * dist.get_world_size()
+        dist.all_gather_object(extents, (self.stage, self.extents))
+        if self.rank == 0 and any(recorded for _, recorded in extents):
+            print(self.summary(idle_shares_by_stage(extents)), flush=True)
 
-    def summary(self, shares):
-        by_stage = {}
-        for stage, recorded in shares:
-            by_stage.setdefault(stage, []).extend(recorded)
+    def summary(self, by_stage):
         measured = ", ".join(f"stage {stage} {sum(values) / len(values):.1%}"
                              for stage, values in sorted(by_stage.items()) if values)
         first, last = self.iterations[0], self.iterations[-1]
@@ -121,15 +123,30 @@ class PipelineTimeline:
                 f"{os.path.join(self.folder, FILE_PATTERN.format(rank='*'))} (https://ui.perfetto.dev)")
 
 
-def idle_share(events):
-    """1 - compute time / the span from the iteration's first instruction to the end of its last one before the
-    gradient reductions (events: (iteration, name, buffer, start, end))."""
+def pipeline_extent(events):
+    """(start of the first, end of the last pipeline instruction before the gradient reductions, seconds of
+    forwards and backwards) of one rank's iteration (events: (iteration, name, buffer, start, end)); None if none."""
     pipeline = [event for event in events if event[1] not in PIPELINE_END]
     if not pipeline:
-        return 0.0
-    span = max(event[4] for event in pipeline) - min(event[3] for event in pipeline)
-    compute = sum(event[4] - event[3] for event in pipeline if event[1] in COMPUTE)
-    return 1.0 - compute / span if span > 0 else 0.0
+        return None
+    return (min(event[3] for event in pipeline), max(event[4] for event in pipeline),
+            sum(event[4] - event[3] for event in pipeline if event[1] in COMPUTE))
+
+
+def idle_shares_by_stage(extents):
+    """{stage: [idle share per rank and iteration]} from every rank's (stage, [(iteration, start, end, compute)]):
+    1 - compute / the iteration's span over all ranks."""
+    spans = {}
+    for _, recorded in extents:
+        for iteration, start, end, _ in recorded:
+            first, last = spans.get(iteration, (start, end))
+            spans[iteration] = (min(first, start), max(last, end))
+    by_stage = {}
+    for stage, recorded in extents:
+        for iteration, _, _, compute in recorded:
+            first, last = spans[iteration]
+            by_stage.setdefault(stage, []).append(1.0 - compute / (last - first) if last > first else 0.0)
+    return by_stage
 
 
 def _write_trace(path, events, stage, rank):

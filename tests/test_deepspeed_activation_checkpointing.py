@@ -1,7 +1,8 @@
 """--deepspeed-activation-checkpointing through the real launcher: DeepSpeed's checkpoint recomputes the layers
 and changes no number. fp32: the lm loss of each of 10 iterations equals the run without recompute (rel 1e-5)
 at (tp, pp, dp) = (2,1,1), and with --partition-activations --contigious-checkpointing at (2,2,1) (inside
-DeepSpeed's pipeline, 2 micro-batches in flight on the first stage); with dropout 0.1 it is identical to our own
+DeepSpeed's pipeline, 2 micro-batches in flight on the first stage), there under 1F1B and interleaved 1F1B (ZB-H1
+and DualPipeV refuse it: tests/planning/test_pipeline_schedules.py); with dropout 0.1 it is identical to our own
 recompute for the same seed (the dropout forks DeepSpeed's RNG tracker, seeded as ours)."""
 import pytest
 
@@ -31,7 +32,10 @@ def _deepspeed_run(tp, pp, flags):
     return trajectory
 
 
-@pytest.mark.parametrize("tp, pp, flags", [(2, 1, DS), (2, 2, PARTITIONED)], ids=["tp2", "tp2-pp2-partitioned"])
+@pytest.mark.parametrize("tp, pp, flags", [
+    (2, 1, DS), (2, 2, PARTITIONED),
+    (2, 2, PARTITIONED + ["--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "2"]),
+], ids=["tp2", "tp2-pp2-partitioned", "tp2-pp2-partitioned-interleaved"])
 def test_losses_equal_the_run_without_recompute(tp, pp, flags):
     expected, observed = run_layout("gpt2", tp, pp, 1), _deepspeed_run(tp, pp, flags)
     for iteration, loss in expected.items():

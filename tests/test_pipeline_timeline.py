@@ -1,4 +1,5 @@
-"""--pipeline-timeline: the idle share is 1 - compute / span of the iteration's pipeline instructions; the
+"""--pipeline-timeline: the idle share is 1 - compute / the span of the iteration's pipeline instructions over all
+ranks; the
 recorded iterations; refused at PP 1. A training run with it (its traces, summary and plot):
 tests/test_pipeline_schedules_training.py."""
 import types
@@ -6,17 +7,22 @@ import types
 import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_args
-from megatron_ds.pipeline_timeline import idle_share, recorded_iterations
+from megatron_ds.pipeline_timeline import idle_shares_by_stage, pipeline_extent, recorded_iterations
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--mock-data", "--vocab-size", "64",
          "--train-iters", "5", "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "0"]
 
 
-def test_idle_share_counts_the_waits_between_forwards_and_backwards():
-    events = [(2, "LoadMicroBatch", 0, 0.0, 1.0), (2, "ForwardPass", 0, 1.0, 3.0), (2, "RecvGrad", 0, 3.0, 6.0),
-              (2, "BackwardPass", 0, 6.0, 10.0), (2, "ReduceGrads", None, 10.0, 30.0)]
-    assert idle_share(events) == pytest.approx(1 - 6.0 / 10.0)   # the reduction is not the pipeline's
+def test_idle_share_counts_the_waits_over_the_whole_pipelines_span():
+    first = [(2, "LoadMicroBatch", 0, 0.0, 1.0), (2, "ForwardPass", 0, 1.0, 3.0), (2, "RecvGrad", 0, 3.0, 6.0),
+             (2, "BackwardPass", 0, 6.0, 10.0), (2, "ReduceGrads", None, 10.0, 30.0)]
+    last = [(2, "RecvActivation", 0, 0.5, 3.0), (2, "ForwardPass", 0, 3.0, 4.0), (2, "BackwardPass", 0, 4.0, 6.0)]
+    assert pipeline_extent(first) == (0.0, 10.0, 6.0)   # the reduction is not the pipeline's
+    assert pipeline_extent(last) == (0.5, 6.0, 3.0)
+    # the span is 0 to 10 for both: the last stage waits for the first one's backward too
+    shares = idle_shares_by_stage([(0, [(2, *pipeline_extent(first))]), (1, [(2, *pipeline_extent(last))])])
+    assert shares == {0: [pytest.approx(1 - 6.0 / 10.0)], 1: [pytest.approx(1 - 3.0 / 10.0)]}
 
 
 def test_recorded_iterations_are_the_profile_window_or_three_after_the_first():

@@ -362,6 +362,11 @@ def engine_schedule_errors(args):
     if args.pipeline_schedule in ("zbh1", "dualpipev") and args.fp16:
         return [f"--pipeline-schedule {args.pipeline_schedule} with --fp16: the split backward does not apply fp16's "
                 f"loss scale yet; use --bf16, or 1f1b with --fp16"]
+    if args.pipeline_schedule in ("zbh1", "dualpipev") and args.deepspeed_activation_checkpointing:
+        return [f"--pipeline-schedule {args.pipeline_schedule} with --deepspeed-activation-checkpointing: the split "
+                f"backward takes the input gradient with torch.autograd.grad, which DeepSpeed's checkpoint refuses "
+                f"(\"Checkpointing is not compatible with .grad()\"); use --recompute-granularity full (megatron_ds's "
+                f"recompute, which composes), or the 1f1b or interleaved schedule"]
     if args.pipeline_schedule == "interleaved":
         return _interleaved_engine_errors(args)
     if args.pipeline_schedule in ("1f1b", "zbh1", "dualpipev"):

@@ -21,7 +21,8 @@ import json
 import math
 
 from megatron_ds.core.parallel_layout import micro_batches_per_step
-from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
+from megatron_ds.core.pipeline_schedules import (chunks_per_rank, messages_split_over_tensor_parallel,
+                                                 micro_batch_problems, simulate, split_micro_batch)
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 from megatron_ds.glue import curriculum, deepspeed_keys
 
@@ -239,15 +240,21 @@ def _reconcile_activation_checkpointing(args, config, path, batch, errors):
 
 def number_checkpoints(args, micro_batch_size=None, global_batch_size=None):
     """Checkpointed chunks one rank holds at most at a time (DeepSpeed's number_checkpoints, the size of its
-    contiguous buffers): the chunks of one pipeline stage, times the micro-batches DeepSpeed's 1F1B schedule has
-    in flight on the first stage (min(PP, micro-batches per iteration)); 1 micro-batch at PP 1."""
+    contiguous buffers): the recompute chunks of one model stage, times the most micro-batch stages the schedule
+    keeps in flight on a rank (core/pipeline_schedules.py's simulation: 1F1B's first stage min(PP, micro-batches
+    per iteration); interleaving holds more); 1 micro-batch at PP 1."""
     pp = args.pipeline_model_parallel_size
-    chunks = recompute_chunk_count(args.recompute_method, args.recompute_num_layers, args.num_layers // pp)
+    schedule, virtual = args.pipeline_schedule, args.virtual_pipeline_stages
+    layers_per_stage = args.num_layers // (pp * chunks_per_rank(schedule, virtual))
+    chunks = recompute_chunk_count(args.recompute_method, args.recompute_num_layers, layers_per_stage)
     if pp == 1:
         return chunks
     micro = micro_batch_size or args.micro_batch_size
     micro_batches = micro_batches_per_step(global_batch_size or args.global_batch_size, micro, args.data_parallel_size)
-    return chunks * max(1, min(pp, micro_batches))
+    if micro_batch_problems(schedule, pp, micro_batches):  # refused elsewhere, by name
+        return chunks * max(1, min(pp, micro_batches))
+    in_flight = simulate(schedule, pp, micro_batches, split_micro_batch(schedule, virtual), virtual).peak_in_flight
+    return chunks * max(in_flight)
 
 
 def _fp16_block(args, user_block):

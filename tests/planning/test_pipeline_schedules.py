@@ -127,3 +127,14 @@ def test_pretrain_runs_zero_bubble_but_not_with_fp16():
                                              "apply fp16's loss scale yet"):
         parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
                             "--enable-zbh1-pipeline", "--fp16"], world_size=4)
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+def test_the_split_backward_refuses_deepspeeds_activation_checkpointing(schedule):
+    """DeepSpeed's checkpoint refuses torch.autograd.grad, which the split backward's input gradient uses."""
+    with pytest.raises(ArgumentsError, match=f"--pipeline-schedule {schedule} with --deepspeed-activation-"
+                                             "checkpointing: the split backward takes the input gradient with "
+                                             "torch.autograd.grad, which DeepSpeed's checkpoint refuses"):
+        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "2",
+                            "--global-batch-size", "8", "--pipeline-schedule", schedule, "--checkpoint-activations",
+                            "--deepspeed-activation-checkpointing"], world_size=2)
