@@ -26,9 +26,10 @@ are replicated on a sample's U ranks, which DeepSpeed counts as data-parallel), 
 (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
 updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). ZeRO-2 and 3 reduce-scatter the gradients
 after every micro-batch, m (dp-1)/dp x gradient bytes; ZeRO-3 all-gathers the weights for every micro-batch's
-forward and backward (and recomputed forward): 2m (3m) x (dp-1)/dp x weight bytes, instead of once. With tied embeddings and PP > 1 the
-first and last stages also all-reduce the embedding gradient. With MoE the experts' gradients are reduced
-(and their 16-bit weights all-gathered) over the expert-data-parallel group (TP x DP / EP ranks) instead.
+forward and backward (and recomputed forward): 2m (3m) x (dp-1)/dp x weight bytes, instead of once. With tied
+embeddings and PP > 1 the first and last stages also all-reduce the embedding gradient. With MoE the experts'
+gradients are reduced (and their 16-bit weights all-gathered) over the expert-data-parallel group (TP x DP / EP
+ranks) instead.
 EP (Mixture of Experts), per MoE layer and micro-batch: DeepSpeed-MoE's dispatch and combine all-to-alls in
 forward and their two conjugates in backward, 4 all-to-alls over the expert-parallel group of the
 [E, C, h] capacity buffer (E experts x C slots each x h elements: E C ~ k x capacity factor x the s b tokens

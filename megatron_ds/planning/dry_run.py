@@ -6,7 +6,8 @@ and what the ranks built is checked against each other and against the plan:
   - every rank created the same process groups in the same order (torch's rule; a difference deadlocks a real
     launch at its first collective on the group);
   - each of a rank's groups (tensor, data, pipeline, sequence, sequence-data; with MoE expert and expert-data)
-    holds the rank, and every member of it that ran has the same member list for that axis; DeepSpeed's pipeline grid holds exactly our groups;
+    holds the rank, and every member of it that ran has the same member list for that axis; DeepSpeed's pipeline
+    grid holds exactly our groups;
   - each rank's parameters equal the planner's for its stage exactly, and so do the bytes of its weights.
 
 --ranks stages (the default) runs the start-up of one rank per (pipeline stage, position in the TP group) class,
