@@ -81,7 +81,7 @@ def test_mt_nlg_stage_sends_one_eighth_and_all_gathers_three_messages_over_tp():
     """TP 8 x PP 35 (240 micro-batches of 1 x 2048 tokens, h 20480, bf16): DeepSpeed splits each message over the
     8 TP ranks, so a middle stage sends 2 x 1/8 of the 83,886,080-byte activation per micro-batch and all-gathers
     3 of them (the received activation, its output before the backward, the received gradient) at 7/8 of the
-    payload each: 52.85 GB per iteration, what a dry run of stage 19 recorded (720 all-gathers)."""
+    payload each: 720 all-gathers, 52.85 GB per iteration."""
     model = dataclasses.replace(small_model(), seq_length=2048,
                                 config=dataclasses.replace(small_model().config, num_layers=105, hidden_size=20480,
                                                            num_attention_heads=128, params_dtype=torch.bfloat16))
