@@ -134,7 +134,8 @@ def _messages(layout: Layout, rank: int) -> dict:
     return pipeline_messages_per_micro_batch(layout.pipeline_schedule, layout.pp, rank, layout.virtual_stages)
 
 
-def _split_over_tensor_parallel(layout: Layout) -> bool:
+def split_over_tensor_parallel(layout: Layout) -> bool:
+    """Whether DeepSpeed splits this layout's pipeline messages over its TP ranks."""
     return layout.tp > 1 and messages_split_over_tensor_parallel(layout.pipeline_schedule, layout.sequence_parallel)
 
 
@@ -146,7 +147,7 @@ def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optio
     if rank is None:
         return max(pipeline_bytes_per_micro_batch(model, layout, r) for r in range(layout.pp))
     messages = _messages(layout, rank)
-    payload = pipeline_payload_per_micro_batch(model, layout) / (layout.tp if _split_over_tensor_parallel(layout)
+    payload = pipeline_payload_per_micro_batch(model, layout) / (layout.tp if split_over_tensor_parallel(layout)
                                                                  else 1)
     return (messages["send_activation"] + messages["send_gradient"]) * payload
 
@@ -154,7 +155,7 @@ def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optio
 def pipeline_gather_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optional[int] = None) -> float:
     """TP all-gather bytes a device of pipeline rank `rank` (default: the most) sends per micro-batch to rebuild
     messages split over TP: the received activation, its own output before the backward, the received gradient."""
-    if layout.pp == 1 or not _split_over_tensor_parallel(layout):
+    if layout.pp == 1 or not split_over_tensor_parallel(layout):
         return 0.0
     if rank is None:
         return max(pipeline_gather_bytes_per_micro_batch(model, layout, r) for r in range(layout.pp))

@@ -49,13 +49,11 @@ def build_dry_run_parser():
     return parser
 
 
-def resolve_flags(argv, world_size=None):
+def resolve_flags(argv):
     """pretrain.py's resolution of the flags for the launch's cluster (planning/cli.validated_args: nothing is
-    checked against this machine); world_size overrides --world-size (a rank's process passes it)."""
+    checked against this machine)."""
     flags, problems = parse_flags(build_dry_run_parser(), argv)
     raise_if_invalid(problems)
-    if world_size is not None:
-        flags.world_size = world_size
     return validated_args(flags)
 
 

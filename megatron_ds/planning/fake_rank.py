@@ -193,26 +193,18 @@ def digested(record):
     return record
 
 
-def parse_ranks(text):
-    ranks = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        ranks += range(int(first), int(last or first) + 1)
-    return ranks
-
-
 def main(argv):
     mode, world_size, gpus_per_node, folder, ranks = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
     digest = "--digest" in argv[5:argv.index("--")]
     flags = argv[argv.index("--") + 1:]
-    ranks = parse_ranks(ranks)
+    from megatron_ds.planning.dry_run import chosen_ranks, resolve_flags
+    ranks = chosen_ranks(ranks, None, world_size)
     if mode == "start-up" and len(ranks) != 1:
         raise SystemExit(f"start-up runs one rank per process, got {ranks}")
     _environment(ranks[0], world_size, gpus_per_node)
     from megatron_ds.core import deepspeed_internals
-    from megatron_ds.planning.dry_run import resolve_flags
     deepspeed_internals.skip_shared_memory_comm_build()
-    args = resolve_flags(flags, world_size)
+    args = resolve_flags(flags)
     for rank in ranks:
         _environment(rank, world_size, gpus_per_node)
         record = run_rank(rank, world_size, args) if mode == "start-up" else group_rank(rank, world_size, args)

@@ -101,7 +101,7 @@ def _communication_section(model, layout, stages):
                             "per_iteration_per_device": comm.tensor_parallel_bytes_per_micro_batch(
                                 model, layout, most_layers) * m},
         "pipeline": {"payload_bytes_per_micro_batch": pp_payload,
-                     "split_over_tensor_parallel": comm.pipeline_gather_bytes_per_micro_batch(model, layout) > 0,
+                     "split_over_tensor_parallel": layout.pp > 1 and comm.split_over_tensor_parallel(layout),
                      "per_iteration_per_device": comm.pipeline_bytes_per_micro_batch(model, layout) * m,
                      "tensor_parallel_gathers_per_iteration_per_device":
                          comm.pipeline_gather_bytes_per_micro_batch(model, layout) * m},
