@@ -176,7 +176,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         plan = plan_iteration(iteration, progress, args.optimization.batch_schedule, args.micro_batch_size,
                               args.data_parallel_size, _sequence_length(engine, curriculum, iteration, args.seq_length),
                               by_curriculum=curriculum is not None)
-        _begin_iteration(args, engine, plan)
+        begin_iteration(args, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         profiler.begin(iteration)
         timeline.begin(iteration, plan.micro_batches)
@@ -205,7 +205,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     return progress
 
 
-def _begin_iteration(args, engine, plan):
+def begin_iteration(args, engine, plan):
     """Hand the plan to DeepSpeed's engine (the ramp-up changes its batch: more micro-batches of the same size)
     and to the LR scheduler (its step counts the plan's samples and tokens)."""
     if deepspeed_train_batch_size(args, plan.global_batch_size) != engine.train_batch_size():

@@ -28,6 +28,7 @@ OWNED_NAMES = (
     "deepspeed_saved_tensors", "saved_data",
     "_train_schedule", "_running_engine_backward", "immediate_grad_update", "pipe_partition_output_meta_cache",
     "grad_partition_grad_layer_meta_cache", "update_hp_grads", "clear_lp_grads", "_backward_prologue_per_tensor",
+    "_send_tensor_meta", "has_bool_tensors",
 )
 
 
@@ -214,6 +215,65 @@ def dualpipev_backward(engine, buffer_id, phase, backward):
         DualPipeVEngine._exec_backward_pass(engine, buffer_id, phase)
     finally:
         PipelineEngine._exec_backward_pass = own
+
+
+def pipeline_integer_messages(engine, activation):
+    """{dtype: values} of the integer messages the pipeline engine sends beside `activation` (what a stage hands
+    the next, a tensor or a tuple): torch.int32, the buffer _send_tensor_meta sends ahead of a stage's first
+    message (kind, dtypes and shapes of what follows); torch.int64, where the engine splits the messages over TP
+    (pipe_partitioned), the PartitionedTensor layout sent with every activation and gradient. A gradient's
+    layout equals its activation's (same shape, same TP rank). Read in 0.19.8's _exec_forward_pass,
+    _exec_send_activations, _send_tensor_meta and PartitionedTensor.to_meta; tools/dry_run.py answers the
+    receives of its fake backend with them."""
+    import torch
+    from deepspeed.runtime.utils import PartitionedTensor
+    messages, outputs = {}, activation
+    if engine.is_pipe_partitioned:
+        first, *tail = activation if isinstance(activation, tuple) else (activation,)
+        part = PartitionedTensor(tensor=first, group=engine.grid.get_slice_parallel_group())
+        messages[torch.int64] = part.to_meta().tolist()
+        outputs = (part.to_meta(), part.data(), *tail)
+    if isinstance(outputs, tuple) and (engine.has_attention_mask or engine.has_bool_tensors):
+        outputs = (*outputs[:-1], outputs[-1].half())  # as _exec_send_activations sends a mask
+    neighbour = engine.next_stage if engine.next_stage < engine.num_stages else engine.prev_stage
+    with _sends_captured() as sent:
+        engine._send_tensor_meta(outputs, neighbour)
+    messages[torch.int32] = integer_message_values(sent[0])
+    return messages
+
+
+def integer_message_values(tensor):
+    """The values of an integer pipeline message that the receiver reads: all of a PartitionedTensor layout
+    (int64), the leading part of _send_tensor_meta's int32 buffer (kind 0: a tensor, dtype, ndims, shape; kind 2:
+    a tuple, its length, then dtype, ndims, shape per tensor; the rest is left uninitialised), 0.19.8."""
+    import torch
+    values = tensor.tolist()
+    if tensor.dtype != torch.int32 or not values:
+        return values
+    if values[0] == 0:
+        return values[:3 + values[2]]
+    end = 2
+    for _ in range(values[1] if values[0] == 2 else 0):
+        end += 2 + values[end + 1]
+    return values[:end]
+
+
+@contextlib.contextmanager
+def _sends_captured():
+    """Copies of the tensors of every point-to-point send issued inside the block, in order (a fake backend
+    moves nothing)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    sent = []
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.c10d.send.default:
+                sent.extend(tensor.clone() for tensor in args[0])
+            return func(*args, **(kwargs or {}))
+
+    with Capture():
+        yield sent
 
 
 def free_backward_buffers(engine, buffer_id):

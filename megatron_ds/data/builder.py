@@ -180,7 +180,7 @@ def build_datasets(data):
     return datasets
 
 
-def _model_batch(tokens, data, device):
+def model_batch(tokens, data, device):
     """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes. With Ulysses each
     sequence-parallel rank keeps its slice of the tokens, labels, loss mask and (global) position ids."""
     tokens = tokens.to(device)
@@ -217,5 +217,5 @@ def batch_iterator(dataset, data, consumed_samples, device, curriculum=None):
                                   parallel_state.get_data_parallel_rank(),
                                   parallel_state.get_data_parallel_world_size(), data.num_workers)
     if curriculum is None:
-        return (_model_batch(tokens, data, device) for tokens in samples)
-    return (_model_batch(tokens[:, :curriculum.length + 1], data, device) for tokens in samples)
+        return (model_batch(tokens, data, device) for tokens in samples)
+    return (model_batch(tokens[:, :curriculum.length + 1], data, device) for tokens in samples)

@@ -43,6 +43,7 @@ from typing import List, Optional
 
 from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel, pipeline_messages_per_micro_batch
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
+from megatron_ds.planning.pipeline import head_rank
 
 
 def all_reduce_bytes(ranks: int, payload: float) -> float:
@@ -79,9 +80,13 @@ def tensor_parallel_traffic_per_layer(model: ModelSpec, layout: Layout) -> Tenso
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
     payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
     if layout.sequence_parallel:
-        forward, backward = 4 * all_gather_bytes(t, payload), 6 * all_gather_bytes(t, payload)
+        forward = 4 * all_gather_bytes(t, payload)
+        backward = 6 * all_gather_bytes(t, payload) + sum(
+            all_reduce_bytes(t, size * activation_element_bytes(model))
+            for size in sequence_parallel_gradients(model.config, final_norm=False))
         collectives = ("2 all-gather + 2 reduce-scatter in forward; backward 2 reduce-scatter + 2 all-gather "
-                       "+ 2 all-gathers again of the saved input shards")
+                       "+ 2 all-gathers again of the saved input shards, and an all-reduce of each norm weight's "
+                       "and row-parallel bias's gradient")
     else:
         forward = backward = 2 * all_reduce_bytes(t, payload)
         collectives = "2 all-reduce in forward, 2 in backward"
@@ -89,6 +94,16 @@ def tensor_parallel_traffic_per_layer(model: ModelSpec, layout: Layout) -> Tenso
     if recompute:
         collectives += "; full recompute repeats the forward's"
     return TensorParallelTraffic(payload, forward, backward, recompute, collectives)
+
+
+def sequence_parallel_gradients(config, final_norm: bool) -> List[int]:
+    """Sizes of the parameters whose gradients Megatron SP all-reduces over TP in every backward (they see only
+    this rank's tokens): a layer's two norms' weights (and biases, LayerNorm) and the row-parallel biases of
+    attention's projection and fc2; or (final_norm) the final norm's."""
+    norm = [config.hidden_size] * (2 if config.normalization == "LayerNorm" else 1)
+    if final_norm:
+        return norm
+    return 2 * norm + ([config.hidden_size] * 2 if config.bias else [])
 
 
 def tensor_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int) -> float:
@@ -208,6 +223,67 @@ def tied_embedding_traffic(model: ModelSpec, layout: Layout) -> float:
         return 0.0
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp * model.config.hidden_size
     return all_reduce_bytes(2, vocab_shard * gradient_reduction_element_bytes(model, layout))
+
+
+def embedding_and_head_bytes_per_micro_batch(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """TP bytes one device of pipeline rank `stage` sends per micro-batch outside the transformer layers: on the
+    rank holding the embedding (rank 0), the vocabulary-parallel embedding's forward all-reduce of [s, b, h]
+    (whole s, even with SP: it is split after the all-reduce); on the rank holding the output head, the head
+    input's backward all-reduce (with SP: its forward all-gather, backward reduce-scatter and the all-gather
+    again of the saved shard for the weight gradient), and the vocabulary-parallel cross entropy's all-reduces
+    of 3 fp32 statistics per token (the maximum; the sum of exponentials and the target's logit)."""
+    if layout.tp == 1:
+        return 0.0
+    t, b = layout.tp, layout.micro_batch_size
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    payload = tokens * b * model.config.hidden_size * activation_element_bytes(model)
+    sp = layout.sequence_parallel
+    sent = 0.0
+    if stage == 0:
+        sent += all_reduce_bytes(t, payload) + (all_gather_bytes(t, payload) if sp else 0.0)
+    if stage == head_rank(layout):
+        sent += 3 * all_gather_bytes(t, payload) if sp else all_reduce_bytes(t, payload)
+        sent += all_reduce_bytes(t, 3 * tokens * b * 4)
+        if sp:
+            sent += sum(all_reduce_bytes(t, size * activation_element_bytes(model))
+                        for size in sequence_parallel_gradients(model.config, final_norm=True))
+    return sent
+
+
+def moe_layers_tensor_parallel_change(model: ModelSpec, layout: Layout, stage) -> float:
+    """What the MoE layers of `stage` change in its TP bytes per micro-batch against dense layers: without
+    expert TP an MoE layer's MLP has no TP all-reduces (forward and backward), and DeepSpeed instead all-gathers
+    the tokens each TP rank kept (its drop, C / t tokens each) after the combine in forward, and the
+    gradients of the drop in backward (no SP; a recomputed forward's all-gather is not counted)."""
+    if layout.tp == 1 or not model.config.is_moe or model.config.moe_expert_tensor_parallel \
+            or layout.sequence_parallel:
+        return 0.0
+    payload = tensor_parallel_traffic_per_layer(model, layout).payload
+    layers = len(moe_layer_numbers(model, stage.first_layer, stage.num_layers))
+    return layers * 2 * (all_gather_bytes(layout.tp, payload) - all_reduce_bytes(layout.tp, payload))
+
+
+def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> dict:
+    """Bytes one device of `stage` (a StageParameters) sends per micro-batch on each axis: 'tensor' (its layers'
+    collectives, the gathers of messages split over TP, the embedding's and the head's), 'pipeline', 'ulysses',
+    'expert'."""
+    return {"tensor": tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
+            + pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage)
+            + embedding_and_head_bytes_per_micro_batch(model, layout, stage.stage)
+            + moe_layers_tensor_parallel_change(model, layout, stage),
+            "pipeline": pipeline_bytes_per_micro_batch(model, layout, stage.stage),
+            "ulysses": ulysses_bytes_per_micro_batch(model, layout, stage.num_layers),
+            "expert": expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)}
+
+
+def stage_traffic_per_iteration(model: ModelSpec, layout: Layout, stage) -> dict:
+    """stage_traffic_per_micro_batch over the iteration's micro-batches, with 'data' (the gradient reduction and
+    ZeRO's all-gathers) and 'tied' (the embedding's all-reduce, on the first and last pipeline ranks)."""
+    traffic = {axis: layout.num_micro_batches * sent
+               for axis, sent in stage_traffic_per_micro_batch(model, layout, stage).items()}
+    traffic["data"] = sum(data_parallel_traffic(model, layout, stage.total, stage.experts).values())
+    traffic["tied"] = tied_embedding_traffic(model, layout) if stage.stage in (0, layout.pp - 1) else 0.0
+    return traffic
 
 
 def all_to_all_bytes(ranks: int, payload: float) -> float:

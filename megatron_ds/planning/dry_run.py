@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_ds.arguments import ArgumentsError, build_parser, parse_flags, raise_if_invalid
-from megatron_ds.planning import report
+from megatron_ds.planning import report, step_checks
 from megatron_ds.planning.cli import add_cluster_flags, layout_from_args, model_spec, validated_args
 from megatron_ds.planning.devices import device_spec
 from megatron_ds.planning.model import Cluster
@@ -39,8 +39,8 @@ def build_dry_run_parser():
     add_cluster_flags(group)
     group.add_argument("--ranks", default="stages",
                        help="stages (one rank per pipeline stage and TP position), all, or a list: 0,5,8-11")
-    group.add_argument("--step", action="store_true", help="also run one iteration and check its collectives "
-                                                           "(not built yet: refused)")
+    group.add_argument("--step", action="store_true",
+                       help="also run one iteration per rank and check its collectives, sends and traffic")
     group.add_argument("--micro-batches", type=int, default=None,
                        help="micro-batches of the --step iteration (default: the first batch's)")
     group.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="ranks run at once")
@@ -59,9 +59,6 @@ def resolve_flags(argv):
 
 def option_problems(args):
     problems = []
-    if args.step:
-        problems.append("--step (one iteration's collectives, p2p and activation peak) is not built yet: this "
-                        "dry run checks the start-up of each rank only")
     if args.jobs < 1:
         problems.append(f"--jobs {args.jobs} must be at least 1")
     try:
@@ -205,6 +202,22 @@ def plan_problems(records, plan, weight_bytes_per_parameter):
     return problems
 
 
+def step_problems(records, model, layout):
+    """--step: the iterations' point-to-point pairing, collective sequences and traffic against the planner;
+    prints the traffic table and what was covered."""
+    micro_batches = next(iter(records.values()))["step"]["micro_batches"]
+    planned = step_checks.planned_traffic(model, layout, micro_batches)
+    print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis (the planner's)")
+    for line in step_checks.traffic_table(records, planned):
+        print(line)
+    pairing, pairs, unmatched = step_checks.point_to_point_problems(records)
+    sequences, groups, alone = step_checks.collective_sequence_problems(records)
+    ops = sum(len(record["step"]["ops"]) for record in records.values())
+    print(f"checked {ops:,} ops: {pairs} sending pairs ({unmatched} whose receiver did not run), {groups} groups "
+          f"with two or more members that ran ({alone} with one)")
+    return pairing + sequences + step_checks.traffic_problems(records, planned)
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 def stage_table(records, plan):
@@ -266,6 +279,8 @@ def main(argv=None):
         problems += plan_problems(started, plan, 4 if model.precision == "fp32" else 2)
         for line in stage_table(started, plan):
             print(line)
+    if args.step and started:
+        problems += step_problems(started, model, layout)
     done, classes = covered_classes(ran, topology) if ran else (0, 0)
     groups = ran[min(ran)].get("new_groups_count", len(ran[min(ran)].get("new_groups", []))) if ran else 0
     print(f"covered {done} of {classes} (pipeline stage, TP position) classes with {len(ran)} ranks"
@@ -278,7 +293,9 @@ def main(argv=None):
         print("dry run FAILED:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1
     print("dry run passed: every group formed alike on its members and equal to DeepSpeed's grid"
-          + ("; each stage's parameters as planned" if started else ""))
+          + ("; each stage's parameters as planned" if started else "")
+          + ("; every send received, every group's collectives alike on its members, traffic as planned"
+             if args.step and started else ""))
     return 0
 
 

@@ -12,6 +12,8 @@ stay real. For each rank it writes what the rank built as one JSON object, OUT_D
     bytes                  of its weights and of what its optimizer allocated at start-up (DeepSpeed's flat fp32
                            gradient buffer and master weights; the 16-bit gradients and Adam's moments come with
                            the first step)
+    step, bytes_after_step with --step: one iteration's ops and allocation peak (planning/fake_step.py), and the
+                           bytes of the weights and optimizer after it
 
     python -m megatron_ds.planning.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR RANKS [--digest] \
         -- <tools/dry_run.py flags>
@@ -148,10 +150,14 @@ def run_rank(rank, world_size, args):
         deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
         engine, _ = training.start_up(args, building_model=lambda: FakeTensorMode(allow_non_fake_inputs=True))
     parameters = {id(p): p.numel() for p in engine.module.parameters()}
-    return {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank),
-            "layers": sum(isinstance(module, TransformerLayer) for module in engine.module.modules()),
-            "parameters": sum(parameters.values()), "bytes": allocated_bytes(engine),
-            "seconds": time.perf_counter() - start}
+    record = {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank),
+              "layers": sum(isinstance(module, TransformerLayer) for module in engine.module.modules()),
+              "parameters": sum(parameters.values()), "bytes": allocated_bytes(engine)}
+    if args.step:
+        from megatron_ds.planning.fake_step import run_step
+        record["step"] = run_step(engine, args, args.micro_batches)
+        record["bytes_after_step"] = allocated_bytes(engine)
+    return {**record, "seconds": time.perf_counter() - start}
 
 
 def group_rank(rank, world_size, args):

@@ -77,11 +77,7 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
     flops = stage_hardware_flops_per_micro_batch(model, layout, stage.num_layers,
                                                  last=stage.stage == pipeline.head_rank(layout),
                                                  first_layer=stage.first_layer)
-    tp_bytes = (comm.tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
-                + comm.pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage))
-    ep_bytes = comm.expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
-    ulysses_bytes = comm.ulysses_bytes_per_micro_batch(model, layout, stage.num_layers)
-    pp_bytes = comm.pipeline_bytes_per_micro_batch(model, layout, stage.stage)
+    sent = comm.stage_traffic_per_micro_batch(model, layout, stage)
     hbm = cluster.device.memory_bandwidth_gbs * 1e9 * assumptions.bandwidth_efficiency
 
     def seconds(nbytes, bandwidth):   # an axis the layout does not use sends nothing
@@ -89,10 +85,11 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
 
     return StageTime(stage=stage.stage,
                      compute=flops / (cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency),
-                     tensor_parallel=seconds(tp_bytes, links.tensor), pipeline_p2p=seconds(pp_bytes, links.pipeline),
+                     tensor_parallel=seconds(sent["tensor"], links.tensor),
+                     pipeline_p2p=seconds(sent["pipeline"], links.pipeline),
                      grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm,
-                     expert_all_to_all=seconds(ep_bytes, links.expert),
-                     ulysses_all_to_all=seconds(ulysses_bytes, links.ulysses))
+                     expert_all_to_all=seconds(sent["expert"], links.expert),
+                     ulysses_all_to_all=seconds(sent["ulysses"], links.ulysses))
 
 
 def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, stages, assumptions) -> dict:

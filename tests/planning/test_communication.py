@@ -36,8 +36,31 @@ def test_tensor_parallel_per_layer_with_sp():
     """TP 4: forward 2 all-gathers + 2 reduce-scatters, backward 6 of them, each 3/4 of the payload."""
     model, _ = hand_case()
     traffic = comm.tensor_parallel_traffic_per_layer(model, Layout(4, 1, 1, 2, 2, sequence_parallel=True))
-    assert (traffic.forward, traffic.backward) == (4 * 3 / 4 * PAYLOAD, 6 * 3 / 4 * PAYLOAD)
+    # and in backward an all-reduce of each SP parameter's bf16 gradient: 2 LayerNorms (weight, bias) and the
+    # biases of the attention projection and fc2, 64 elements each
+    assert comm.sequence_parallel_gradients(model.config, final_norm=False) == [64] * 6
+    assert (traffic.forward, traffic.backward) == (4 * 3 / 4 * PAYLOAD, 6 * 3 / 4 * PAYLOAD + 6 * 2 * 3 / 4 * 64 * 2)
     assert "reduce-scatter" in traffic.collectives
+
+
+def test_rms_norm_without_biases_has_fewer_sequence_parallel_gradients():
+    config = small_model("llama").config
+    assert comm.sequence_parallel_gradients(config, final_norm=False) == [32, 32]
+    assert comm.sequence_parallel_gradients(config, final_norm=True) == [32]
+
+
+def test_the_embedding_and_the_head_add_their_tensor_parallel_collectives():
+    """Per micro-batch at TP 2 (2 (t-1)/t = 1 for an all-reduce): rank 0 all-reduces the embedding's output;
+    the last rank all-reduces the head input's gradient and the cross entropy's 3 fp32 statistics of each of
+    the s b = 64 tokens; with SP rank 0 also all-gathers the gradient of the split, the head all-gathers its
+    input twice and reduce-scatters its gradient (1/2 each), and the final norm's 2 gradients are all-reduced."""
+    model, layout = hand_case()
+    assert comm.embedding_and_head_bytes_per_micro_batch(model, layout, 0) == PAYLOAD
+    assert comm.embedding_and_head_bytes_per_micro_batch(model, layout, 1) == PAYLOAD + 3 * 64 * 4
+    sp = dataclasses.replace(layout, sequence_parallel=True)
+    assert comm.embedding_and_head_bytes_per_micro_batch(model, sp, 0) == PAYLOAD + PAYLOAD / 2
+    assert comm.embedding_and_head_bytes_per_micro_batch(model, sp, 1) == 3 * PAYLOAD / 2 + 3 * 64 * 4 + 2 * 64 * 2
+    assert comm.embedding_and_head_bytes_per_micro_batch(model, dataclasses.replace(layout, tp=1), 0) == 0
 
 
 def test_full_recompute_repeats_the_forward_collectives_of_recomputed_layers():

@@ -43,8 +43,9 @@ def test_stage_times_by_hand():
     """Per micro-batch on the hand case's stages (60608 and 60736 parameters per device): FLOPs from
     tests/planning/test_flops.py; TP 2 layers x 4 x 8192 bytes, plus the all-gathers of DeepSpeed's messages split
     over TP (1/2 x 8192 each): stage 0 its output before the backward and the received gradient, stage 1 the
-    received activation; PP one message each way of the 8192-byte payload, 1/2 of it per TP rank; and
-    BF16_Optimizer's accumulation reading 2 + 4 and writing 4 bytes per parameter."""
+    received activation; stage 0's embedding all-reduce (8192), stage 1's head-input gradient all-reduce (8192)
+    and cross-entropy statistics (3 x 64 tokens x 4 bytes); PP one message each way of the 8192-byte payload, 1/2
+    of it per TP rank; and BF16_Optimizer's accumulation reading 2 + 4 and writing 4 bytes per parameter."""
     model, layout = hand_case()
     cluster = cpu_cluster()
     links = comm.links(layout, cluster)
@@ -52,29 +53,29 @@ def test_stage_times_by_hand():
                    for stage in stage_parameters(model, 2, 2))
     assert first.compute == pytest.approx(20_447_232 / FLOPS)
     assert last.compute == pytest.approx(23_592_960 / FLOPS)                      # + the head
-    assert first.tensor_parallel == pytest.approx((65536 + 2 * 4096) / LINK)
-    assert last.tensor_parallel == pytest.approx((65536 + 4096) / LINK)
+    assert first.tensor_parallel == pytest.approx((65536 + 2 * 4096 + 8192) / LINK)
+    assert last.tensor_parallel == pytest.approx((65536 + 4096 + 8192 + 768) / LINK)
     assert first.pipeline_p2p == last.pipeline_p2p == pytest.approx(4096 / LINK)
     assert first.grad_accumulation == pytest.approx(10 * 60608 / HBM)
     assert last.grad_accumulation == pytest.approx(10 * 60736 / HBM)
-    assert last.total == pytest.approx(62.63296e-6)
+    assert last.total == pytest.approx(64.42496e-6)
 
 
 def test_iteration_time_by_hand():
-    """(m + p - 1) = 5 slots of the last stage's 62.63296 us, then DP (fp32 gradient all-reduce 2 x 1/2 x 4
+    """(m + p - 1) = 5 slots of the last stage's 64.42496 us, then DP (fp32 gradient all-reduce 2 x 1/2 x 4
     + bf16 weight all-gather 1/2 x 2 bytes per parameter), the tied embedding all-reduce (8192 x 4 bytes)
     and the optimizer step over the ZeRO-1 shard (60736 / 2 parameters x (4 + 2 x 12 + 2) bytes)."""
     model, layout = hand_case()
     performance = estimate_performance(model, layout, cpu_cluster(), stage_parameters(model, 2, 2), ASSUMPTIONS)
     parts = performance["breakdown_s"]
     assert performance["slowest_stage"]["stage"] == 1
-    assert parts["pipeline"] == pytest.approx(5 * 62.63296e-6)
-    assert parts["of_which_bubble"] == pytest.approx(62.63296e-6)                # 1/5 of it
+    assert parts["pipeline"] == pytest.approx(5 * 64.42496e-6)
+    assert parts["of_which_bubble"] == pytest.approx(64.42496e-6)                # 1/5 of it
     assert parts["data_parallel"] == pytest.approx((60736 * 4 + 60736 * 2 / 2) / LINK)
     assert parts["tied_embedding"] == pytest.approx(8192 * 4 / LINK)
     assert parts["optimizer_step"] == pytest.approx(60736 / 2 * 30 / HBM)
-    iteration = 313.1648e-6 + 60.736e-6 + 6.5536e-6 + 36.4416e-6
-    assert performance["iteration_s"] == pytest.approx(iteration) == 416.896e-6
+    iteration = 322.1248e-6 + 60.736e-6 + 6.5536e-6 + 36.4416e-6
+    assert performance["iteration_s"] == pytest.approx(iteration) == 425.856e-6
     assert performance["tokens_per_second"] == pytest.approx(16 * 32 / iteration)
     assert performance["mfu"] == pytest.approx(704_643_072 / iteration / 8 / 2e12)
     assert performance["hardware_tflops_per_device"] == pytest.approx(704_643_072 / iteration / 8 / 1e12)

@@ -33,10 +33,12 @@ def layer_parameters(h, tp):
 
 
 @pytest.mark.e2e
-def test_every_stage_of_a_16_rank_world_starts_up_as_planned(tmp_path):
-    result = dry(WORLD_16 + ["--json", str(tmp_path / "dry.json")])
+def test_every_stage_of_a_16_rank_world_starts_up_and_steps_as_planned(tmp_path):
+    result = dry(WORLD_16 + ["--step", "--json", str(tmp_path / "dry.json")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "covered 8 of 8 (pipeline stage, TP position) classes with 8 ranks" in result.stdout
+    assert "12 sending pairs (0 whose receiver did not run)" in result.stdout
+    assert "traffic as planned" in result.stdout
     records = json.loads((tmp_path / "dry.json").read_text())["ranks"]
     assert sorted(map(int, records)) == [0, 1, 4, 5, 8, 9, 12, 13]   # data-parallel replica 0
     # rank = pipe x 4 + data x 2 + tp: rank 5 is stage 1, replica 0, TP rank 1
@@ -51,6 +53,39 @@ def test_every_stage_of_a_16_rank_world_starts_up_as_planned(tmp_path):
         assert record["bytes"]["weights"] == 2 * record["parameters"]            # bf16
         assert record["new_groups"] == records["0"]["new_groups"]
     assert f"{expected[3]:>15,} ({expected[3]:>15,})" in result.stdout
+    iteration_traffic_worked_by_hand(records, expected)
+
+
+def _count(record, op, group=None, peer=None, size=None):
+    return sum(1 for entry in record["step"]["ops"] if entry["op"] == op and
+               (group is None or entry["group"] == group) and (peer is None or entry.get("peer") == peer) and
+               (size is None or entry["bytes"] == size))
+
+
+def iteration_traffic_worked_by_hand(records, parameters):
+    """The ramp-up-free first batch: 16 / (1 x DP 2) = 8 micro-batches; one activation [128, 1, 256] in bf16 is
+    P = 65,536 bytes, sent between stages as DeepSpeed's 1/TP half (32,768) with its 72-byte layout."""
+    p, m = 65536, 8
+    middle, first, last = records["5"], records["0"], records["12"]
+    assert all(record["step"]["micro_batches"] == m for record in records.values())
+    # stage 1, TP rank 1: per micro-batch 2 layers x (2 all-reduces forward + 2 backward) over TP; 3 all-gathers
+    # rebuilding the halves (received activation, own output before backward, received gradient)
+    assert _count(middle, "allreduce", [4, 5], size=p) == m * 2 * 4
+    assert _count(middle, "_allgather_base", [4, 5], size=p) == m * 3
+    assert _count(middle, "send", peer=9, size=p // 2) == m and _count(middle, "send", peer=1, size=p // 2) == m
+    assert _count(middle, "recv", peer=1, size=p // 2) == m and _count(middle, "recv", peer=9, size=p // 2) == m
+    # ZeRO-1 over DP [5, 7]: fp32 gradients all-reduced, bf16 weights all-gathered, in DeepSpeed's buckets
+    assert sum(e["bytes"] for e in middle["step"]["ops"] if e["op"] == "allreduce" and e["group"] == [5, 7]) \
+        == 4 * parameters[1]
+    assert sum(e["bytes"] for e in middle["step"]["ops"] if e["op"] == "_allgather_base" and
+               e["group"] == [5, 7]) == 2 * parameters[1]
+    # the first stage adds the embedding's all-reduce; the last the head's input gradient and the cross
+    # entropy's statistics (max: 128 x 4 bytes; sum of exp and target logit: 2 x 128 x 4)
+    assert _count(first, "allreduce", [0, 1], size=p) == m * (2 * 4 + 1)
+    assert _count(last, "allreduce", [12, 13], size=p) == m * (2 * 4 + 1)
+    assert _count(last, "allreduce", [12, 13], size=512) == m and _count(last, "allreduce", [12, 13], size=1024) == m
+    # the tied embedding's gradient (vocab 1024 / 2 x 256, fp32) between the first and the last stage
+    assert _count(first, "allreduce", [0, 12], size=512 * 256 * 4) == 1
 
 
 @pytest.mark.e2e
@@ -104,11 +139,10 @@ def test_an_moe_world_forms_its_expert_groups(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--step"], "--step (one iteration's collectives, p2p and activation peak) is not built yet"),
     (["--ranks", "3,99"], "--ranks '3,99': ranks [99] are outside the world of 16"),
     (["--ranks", "first"], "--ranks 'first': expected stages, all or a list like 0,5,8-11"),
     (["--num-attention-heads", "3"], "--num-attention-heads 3"),
-], ids=["step", "outside", "spelling", "heads"])
+], ids=["outside", "spelling", "heads"])
 def test_bad_input_is_refused_before_any_rank_runs(flags, message, capsys):
     assert dry_run.main(WORLD_16 + flags) == 2
     error = capsys.readouterr().err
@@ -121,3 +155,31 @@ def test_stages_choose_one_rank_per_stage_and_tp_position():
     assert dry_run.chosen_ranks("stages", topology, 16) == [0, 1, 4, 5, 8, 9, 12, 13]
     assert dry_run.chosen_ranks("2,8-10", topology, 16) == [2, 8, 9, 10]
     assert dry_run.chosen_ranks("all", topology, 16) == list(range(16))
+
+
+@pytest.mark.e2e
+def test_an_extra_all_reduce_on_one_rank_is_named_as_the_deadlock_it_would_be(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("DRY_RUN_TEST_EXTRA_ALL_REDUCE"):
+            import torch
+            import torch.distributed as dist
+            from megatron_ds import training
+            from megatron_ds.core import parallel_state
+            run = training.run_global_batch
+
+            def with_an_extra_all_reduce(engine, *args, **kwargs):
+                if dist.get_rank() == 5:
+                    dist.all_reduce(torch.zeros(3), group=parallel_state.get_tensor_model_parallel_group())
+                return run(engine, *args, **kwargs)
+
+            training.run_global_batch = with_an_extra_all_reduce
+    """))
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_ALL_REDUCE": "1"}
+    result = dry(WORLD_16 + ["--step", "--ranks", "4,5"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    # rank 4's first TP collective of the iteration rebuilds the received activation from its TP halves
+    assert "group [4, 5]: collective 1 is _allgather_base of 65,536 bytes on rank 4 and allreduce of 12 bytes on " \
+           "rank 5 (88 and 89 collectives on it in all)" in result.stderr, result.stderr

@@ -67,6 +67,17 @@ def _join_activation(hidden_states, attention_mask):
     return hidden_states if attention_mask is None else (hidden_states, attention_mask)
 
 
+def activation_between_stages(config, model_inputs, tensor_parallel_size):
+    """What the first stage hands the next for a micro-batch of `model_inputs` (as pack_model_inputs packs
+    them), uninitialised: the hidden states [s, b, h] ([s/t, b, h] with Megatron SP) in the parameters' dtype,
+    with the batch's attention mask if it carries one. Every later stage hands on the same shapes."""
+    input_ids, *rest = model_inputs if isinstance(model_inputs, tuple) else (model_inputs,)
+    batch, tokens = input_ids.shape
+    tokens //= tensor_parallel_size if config.sequence_parallel else 1
+    hidden_states = torch.empty(tokens, batch, config.hidden_size, dtype=config.params_dtype)
+    return _join_activation(hidden_states, rest[1] if len(rest) > 1 else None)
+
+
 def pack_model_inputs(input_ids, position_ids=None, attention_mask=None):
     """The first stage's input in the form the pipeline layers take."""
     if position_ids is None and attention_mask is None:

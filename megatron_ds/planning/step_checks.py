@@ -1,0 +1,176 @@
+"""tools/dry_run.py --step: the checks across ranks of the iterations the ranks ran (planning/fake_step.py), and
+their traffic beside the planner's.
+
+  - every send has its receive: rank r's sends to rank q, in order, are rank q's receives from r (bytes, and the
+    values of an integer message); a difference is a deadlock or a wrong shape on the real machines;
+  - the members of a group issue the same collectives on it in the same order with the same sizes (a member
+    with one more or one fewer waits forever: the deadlock a real launch meets without a message);
+  - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
+    planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%.
+Pairs and groups whose other members did not run are counted and reported, not checked.
+"""
+import collections
+import dataclasses
+
+from megatron_ds.planning import communication as comm
+from megatron_ds.planning.parameters import rank_parameters
+
+TRAFFIC_TOLERANCE = 0.01
+POINT_TO_POINT = ("send", "recv")
+
+
+def _messages(record, op, peer):
+    return [(entry["bytes"], entry.get("values")) for entry in record["step"]["ops"]
+            if entry["op"] == op and entry["peer"] == peer]
+
+
+def point_to_point_problems(records):
+    """(problems, pairs checked, pairs whose other end did not run)."""
+    problems, checked, unmatched = [], 0, 0
+    for rank, record in sorted(records.items()):
+        for peer in sorted({entry["peer"] for entry in record["step"]["ops"] if entry["op"] == "send"}):
+            if peer not in records:
+                unmatched += 1
+                continue
+            checked += 1
+            problems += _pair_problems(rank, _messages(record, "send", peer), peer,
+                                       _messages(records[peer], "recv", rank))
+    for rank, record in sorted(records.items()):   # receives from a rank that ran and sent nothing
+        for peer in sorted({entry["peer"] for entry in record["step"]["ops"] if entry["op"] == "recv"}):
+            if peer in records and not _messages(records[peer], "send", rank):
+                problems.append(f"rank {rank} receives {len(_messages(record, 'recv', peer))} messages from rank "
+                                f"{peer}, which sends it none")
+    return problems, checked, unmatched
+
+
+def _pair_problems(rank, sends, peer, receives):
+    for index, (sent, received) in enumerate(zip(sends, receives)):
+        if sent != received:
+            return [f"rank {rank}'s send {index + 1} to rank {peer} is {_message(sent)}, rank {peer}'s receive "
+                    f"{index + 1} from rank {rank} is {_message(received)}"]
+    if len(sends) != len(receives):
+        return [f"rank {rank} sends {len(sends)} messages to rank {peer}, which receives {len(receives)} from it"]
+    return []
+
+
+def _message(message):
+    size, values = message
+    return f"{size:,} bytes" + ("" if values is None else f" {values}")
+
+
+def _collectives(record):
+    """{group (tuple of ranks): [(op, bytes), ...]} of the rank's collectives, in order."""
+    sequences = collections.defaultdict(list)
+    for entry in record["step"]["ops"]:
+        if entry["op"] not in POINT_TO_POINT:
+            sequences[tuple(entry["group"])].append((entry["op"], entry["bytes"]))
+    return sequences
+
+
+def collective_sequence_problems(records):
+    """(problems, groups checked, groups with one member that ran)."""
+    sequences = {rank: _collectives(record) for rank, record in records.items()}
+    groups = sorted({group for per_rank in sequences.values() for group in per_rank})
+    problems, checked, alone = [], 0, 0
+    for group in groups:
+        members = [rank for rank in group if rank in records]
+        if len(members) < 2:
+            alone += 1
+            continue
+        checked += 1
+        first = members[0]
+        for member in members[1:]:
+            problem = _sequence_difference(group, first, sequences[first].get(group, []), member,
+                                           sequences[member].get(group, []))
+            if problem:
+                problems.append(problem)
+                break
+    return problems, checked, alone
+
+
+def _sequence_difference(group, first, ours, member, theirs):
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return (f"group {list(group)}: collective {index + 1} is {a[0]} of {a[1]:,} bytes on rank {first} and "
+                    f"{b[0]} of {b[1]:,} bytes on rank {member} ({len(ours)} and {len(theirs)} collectives on it "
+                    f"in all): a real launch hangs or mixes the data up there")
+    if len(ours) != len(theirs):
+        longer, rank = (ours, first) if len(ours) > len(theirs) else (theirs, member)
+        extra = longer[min(len(ours), len(theirs))]
+        return (f"group {list(group)}: rank {first} issues {len(ours)} collectives on it, rank {member} "
+                f"{len(theirs)}; the first unmatched is rank {rank}'s {extra[0]} of {extra[1]:,} bytes: the other "
+                f"members would wait for it forever")
+    return None
+
+
+def _axis(entry, groups, pipeline):
+    """The axis of one recorded op on a rank with `groups` (its record's groups by axis, ours)."""
+    if entry["op"] in POINT_TO_POINT:
+        return "pipeline"
+    ranks = entry["group"]
+    if entry["op"].startswith("alltoall") and groups.get("expert") == ranks:
+        return "expert"  # (its ranks may be the TP group's too)
+    if entry["op"] == "allreduce" and len(ranks) == 2 and ranks == [pipeline[0], pipeline[-1]]:
+        return "tied"   # DeepSpeed's tie group (at PP 2 the pipeline group's ranks too)
+    for axis, name in (("tensor", "tensor"), ("sequence-data", "data"), ("sequence", "ulysses"),
+                       ("expert", "expert"), ("expert-data", "data"), ("pipeline", "pipeline collectives")):
+        if len(ranks) > 1 and groups.get(axis) == ranks:
+            return name
+    return "other"
+
+
+def recorded_traffic(record):
+    """{axis: bytes this rank sent in its iteration} (the ring model's bytes of each op)."""
+    groups = record["groups"]["ours"]
+    traffic = collections.defaultdict(float)
+    for entry in record["step"]["ops"]:
+        traffic[_axis(entry, groups, groups["pipeline"])] += entry["sent"]
+    return dict(traffic)
+
+
+def planned_traffic(model, layout, micro_batches):
+    """{stage: {axis: bytes}} the planner's, for an iteration of `micro_batches`."""
+    layout = dataclasses.replace(layout, global_batch_size=micro_batches * layout.micro_batch_size * layout.dp)
+    return {stage.stage: comm.stage_traffic_per_iteration(model, layout, stage)
+            for stage in rank_parameters(model, layout)}
+
+
+PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
+
+
+def traffic_problems(records, planned):
+    problems = []
+    for rank, record in sorted(records.items()):
+        stage = record["coordinates"]["pipe"]
+        recorded = recorded_traffic(record)
+        for axis in PLANNED_AXES:
+            ours, theirs = recorded.get(axis, 0.0), planned[stage][axis]
+            if abs(ours - theirs) > TRAFFIC_TOLERANCE * max(ours, theirs):
+                problems.append(f"rank {rank} (stage {stage}) sends {ours:,.0f} bytes on the {axis} axis in its "
+                                f"iteration, the planner {theirs:,.0f} ({_ratio(ours, theirs)})")
+    return problems
+
+
+def _ratio(ours, theirs):
+    return f"{ours / theirs:.3f}x" if theirs else "the planner none"
+
+
+def _mib(size):
+    return f"{size / 2 ** 20:,.3f}"
+
+
+def traffic_table(records, planned):
+    """One line per stage (its first rank that ran): each axis's recorded MiB (the planner's)."""
+    axes = [axis for axis in PLANNED_AXES if any(planned[stage][axis] for stage in planned)
+            or any(recorded_traffic(record).get(axis) for record in records.values())]
+    lines = [f"{'stage':>5}  {'rank':>5}  " + "  ".join(f"{axis + ' (planner)':>23}" for axis in axes)
+             + "  other collectives (MiB)"]
+    for stage in sorted(planned):
+        ran = sorted(rank for rank, record in records.items() if record["coordinates"]["pipe"] == stage)
+        if not ran:
+            continue
+        recorded = recorded_traffic(records[ran[0]])
+        cells = [f"{_mib(recorded.get(axis, 0.0)):>10} ({_mib(planned[stage][axis]):>10})" for axis in axes]
+        other = recorded.get("other", 0.0) + recorded.get("pipeline collectives", 0.0)
+        lines.append(f"{stage:>5}  {ran[0]:>5}  " + "  ".join(cells) + f"  {_mib(other)}")
+    return lines
