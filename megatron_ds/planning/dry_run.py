@@ -59,6 +59,9 @@ def resolve_flags(argv):
 
 def option_problems(args):
     problems = []
+    if args.micro_batches is not None and (args.micro_batches < 1 or not args.step):
+        problems.append(f"--micro-batches {args.micro_batches}: the micro-batches of the --step iteration, at least "
+                        f"1, and only with --step")
     if args.jobs < 1:
         problems.append(f"--jobs {args.jobs} must be at least 1")
     try:

@@ -142,7 +142,10 @@ def test_an_moe_world_forms_its_expert_groups(tmp_path):
     (["--ranks", "3,99"], "--ranks '3,99': ranks [99] are outside the world of 16"),
     (["--ranks", "first"], "--ranks 'first': expected stages, all or a list like 0,5,8-11"),
     (["--num-attention-heads", "3"], "--num-attention-heads 3"),
-], ids=["outside", "spelling", "heads"])
+    (["--micro-batches", "4"], "--micro-batches 4: the micro-batches of the --step iteration, at least 1, and only "
+                               "with --step"),
+    (["--step", "--micro-batches", "0"], "--micro-batches 0"),
+], ids=["outside", "spelling", "heads", "micro-batches-without-step", "no-micro-batches"])
 def test_bad_input_is_refused_before_any_rank_runs(flags, message, capsys):
     assert dry_run.main(WORLD_16 + flags) == 2
     error = capsys.readouterr().err
