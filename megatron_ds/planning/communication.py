@@ -81,9 +81,7 @@ def tensor_parallel_traffic_per_layer(model: ModelSpec, layout: Layout) -> Tenso
     payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
     if layout.sequence_parallel:
         forward = 4 * all_gather_bytes(t, payload)
-        backward = 6 * all_gather_bytes(t, payload) + sum(
-            all_reduce_bytes(t, size * activation_element_bytes(model))
-            for size in sequence_parallel_gradients(model.config, final_norm=False))
+        backward = 6 * all_gather_bytes(t, payload) + _sequence_parallel_gradient_bytes(model, t, final_norm=False)
         collectives = ("2 all-gather + 2 reduce-scatter in forward; backward 2 reduce-scatter + 2 all-gather "
                        "+ 2 all-gathers again of the saved input shards, and an all-reduce of each norm weight's "
                        "and row-parallel bias's gradient")
@@ -104,6 +102,11 @@ def sequence_parallel_gradients(config, final_norm: bool) -> List[int]:
     if final_norm:
         return norm
     return 2 * norm + ([config.hidden_size] * 2 if config.bias else [])
+
+
+def _sequence_parallel_gradient_bytes(model: ModelSpec, t: int, final_norm: bool) -> float:
+    return sum(all_reduce_bytes(t, size * activation_element_bytes(model))
+               for size in sequence_parallel_gradients(model.config, final_norm))
 
 
 def tensor_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int) -> float:
@@ -245,8 +248,7 @@ def embedding_and_head_bytes_per_micro_batch(model: ModelSpec, layout: Layout, s
         sent += 3 * all_gather_bytes(t, payload) if sp else all_reduce_bytes(t, payload)
         sent += all_reduce_bytes(t, 3 * tokens * b * 4)
         if sp:
-            sent += sum(all_reduce_bytes(t, size * activation_element_bytes(model))
-                        for size in sequence_parallel_gradients(model.config, final_norm=True))
+            sent += _sequence_parallel_gradient_bytes(model, t, final_norm=True)
     return sent
 
 

@@ -210,15 +210,16 @@ def step_problems(records, model, layout):
     prints the traffic table and what was covered."""
     micro_batches = next(iter(records.values()))["step"]["micro_batches"]
     planned = step_checks.planned_traffic(model, layout, micro_batches)
+    recorded = {rank: step_checks.recorded_traffic(record) for rank, record in records.items()}
     print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis (the planner's)")
-    for line in step_checks.traffic_table(records, planned):
+    for line in step_checks.traffic_table(records, recorded, planned):
         print(line)
     pairing, pairs, unmatched = step_checks.point_to_point_problems(records)
     sequences, groups, alone = step_checks.collective_sequence_problems(records)
     ops = sum(len(record["step"]["ops"]) for record in records.values())
     print(f"checked {ops:,} ops: {pairs} sending pairs ({unmatched} whose receiver did not run), {groups} groups "
           f"with two or more members that ran ({alone} with one)")
-    return pairing + sequences + step_checks.traffic_problems(records, planned)
+    return pairing + sequences + step_checks.traffic_problems(records, recorded, planned)
 
 
 # --- the report ---------------------------------------------------------------------------------------------

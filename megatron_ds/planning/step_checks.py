@@ -138,13 +138,13 @@ def planned_traffic(model, layout, micro_batches):
 PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
 
 
-def traffic_problems(records, planned):
+def traffic_problems(records, recorded, planned):
+    """recorded: {rank: recorded_traffic of its record}."""
     problems = []
     for rank, record in sorted(records.items()):
         stage = record["coordinates"]["pipe"]
-        recorded = recorded_traffic(record)
         for axis in PLANNED_AXES:
-            ours, theirs = recorded.get(axis, 0.0), planned[stage][axis]
+            ours, theirs = recorded[rank].get(axis, 0.0), planned[stage][axis]
             if abs(ours - theirs) > TRAFFIC_TOLERANCE * max(ours, theirs):
                 problems.append(f"rank {rank} (stage {stage}) sends {ours:,.0f} bytes on the {axis} axis in its "
                                 f"iteration, the planner {theirs:,.0f} ({_ratio(ours, theirs)})")
@@ -159,18 +159,18 @@ def _mib(size):
     return f"{size / 2 ** 20:,.3f}"
 
 
-def traffic_table(records, planned):
+def traffic_table(records, recorded, planned):
     """One line per stage (its first rank that ran): each axis's recorded MiB (the planner's)."""
     axes = [axis for axis in PLANNED_AXES if any(planned[stage][axis] for stage in planned)
-            or any(recorded_traffic(record).get(axis) for record in records.values())]
+            or any(sent.get(axis) for sent in recorded.values())]
     lines = [f"{'stage':>5}  {'rank':>5}  " + "  ".join(f"{axis + ' (planner)':>23}" for axis in axes)
              + "  other collectives (MiB)"]
     for stage in sorted(planned):
         ran = sorted(rank for rank, record in records.items() if record["coordinates"]["pipe"] == stage)
         if not ran:
             continue
-        recorded = recorded_traffic(records[ran[0]])
-        cells = [f"{_mib(recorded.get(axis, 0.0)):>10} ({_mib(planned[stage][axis]):>10})" for axis in axes]
-        other = recorded.get("other", 0.0) + recorded.get("pipeline collectives", 0.0)
+        sent = recorded[ran[0]]
+        cells = [f"{_mib(sent.get(axis, 0.0)):>10} ({_mib(planned[stage][axis]):>10})" for axis in axes]
+        other = sent.get("other", 0.0) + sent.get("pipeline collectives", 0.0)
         lines.append(f"{stage:>5}  {ran[0]:>5}  " + "  ".join(cells) + f"  {_mib(other)}")
     return lines
