@@ -53,8 +53,7 @@ def _new_groups(rank_lists):
 def sequence_data_parallel_lists(topology):
     """The ranks that differ only in their data and sequence coordinates, in rank order (DeepSpeed's
     data-parallel groups under deepspeed_topology)."""
-    return [sorted(topology.filter_match(pipe=pipe, model=model))
-            for pipe in range(topology.get_dim("pipe")) for model in range(topology.get_dim("model"))]
+    return _folded_topology(topology).get_axis_comm_lists("data")
 
 
 def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size,
@@ -78,7 +77,10 @@ def topology_of(layout: ParallelLayout) -> ProcessTopology:
 def deepspeed_topology():
     """The topology DeepSpeed's PipelineModule gets: ours with SP folded into the data axis (seq sits between data
     and model, so every rank keeps its number)."""
-    topology = get_topology()
+    return _folded_topology(get_topology())
+
+
+def _folded_topology(topology):
     return PipeModelDataParallelTopology(num_pp=topology.get_dim("pipe"), num_mp=topology.get_dim("model"),
                                          num_dp=topology.get_dim("data") * topology.get_dim("seq"))
 

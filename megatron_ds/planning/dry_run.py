@@ -1,7 +1,8 @@
 """tools/dry_run.py: a launch checked on this machine before it is queued. The flags are resolved and checked
 once, the planner plans them, then each chosen rank runs pretrain.py's start-up (training.start_up) in a process
-of its own on torch's fake process group, the model under FakeTensorMode (planning/fake_rank.py), J at a time,
-and what the ranks built is checked against each other and against the plan:
+of its own (forked from one of J workers that did the imports) on torch's fake process group, the model under
+FakeTensorMode (planning/fake_rank.py), and what the ranks built is checked against each other and against the
+plan:
 
   - every rank created the same process groups in the same order (torch's rule; a difference deadlocks a real
     launch at its first collective on the group);
@@ -13,7 +14,7 @@ and what the ranks built is checked against each other and against the plan:
 --ranks stages (the default) runs the start-up of one rank per (pipeline stage, position in the TP group) class,
 the ranks of data-parallel replica 0 (every replica builds the same); --ranks 0,5,8-11 that of those ranks;
 --ranks all creates every rank's process groups and DeepSpeed's pipeline grid (not the model: the group checks),
-many ranks to a process.
+many ranks to a process; --ranks all --step runs every rank's whole start-up and iteration.
 """
 import json
 import os
@@ -93,10 +94,9 @@ def chosen_ranks(selection, topology, world_size):
 
 
 def run_ranks(ranks, argv, args, folder):
-    """Each rank's record, or its failure (the end of its process's output), --jobs processes at a time: the whole
-    start-up, one rank per process, except for --ranks all: the process groups only, in batches of ranks."""
-    groups_only = args.ranks == "all"
-    batches = _batches(ranks, args.jobs) if groups_only else [[rank] for rank in ranks]
+    """Each rank's record, or its failure (the end of its output), --jobs processes at a time, each given a batch
+    of ranks: the whole start-up, or for --ranks all without --step the process groups only."""
+    groups_only = args.ranks == "all" and not args.step
 
     def run(batch):
         command = [sys.executable, "-m", "megatron_ds.planning.fake_rank", "groups" if groups_only else "start-up",
@@ -105,18 +105,24 @@ def run_ranks(ranks, argv, args, folder):
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _repository_path()}
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=environment)
-        records = {}
-        for rank in batch:
-            path = os.path.join(folder, f"rank{rank}.json")
-            if os.path.exists(path):
-                with open(path) as handle:
-                    records[rank] = json.load(handle)
-            else:  # this rank's start-up failed, or an earlier one of its batch did
-                records[rank] = {"failed": _last_lines(result.stdout) if result.returncode else "no record"}
-        return records
+        return {rank: _record_or_failure(folder, rank, result) for rank in batch}
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return {rank: record for records in pool.map(run, batches) for rank, record in records.items()}
+        return {rank: record for records in pool.map(run, _batches(ranks, args.jobs))
+                for rank, record in records.items()}
+
+
+def _record_or_failure(folder, rank, result):
+    path = os.path.join(folder, f"rank{rank}.json")
+    if os.path.exists(path):
+        with open(path) as handle:
+            return json.load(handle)
+    log = os.path.join(folder, f"rank{rank}.log")
+    if os.path.exists(log):  # its start-up failed
+        with open(log) as handle:
+            return {"failed": _last_lines(handle.read())}
+    # its process failed before reaching it
+    return {"failed": _last_lines(result.stdout) if result.returncode else "no record"}
 
 
 def _batches(ranks, jobs):
@@ -210,9 +216,11 @@ def step_problems(records, model, layout):
     prints the traffic table and what was covered."""
     micro_batches = next(iter(records.values()))["step"]["micro_batches"]
     planned = step_checks.planned_traffic(model, layout, micro_batches)
+    memory = step_checks.planned_memory(model, layout, micro_batches)
     recorded = {rank: step_checks.recorded_traffic(record) for rank, record in records.items()}
-    print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis (the planner's)")
-    for line in step_checks.traffic_table(records, recorded, planned):
+    print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis and the GiB it holds at "
+          f"its peak (the planner's, without its runtime overhead)")
+    for line in step_checks.traffic_table(records, recorded, planned, memory):
         print(line)
     pairing, pairs, unmatched = step_checks.point_to_point_problems(records)
     sequences, groups, alone = step_checks.collective_sequence_problems(records)

@@ -18,18 +18,22 @@ stay real. For each rank it writes what the rank built as one JSON object, OUT_D
     python -m megatron_ds.planning.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR RANKS [--digest] \
         -- <tools/dry_run.py flags>
 
-start-up runs one rank (RANKS one number): the whole start-up. groups runs each of RANKS (0,5,8-11) in turn in
-this process: only the process groups (training.initialize_groups) and DeepSpeed's pipeline grid over them, the
-check --ranks all makes of every rank. Not run: data loading, the watchdog, storage checks, the save-folder lock,
-TensorBoard.
+start-up runs each of RANKS (0,5,8-11) in a child forked from this process once the imports are done (a fresh
+process per rank, without its seconds of imports), the child's output in OUT_DIR/rank<R>.log: the whole start-up.
+groups runs each of RANKS in turn in this process: only the process groups (training.initialize_groups) and
+DeepSpeed's pipeline grid over them, the check --ranks all makes of every rank. Not run: data loading, the
+watchdog, storage checks, the save-folder lock, TensorBoard. Both compute with the reference fused ops (the
+launch's --fusion-backend does not matter to shapes, and fake tensors go through no kernel).
 """
 import contextlib
 import hashlib
+import importlib
 import io
 import json
 import os
 import sys
 import time
+import traceback
 
 
 def _environment(rank, world_size, gpus_per_node):
@@ -205,17 +209,76 @@ def main(argv):
     flags = argv[argv.index("--") + 1:]
     from megatron_ds.planning.dry_run import chosen_ranks, resolve_flags
     ranks = chosen_ranks(ranks, None, world_size)
-    if mode == "start-up" and len(ranks) != 1:
-        raise SystemExit(f"start-up runs one rank per process, got {ranks}")
     _environment(ranks[0], world_size, gpus_per_node)
     from megatron_ds.core import deepspeed_internals
     deepspeed_internals.skip_shared_memory_comm_build()
-    args = resolve_flags(flags)
-    for rank in ranks:
+    # fake tensors go through no kernel: the reference ops (torch.compile of fake tensors costs minutes)
+    args = resolve_flags(flags + ["--fusion-backend", "reference"])
+    if mode == "groups":
+        for rank in ranks:
+            _environment(rank, world_size, gpus_per_node)
+            record = group_rank(rank, world_size, args)
+            _write(os.path.join(folder, f"rank{rank}.json"), digested(record) if digest else record)
+        return 0
+    _import_start_up()
+    for index, rank in enumerate(ranks):
         _environment(rank, world_size, gpus_per_node)
-        record = run_rank(rank, world_size, args) if mode == "start-up" else group_rank(rank, world_size, args)
-        _write(os.path.join(folder, f"rank{rank}.json"), digested(record) if digest else record)
+        modules = os.path.join(folder, f"rank{rank}.modules") if index == 0 else None
+        in_child(lambda: _start_up_rank(rank, world_size, args, folder, modules),
+                 os.path.join(folder, f"rank{rank}.log"))
+        if modules is not None and os.path.exists(modules):
+            _import_listed(modules)
     return 0
+
+
+def _import_start_up():
+    for name in ("deepspeed", "megatron_ds.training", "megatron_ds.planning.fake_step"):
+        importlib.import_module(name)
+
+
+def _start_up_rank(rank, world_size, args, folder, modules):
+    _write(os.path.join(folder, f"rank{rank}.json"), run_rank(rank, world_size, args))
+    if modules is not None:
+        with open(modules, "w") as handle:
+            handle.write("\n".join(sorted(sys.modules)))
+
+
+def in_child(work, log_path):
+    """work() in a forked child, its output to log_path; its exit code. Each rank starts from this process's
+    state (imports done, no process group, no model), as a fresh process would, without the imports' seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            work()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _import_listed(path):
+    """The modules a first rank imported on the way (DeepSpeed imports many lazily), so that later ranks' children
+    find them loaded."""
+    with open(path) as handle:
+        names = handle.read().split()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for name in names:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # an alias or a module only its importer can load: the child imports it again
+                    pass
 
 
 def _write(path, record):

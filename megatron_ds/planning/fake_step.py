@@ -44,19 +44,28 @@ _PAYLOAD = {"_allgather_base": "output_tensor", "allgather": "output_tensors",
 
 class StepRecorder(TorchDispatchMode):
     """Records the ops (the module docstring's form) and the peak of the bytes allocated inside the block;
-    answers integer receives from `answers` ({dtype: values}) and Python reads of fake values with 0."""
+    answers integer receives from `answers` ({dtype: values}) and Python reads of fake values with 0. A tensor
+    made from nothing (torch.empty, zeros, ...) is made fake in `fake_mode` unless it holds integers (the
+    pipeline's messages, token ids): a real dropout mask of a 530B layer costs a second to draw."""
 
-    def __init__(self, answers):
+    def __init__(self, answers, fake_mode):
         super().__init__()
-        self.answers, self.ops = answers, []
-        self.live = {}            # storage -> [bytes, tensors alive on it]
+        self.answers, self.fake_mode, self.ops = answers, fake_mode, []
+        self.live = {}            # storage -> (allocation number, bytes)
+        self.events = []          # (allocation number, +bytes when made, -bytes when freed), in order
         self.live_bytes = self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:  # most of the ops an iteration dispatches: nothing to follow
+            return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 0
-        result = func(*args, **kwargs)
+        if _makes_real_values(func, args, kwargs):
+            with self.fake_mode:
+                result = func(*args, **kwargs)
+        else:
+            result = func(*args, **kwargs)
         if func.namespace == "c10d":
             self._record(func, args, kwargs)
         self._follow(result, args, kwargs)
@@ -80,28 +89,46 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(entry)
 
     def _follow(self, result, args, kwargs):
-        """Counts each new storage an op returns (not the inputs' own: in-place ops and views) until the last
-        tensor on it dies."""
+        """Counts each new storage an op returns (not the inputs' own: in-place ops and views) until it dies.
+        A storage's Python object lives exactly as long as the storage (PyTorch preserves it), where a tensor's
+        does not: autograd saves an output for backward as another tensor on the same storage."""
         inputs = {_storage_key(tensor) for tensor in tree_leaves((args, kwargs)) if isinstance(tensor, torch.Tensor)}
         for tensor in tree_leaves(result):
             if not isinstance(tensor, torch.Tensor):
                 continue
-            key = _storage_key(tensor)
-            if key in inputs:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.live:
                 continue
-            if key not in self.live:
-                self.live[key] = [tensor.untyped_storage().nbytes(), 0]
-                self.live_bytes += self.live[key][0]
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            self.live[key][1] += 1
-            weakref.finalize(tensor, self._release, key)
+            self.live[key] = (len(self.events), storage.nbytes())
+            self.events.append(self.live[key])
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(storage, self._release, key)
 
     def _release(self, key):
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live_bytes -= entry[0]
-            del self.live[key]
+        number, size = self.live.pop(key)
+        self.events.append((number, -size))
+        self.live_bytes -= size
+
+    def transient_peak_bytes(self):
+        """The peak of the bytes of the storages that died before now: what an iteration needs beyond what it
+        keeps (the first one makes Adam's moments, which later iterations find made)."""
+        kept = {number for number, _ in self.live.values()}
+        current = peak = 0
+        for number, change in self.events:
+            if number not in kept:
+                current += change
+                peak = max(peak, current)
+        return peak
+
+
+def _makes_real_values(func, args, kwargs):
+    """A factory (no tensor in) of a floating-point or bool tensor."""
+    if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((args, kwargs))):
+        return False
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return dtype.is_floating_point or dtype == torch.bool
 
 
 def _named_arguments(func, args, kwargs):
@@ -146,8 +173,8 @@ def run_step(engine, args, micro_batches=None):
                                                parallel_state.get_tensor_model_parallel_world_size())
         answers = deepspeed_internals.pipeline_integer_messages(engine, activation)
     training.begin_iteration(args, engine, plan)
-    recorder = StepRecorder(answers)
+    recorder = StepRecorder(answers, next(engine.module.parameters()).fake_mode)
     with recorder:
         training.run_global_batch(engine, itertools.repeat(batch), plan.micro_batches, train=True)
     return {"micro_batches": plan.micro_batches, "ops": recorder.ops, "peak_bytes": recorder.peak_bytes,
-            "held_bytes": recorder.live_bytes}
+            "held_bytes": recorder.live_bytes, "transient_peak_bytes": recorder.transient_peak_bytes()}

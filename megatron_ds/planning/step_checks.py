@@ -6,16 +6,21 @@ their traffic beside the planner's.
   - the members of a group issue the same collectives on it in the same order with the same sizes (a member
     with one more or one fewer waits forever: the deadlock a real launch meets without a message);
   - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
-    planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%.
+    planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%;
+  - what each rank holds at its peak equals the planner's memory for its stage (planning/memory.py, without the
+    runtime overhead it assumes for a GPU) within 5%: the start-up's allocations, what the first iteration made
+    and kept (Adam's moments), and the iteration's transient peak (gradients, activations, recompute).
 Pairs and groups whose other members did not run are counted and reported, not checked.
 """
 import collections
 import dataclasses
 
 from megatron_ds.planning import communication as comm
+from megatron_ds.planning.memory import GIB, memory_per_stage
 from megatron_ds.planning.parameters import rank_parameters
 
 TRAFFIC_TOLERANCE = 0.01
+MEMORY_TOLERANCE = 0.05
 POINT_TO_POINT = ("send", "recv")
 
 
@@ -128,11 +133,39 @@ def recorded_traffic(record):
     return dict(traffic)
 
 
+def _with_micro_batches(layout, micro_batches):
+    return dataclasses.replace(layout, global_batch_size=micro_batches * layout.micro_batch_size * layout.dp)
+
+
 def planned_traffic(model, layout, micro_batches):
     """{stage: {axis: bytes}} the planner's, for an iteration of `micro_batches`."""
-    layout = dataclasses.replace(layout, global_batch_size=micro_batches * layout.micro_batch_size * layout.dp)
+    layout = _with_micro_batches(layout, micro_batches)
     return {stage.stage: comm.stage_traffic_per_iteration(model, layout, stage)
             for stage in rank_parameters(model, layout)}
+
+
+def planned_memory(model, layout, micro_batches):
+    """{stage: bytes} the planner's memory per device without its runtime overhead, for `micro_batches`."""
+    layout = _with_micro_batches(layout, micro_batches)
+    return {stage.stage: stage.total - stage.overhead
+            for stage in memory_per_stage(model, layout, rank_parameters(model, layout))}
+
+
+def recorded_memory(record):
+    """What the rank holds at the peak of an iteration after its first (the module docstring's sum)."""
+    return (record["bytes"]["weights"] + record["bytes"]["optimizer"] + record["step"]["held_bytes"] +
+            record["step"]["transient_peak_bytes"])
+
+
+def memory_problems(records, planned):
+    problems = []
+    for rank, record in sorted(records.items()):
+        stage = record["coordinates"]["pipe"]
+        ours, theirs = recorded_memory(record), planned[stage]
+        if abs(ours - theirs) > MEMORY_TOLERANCE * max(ours, theirs):
+            problems.append(f"rank {rank} (stage {stage}) holds {ours / GIB:.2f} GiB at its peak, the planner "
+                            f"{theirs / GIB:.2f} GiB ({_ratio(ours, theirs)})")
+    return problems
 
 
 PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
@@ -159,18 +192,20 @@ def _mib(size):
     return f"{size / 2 ** 20:,.3f}"
 
 
-def traffic_table(records, recorded, planned):
-    """One line per stage (its first rank that ran): each axis's recorded MiB (the planner's)."""
+def traffic_table(records, recorded, planned, planned_bytes):
+    """One line per stage (its first rank that ran): each axis's recorded MiB (the planner's), and the memory at
+    its peak (the planner's)."""
     axes = [axis for axis in PLANNED_AXES if any(planned[stage][axis] for stage in planned)
             or any(sent.get(axis) for sent in recorded.values())]
     lines = [f"{'stage':>5}  {'rank':>5}  " + "  ".join(f"{axis + ' (planner)':>23}" for axis in axes)
-             + "  other collectives (MiB)"]
+             + f"  {'peak GiB (planner)':>18}  other collectives (MiB)"]
     for stage in sorted(planned):
         ran = sorted(rank for rank, record in records.items() if record["coordinates"]["pipe"] == stage)
         if not ran:
             continue
         sent = recorded[ran[0]]
         cells = [f"{_mib(sent.get(axis, 0.0)):>10} ({_mib(planned[stage][axis]):>10})" for axis in axes]
+        memory = f"{recorded_memory(records[ran[0]]) / GIB:>8.2f} ({planned_bytes[stage] / GIB:>7.2f})"
         other = sent.get("other", 0.0) + sent.get("pipeline collectives", 0.0)
-        lines.append(f"{stage:>5}  {ran[0]:>5}  " + "  ".join(cells) + f"  {_mib(other)}")
+        lines.append(f"{stage:>5}  {ran[0]:>5}  " + "  ".join(cells) + f"  {memory}  {_mib(other)}")
     return lines

@@ -26,6 +26,14 @@ def dry(flags, environment=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(environment or {})}, timeout=900)
 
 
+def sitecustomize(tmp_path, source):
+    """A folder whose sitecustomize.py runs `source` in every process started with it on PYTHONPATH."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(source))
+    return hook
+
+
 def layer_parameters(h, tp):
     """One GPT layer on one TP rank: QKV and fc1 split with their biases, dense and fc2 split (their biases
     whole), two LayerNorms."""
@@ -96,9 +104,7 @@ def test_all_ranks_form_their_groups_and_an_extra_group_on_one_rank_is_named(tmp
     assert len(records) == 16 and len({record["new_groups_digest"] for record in records.values()}) == 1
     assert "with 16 ranks (process groups only)" in result.stdout
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+    hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_EXTRA_GROUP"):
             import torch.distributed as dist
@@ -111,7 +117,7 @@ def test_all_ranks_form_their_groups_and_an_extra_group_on_one_rank_is_named(tmp
                     dist.new_group(ranks=[5, 6])
 
             training.initialize_groups = with_an_extra_group
-    """))
+    """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_GROUP": "1"}
     result = dry(WORLD_16 + ["--ranks", "all"], environment)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -162,9 +168,7 @@ def test_stages_choose_one_rank_per_stage_and_tp_position():
 
 @pytest.mark.e2e
 def test_an_extra_all_reduce_on_one_rank_is_named_as_the_deadlock_it_would_be(tmp_path):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+    hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_EXTRA_ALL_REDUCE"):
             import torch
@@ -179,10 +183,34 @@ def test_an_extra_all_reduce_on_one_rank_is_named_as_the_deadlock_it_would_be(tm
                 return run(engine, *args, **kwargs)
 
             training.run_global_batch = with_an_extra_all_reduce
-    """))
+    """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_ALL_REDUCE": "1"}
     result = dry(WORLD_16 + ["--step", "--ranks", "4,5"], environment)
     assert result.returncode == 1, result.stdout + result.stderr
     # rank 4's first TP collective of the iteration rebuilds the received activation from its TP halves
     assert "group [4, 5]: collective 1 is _allgather_base of 65,536 bytes on rank 4 and allreduce of 12 bytes on " \
            "rank 5 (88 and 89 collectives on it in all)" in result.stderr, result.stderr
+
+
+@pytest.mark.e2e
+def test_a_rank_whose_start_up_fails_is_named_with_its_error_and_the_next_rank_still_runs(tmp_path):
+    hook = sitecustomize(tmp_path, """
+        import os
+        if os.environ.get("DRY_RUN_TEST_FAILING_RANK"):
+            from megatron_ds import training
+            start_up = training.start_up
+
+            def failing_on_rank_4(args, **kwargs):
+                if os.environ["RANK"] == "4":
+                    raise RuntimeError("injected start-up failure")
+                return start_up(args, **kwargs)
+
+            training.start_up = failing_on_rank_4
+    """)
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_FAILING_RANK": "1"}
+    result = dry(WORLD_16 + ["--ranks", "4,5", "--jobs", "1"], environment)   # one worker runs 4, then 5
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 4 failed its start-up:" in result.stderr
+    assert "RuntimeError: injected start-up failure" in result.stderr
+    assert "rank 5 failed" not in result.stderr
+    assert "covered 1 of 8 (pipeline stage, TP position) classes with 1 ranks" in result.stdout
