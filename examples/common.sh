@@ -8,7 +8,7 @@
 #   PLAN=1            print tools/plan.py's plan for these flags on NODES x GPUS_PER_NODE DEVICEs (no GPU needed)
 #   DRY_RUN=1         run tools/dry_run.py on these flags: every pipeline stage's start-up on a fake process group of
 #                     NODES x GPUS_PER_NODE ranks, checked against the plan (no GPU needed; extra arguments such as
-#                     --ranks all or --jobs 2 go to it)
+#                     --step, --ranks all or --jobs 2 go to it)
 #   PRINT_ARGS=1      print the arguments (NUL-separated) of pretrain.py, or with PLAN=1 of tools/plan.py; run nothing
 #   HOSTFILE=path     launch with `deepspeed --hostfile` ("hostname slots=8" lines) instead of srun
 #   DATA_PATH=prefix  a preprocessed dataset (tools/preprocess_data.py); unset: --mock-data

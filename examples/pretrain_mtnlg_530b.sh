@@ -12,7 +12,7 @@
 #   sbatch examples/pretrain_mtnlg_530b.sh                        # SLURM: 280 nodes x 8 GPUs (srun)
 #   HOSTFILE=hosts NODES=280 bash examples/pretrain_mtnlg_530b.sh # deepspeed --hostfile
 #   PLAN=1 bash examples/pretrain_mtnlg_530b.sh [--search]        # tools/plan.py on these flags, no GPU
-#   DRY_RUN=1 bash examples/pretrain_mtnlg_530b.sh [--ranks all]  # tools/dry_run.py: each stage's start-up, fake ranks
+#   DRY_RUN=1 bash examples/pretrain_mtnlg_530b.sh [--step]       # tools/dry_run.py: each stage's start-up, fake ranks
 #
 #SBATCH --job-name=mtnlg-530b
 #SBATCH --nodes=280
