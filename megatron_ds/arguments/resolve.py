@@ -114,6 +114,12 @@ def _freeze(args):
     return frozen
 
 
+def replaced(args: ResolvedArguments, **values) -> ResolvedArguments:
+    """A copy of resolved arguments with some values replaced, for a tool that runs a launch changed in a way
+    no flag says (the dry run's model ops); the caller keeps the values consistent."""
+    return _freeze(argparse.Namespace(**{**vars(args), **values}))
+
+
 def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)

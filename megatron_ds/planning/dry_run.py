@@ -211,14 +211,14 @@ def plan_problems(records, plan, weight_bytes_per_parameter):
     return problems
 
 
-def step_problems(records, model, layout):
-    """--step: the iterations' point-to-point pairing, collective sequences and traffic against the planner;
-    prints the traffic table and what was covered."""
+def step_problems(records, model, layout, device):
+    """--step: the iterations' point-to-point pairing, collective sequences, traffic and memory against the
+    planner, memory against the device; prints the table and what was covered."""
     micro_batches = next(iter(records.values()))["step"]["micro_batches"]
     planned = step_checks.planned_traffic(model, layout, micro_batches)
     memory = step_checks.planned_memory(model, layout, micro_batches)
     recorded = {rank: step_checks.recorded_traffic(record) for rank, record in records.items()}
-    print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis and the GiB it holds at "
+    print(f"one iteration of {micro_batches} micro-batches: MiB each rank sent per axis and the MiB it holds at "
           f"its peak (the planner's, without its runtime overhead)")
     for line in step_checks.traffic_table(records, recorded, planned, memory):
         print(line)
@@ -227,7 +227,8 @@ def step_problems(records, model, layout):
     ops = sum(len(record["step"]["ops"]) for record in records.values())
     print(f"checked {ops:,} ops: {pairs} sending pairs ({unmatched} whose receiver did not run), {groups} groups "
           f"with two or more members that ran ({alone} with one)")
-    return pairing + sequences + step_checks.traffic_problems(records, recorded, planned)
+    return (pairing + sequences + step_checks.traffic_problems(records, recorded, planned)
+            + step_checks.memory_problems(records, memory, device))
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -269,8 +270,8 @@ def main(argv=None):
         return 2
     from megatron_ds.core import parallel_state
     model, layout = model_spec(args), layout_from_args(args)
-    plan = make_plan(model, layout, Cluster(device_spec(args.device), args.world_size, args.gpus_per_node,
-                                            args.peak_tflops))
+    device = device_spec(args.device)
+    plan = make_plan(model, layout, Cluster(device, args.world_size, args.gpus_per_node, args.peak_tflops))
     if plan["errors"]:
         print("the planner refuses the layout:\n  - " + "\n  - ".join(text for _, text in plan["errors"]),
               file=sys.stderr)
@@ -292,7 +293,7 @@ def main(argv=None):
         for line in stage_table(started, plan):
             print(line)
     if args.step and started:
-        problems += step_problems(started, model, layout)
+        problems += step_problems(started, model, layout, device)
     done, classes = covered_classes(ran, topology) if ran else (0, 0)
     groups = ran[min(ran)].get("new_groups_count", len(ran[min(ran)].get("new_groups", []))) if ran else 0
     print(f"covered {done} of {classes} (pipeline stage, TP position) classes with {len(ran)} ranks"
@@ -306,8 +307,8 @@ def main(argv=None):
         return 1
     print("dry run passed: every group formed alike on its members and equal to DeepSpeed's grid"
           + ("; each stage's parameters as planned" if started else "")
-          + ("; every send received, every group's collectives alike on its members, traffic as planned"
-             if args.step and started else ""))
+          + ("; every send received, every group's collectives alike on its members, traffic and memory as "
+             "planned, memory within the device" if args.step and started else ""))
     return 0
 
 

@@ -22,10 +22,12 @@ start-up runs each of RANKS (0,5,8-11) in a child forked from this process once 
 process per rank, without its seconds of imports), the child's output in OUT_DIR/rank<R>.log: the whole start-up.
 groups runs each of RANKS in turn in this process: only the process groups (training.initialize_groups) and
 DeepSpeed's pipeline grid over them, the check --ranks all makes of every rank. Not run: data loading, the
-watchdog, storage checks, the save-folder lock, TensorBoard. Both compute with the reference fused ops (the
-launch's --fusion-backend does not matter to shapes, and fake tensors go through no kernel).
+watchdog, storage checks, the save-folder lock, TensorBoard. Both build the model with the reference fused ops
+(the launch's --fusion-backend does not matter to shapes, and fake tensors go through no kernel); the optimizer
+is the launch's.
 """
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -203,6 +205,14 @@ def digested(record):
     return record
 
 
+def _with_reference_model_ops(args):
+    """The model's fused ops as their references: fake tensors go through no kernel, and torch.compile of fake
+    tensors costs minutes. The optimizer stays the launch's: a fused AdamW makes no temporaries, the for-loop
+    one (--fusion-backend reference) makes them on a GPU too."""
+    from megatron_ds.arguments.resolve import replaced
+    return replaced(args, model=dataclasses.replace(args.model, fusion_backend="reference"))
+
+
 def main(argv):
     mode, world_size, gpus_per_node, folder, ranks = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
     digest = "--digest" in argv[5:argv.index("--")]
@@ -212,8 +222,7 @@ def main(argv):
     _environment(ranks[0], world_size, gpus_per_node)
     from megatron_ds.core import deepspeed_internals
     deepspeed_internals.skip_shared_memory_comm_build()
-    # fake tensors go through no kernel: the reference ops (torch.compile of fake tensors costs minutes)
-    args = resolve_flags(flags + ["--fusion-backend", "reference"])
+    args = _with_reference_model_ops(resolve_flags(flags))
     if mode == "groups":
         for rank in ranks:
             _environment(rank, world_size, gpus_per_node)

@@ -17,26 +17,31 @@ everything else over DP: per device, non-expert x sharded(dp) + experts x sharde
 take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
 
 Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
-sequence, b micro batch, h hidden, a heads, t TP, U Ulysses SP:
-  no recompute, TP:       s b h / U (10 + 24/t + 5 a s / (h t))   (t = U = 1: s b h (34 + 5 a s / h))
-  no recompute, TP + SP:  s b h / (t U) (34 + 5 a s / h)
-  selective recompute:    the same without the 5 a s / h attention-score term
+sequence, b micro batch, h hidden, a heads, t TP, U Ulysses SP, with the attention term A:
+  no recompute, TP:       s b h / U (10 + 24/t + A/t)   (t = U = 1: s b h (34 + A))
+  no recompute, TP + SP:  s b h / (t U) (34 + A)
+  selective recompute:    the same without A
   full recompute:         2 s b h / U (the layer input), / t with SP or --distribute-saved-activations
+A is the paper's score term 5 a s / h for the explicit attention (--attention-backend local: softmax output 2,
+dropout mask 1, dropout output 2 bytes per score) and 2 + 4 a / h for flash attention (sdpa, flash: the GPUs'
+kernels keep no scores, only their output, 2 s b h, and an fp32 log-sum-exp per query row, 4 a s b).
 The paper's rows are U = 1. Ulysses (--ds-sequence-parallel-size U) divides each by U: outside attention a rank
 holds s/U tokens, so every s-proportional term (10 + 24/t, 34/t, the layer input) takes s/U. Inside attention
 the all-to-all trades the sequence split for a head split: a rank holds q, k, v (k and v expanded to every query
 head) of a/(tU) heads over the whole s, as many elements as s/U tokens of a/t heads, so their share of the 24/t
-stays 6 s b h / (t U); the score term, 5 s^2 b bytes per head (softmax output 2, dropout mask 1, dropout output
-2), over a/(tU) heads is 5 a s^2 b / (t U) = s b h / U x 5 a s / (h t). The all-to-alls keep nothing for backward
-(DeepSpeed's _SeqAllToAll saves no tensor): attention saves their outputs as q, k, v instead of views of the
-QKV output, which nothing keeps then; tools/activation_memory.py measures this on real Ulysses ranks.
+stays 6 s b h / (t U), and so do the flash kernel's output and statistics; the score term, 5 s^2 b bytes per
+head, over a/(tU) heads is 5 a s^2 b / (t U) = s b h / U x 5 a s / (h t). The all-to-alls keep nothing for
+backward (DeepSpeed's _SeqAllToAll saves no tensor): attention saves their outputs as q, k, v instead of views
+of the QKV output, which nothing keeps then; tools/activation_memory.py measures this on real Ulysses ranks.
 fp32 activations count twice. These are the paper's GPT-2-shape counts; SwiGLU and GQA layers differ
-somewhat. With flash attention (the sdpa backend on GPUs) the s x s scores are not stored at all, so the
-no-recompute figures are upper bounds there.
+somewhat.
 A 1F1B stage i of p holds min(p - i, m) micro-batches in flight. Added terms: the first stage keeps the
 embedding-dropout mask (s b h bytes, / t with SP) per micro-batch in flight; the last stage keeps the final
-norm and head inputs (4 s b h, / t with SP) and the fp32 softmax of the vocabulary-parallel cross entropy
-(4 s b V / t) for its one micro-batch; all of them / U with Ulysses. Full recompute (Megatron's methods):
+norm and head inputs (4 s b h, / t with SP) for its one micro-batch, and its cross entropy (core/fusions/
+fused_cross_entropy: no fp32 softmax) needs 6 s b V / t: the logits it keeps (2 s b V / t), those of the
+micro-batch before, which DeepSpeed's pipeline keeps as that one's output, and their gradient; plus two fp32
+temporaries of one chunk of tokens (min(s b, chunk rows) x V / t, 64 MiB each at most; the triton kernel needs
+none, so an upper bound there); all of them / U with Ulysses. Full recompute (Megatron's methods):
 "uniform" with N layers per chunk keeps one input per chunk and needs one chunk's whole activations while it
 runs backward; "block" recomputes only the first N layers of each stage and keeps the others' whole activations.
 """
@@ -44,6 +49,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List
 
+from megatron_ds.core.fusions.fused_cross_entropy import default_chunk_rows
 from megatron_ds.planning import pipeline
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, total_parameters
@@ -92,15 +98,20 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float:
     """As activation_bytes_per_layer, for recompute None, "selective" or "full": the module docstring's rows,
-    s/U tokens per rank and the score term over the whole s (a/(tU) heads of it)."""
+    s/U tokens per rank and the attention term over the whole s (a/(tU) heads of it)."""
     config, t, sp = model.config, layout.tp, layout.sequence_parallel
     s, b, h, a = model.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
-    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    scores = 0.0 if recompute == "selective" else attention_term(config.attention_backend, s, h, a)
     tokens = layout.tokens_per_rank(s, split_over_tp=False)
     per_layer = tokens * b * h / t * (34 + scores) if sp else tokens * b * h * (10 + 24 / t + scores / t)
     return per_layer * (1 if model.sixteen_bit else 2)
+
+
+def attention_term(attention_backend, s, h, a):
+    """The module docstring's A: what core attention keeps beyond q, k and v, in units of s b h bytes."""
+    return 5 * a * s / h if attention_backend == "local" else 2 + 4 * a / h
 
 
 def in_flight_micro_batches(layout: Layout, stage: int) -> float:
@@ -115,9 +126,12 @@ def _first_stage_extra_bytes(model, layout):
 
 def _last_stage_extra_bytes(model, layout):
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
-    norm_and_head_inputs = 4 * layout.tokens_per_rank(s) * b * h * (1 if model.sixteen_bit else 2)
-    softmax = 4 * layout.tokens_per_rank(s, split_over_tp=False) * b * model.padded_vocab_size(t) / t
-    return norm_and_head_inputs + softmax
+    width = 1 if model.sixteen_bit else 2
+    norm_and_head_inputs = 4 * layout.tokens_per_rank(s) * b * h * width
+    tokens, vocab = layout.tokens_per_rank(s, split_over_tp=False) * b, model.padded_vocab_size(t) // t
+    logits = 3 * 2 * tokens * vocab * width
+    chunk_temporaries = 2 * 4 * min(tokens, default_chunk_rows(vocab)) * vocab
+    return norm_and_head_inputs + logits + chunk_temporaries
 
 
 def _saved_layer_input_bytes(model, layout):

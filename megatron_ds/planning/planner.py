@@ -141,9 +141,6 @@ def _warnings(model, layout, cluster, performance):
         warnings.append("activations are counted as for dense layers: an MoE layer keeps its experts' inputs "
                         "and intermediates at capacity (about k x capacity factor x the dense MLP's) and the "
                         "gate's, so the activation figure is low when k x capacity factor > 1")
-    if model.config.attention_backend in ("sdpa", "flash") and layout.recompute is None:
-        warnings.append("activations use the paper's 5as/h attention-score term; flash attention (sdpa on GPUs) "
-                        "stores no scores, so the activation figure is an upper bound")
     return warnings
 
 

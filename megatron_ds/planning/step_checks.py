@@ -7,20 +7,22 @@ their traffic beside the planner's.
     with one more or one fewer waits forever: the deadlock a real launch meets without a message);
   - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
     planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%;
-  - printed, not yet checked: what each rank holds at its peak (the start-up's allocations, what the first
-    iteration made and kept: Adam's moments, and the iteration's transient peak: gradients, activations,
-    recompute) beside the planner's memory for its stage (planning/memory.py, without the runtime overhead it
-    assumes for a GPU). The CPU's attention keeps s x s scores in fp32 that a GPU's flash kernel never stores.
+  - what each rank holds at its peak (the start-up's allocations, what the first iteration made and kept:
+    Adam's moments, and the iteration's transient peak: gradients, activations, recompute) equals the planner's
+    memory for its stage (planning/memory.py, without the runtime overhead it assumes for a GPU) within 5%, and
+    with that overhead fits the device. Attention on fake tensors keeps what a GPU's flash kernel keeps
+    (core/fusions/flash_attention.flash_attention_footprint), not the s x s scores of the CPU's math path.
 Pairs and groups whose other members did not run are counted and reported, not checked.
 """
 import collections
 import dataclasses
 
 from megatron_ds.planning import communication as comm
-from megatron_ds.planning.memory import GIB, memory_per_stage
+from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES, memory_per_stage
 from megatron_ds.planning.parameters import rank_parameters
 
 TRAFFIC_TOLERANCE = 0.01
+MEMORY_TOLERANCE = 0.05
 POINT_TO_POINT = ("send", "recv")
 
 
@@ -157,6 +159,23 @@ def recorded_memory(record):
             record["step"]["transient_peak_bytes"])
 
 
+def memory_problems(records, planned, device):
+    """Each rank's peak against the planner's for its stage, and with the runtime overhead against the device."""
+    problems = []
+    for rank, record in sorted(records.items()):
+        stage = record["coordinates"]["pipe"]
+        ours, theirs = recorded_memory(record), planned[stage]
+        if abs(ours - theirs) > MEMORY_TOLERANCE * max(ours, theirs):
+            problems.append(f"rank {rank} (stage {stage}) holds {_mib(ours)} MiB at its peak, the planner "
+                            f"{_mib(theirs)} MiB for its stage ({_ratio(ours, theirs)})")
+        if ours + RUNTIME_OVERHEAD_BYTES > device.memory_gib * GIB:
+            problems.append(f"rank {rank} (stage {stage}) holds {ours / GIB:.2f} GiB at its peak, "
+                            f"{(ours + RUNTIME_OVERHEAD_BYTES) / GIB:.2f} GiB with the "
+                            f"{RUNTIME_OVERHEAD_BYTES / GIB:g} GiB the planner assumes for the CUDA context and "
+                            f"buffers: more than the {device.name}'s {device.memory_gib:g} GiB")
+    return problems
+
+
 PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
 
 
@@ -187,14 +206,14 @@ def traffic_table(records, recorded, planned, planned_bytes):
     axes = [axis for axis in PLANNED_AXES if any(planned[stage][axis] for stage in planned)
             or any(sent.get(axis) for sent in recorded.values())]
     lines = [f"{'stage':>5}  {'rank':>5}  " + "  ".join(f"{axis + ' (planner)':>23}" for axis in axes)
-             + f"  {'peak GiB (planner)':>18}  other collectives (MiB)"]
+             + f"  {'peak (planner)':>23}  other collectives (MiB)"]
     for stage in sorted(planned):
         ran = sorted(rank for rank, record in records.items() if record["coordinates"]["pipe"] == stage)
         if not ran:
             continue
         sent = recorded[ran[0]]
         cells = [f"{_mib(sent.get(axis, 0.0)):>10} ({_mib(planned[stage][axis]):>10})" for axis in axes]
-        memory = f"{recorded_memory(records[ran[0]]) / GIB:>8.2f} ({planned_bytes[stage] / GIB:>7.2f})"
+        memory = f"{_mib(recorded_memory(records[ran[0]])):>10} ({_mib(planned_bytes[stage]):>10})"
         other = sent.get("other", 0.0) + sent.get("pipeline collectives", 0.0)
         lines.append(f"{stage:>5}  {ran[0]:>5}  " + "  ".join(cells) + f"  {memory}  {_mib(other)}")
     return lines

@@ -61,19 +61,24 @@ def test_infeasible_layout_reports_its_first_broken_rule():
 
 
 def test_out_of_memory_shortfall_by_hand():
-    """The hand case's stage 0 needs 14 B x 60608 states + 450560 activation bytes (2 micro-batches of 2 x
-    110592 plus the 4096-byte embedding mask) + 2 GiB overhead; a 2 GiB device is 1299072 bytes short."""
+    """The hand case's stage 0 needs 14 B x 60608 states + 387072 activation bytes (2 micro-batches of 2 layers
+    of s b h (10 + 24/2 + (2 + 4a/h)/2) = 94720 with flash attention, plus the 4096-byte embedding mask of each)
+    + 2 GiB overhead; a 2 GiB device is 848512 + 387072 = 1235584 bytes short. (Stage 1, 14 x 60736 + 2 x 94720
+    + 4 s b h + the cross entropy's 114688 = 1170816 bytes, needs less.)"""
     model, layout = hand_case()
     tiny = Cluster(dataclasses.replace(device_spec("cpu"), memory_gib=2.0), 8, 8)
+    shortfall = 14 * 60608 + 2 * (2 * 94720 + 4096)
+    assert shortfall == 1235584
     assert search.evaluate(model, layout, tiny, ASSUMPTIONS) == (
-        "out of memory", "needs 2.0 GiB of 2 (over by 0.0 GiB)", 14 * 60608 + 450560)
+        "out of memory", "needs 2.0 GiB of 2 (over by 0.0 GiB)", shortfall)
 
 
 def test_feasible_row_agrees_with_the_layouts_plan():
     model, layout = hand_case()
     row = search.evaluate(model, layout, cpu_cluster(), ASSUMPTIONS)
     plan = make_plan(model, layout, cpu_cluster(), ASSUMPTIONS)
-    assert row["peak_memory_gib"] == plan["memory"]["peak_bytes"] / GIB == (14 * 60608 + 450560) / GIB + 2
+    # stage 0, as in test_out_of_memory_shortfall_by_hand: 14 B x 60608 states, 387072 activation bytes
+    assert row["peak_memory_gib"] == plan["memory"]["peak_bytes"] / GIB == (14 * 60608 + 387072) / GIB + 2
     assert row["margin_gib"] == pytest.approx(64 - row["peak_memory_gib"])
     assert row["iteration_s"] == plan["performance"]["iteration_s"]
     assert (row["num_micro_batches"], row["bubble_fraction"]) == (4, 1 / 5)

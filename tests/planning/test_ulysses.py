@@ -2,7 +2,9 @@
 activation bytes (the paper's rows / U), the all-to-all bytes per layer, the gradient reduction and ZeRO over
 U x DP ranks, FLOPs per rank, links, the layout rules, the plan and the search's choice of U.
 
-The hand case (tests/planning/specs.py): l 4, h 64, a 4 (d 16), s 32, V 256, bf16, tied. Two layouts of 16 ranks,
+The hand case (tests/planning/specs.py): l 4, h 64, a 4 (d 16), s 32, V 256, bf16, tied, here with the explicit
+attention (--attention-backend local) so that the rows by hand keep the paper's score term 5as/h; the default
+flash attention's rows are the same over U (test_every_activation_row_is_the_papers_over_u). Two layouts of 16 ranks,
 2 stages of 2 layers, micro batch 2, global batch 16 (4 micro-batches):
   U2: TP 2 x Ulysses 2 x PP 2 x DP 2 (60608 and 60736 parameters per device, tests/planning/test_planner.py)
   U4: TP 1 x Ulysses 4 x PP 2 x DP 2 (118400 and 118528)
@@ -32,8 +34,9 @@ U4 = Layout(tp=1, pp=2, dp=2, micro_batch_size=2, global_batch_size=16, ulysses=
 RECOMPUTE = (None, "selective", "full")
 
 
-def model():
-    return hand_case()[0]
+def model(attention_backend="local"):
+    hand = hand_case()[0]
+    return dataclasses.replace(hand, config=dataclasses.replace(hand.config, attention_backend=attention_backend))
 
 
 # ---------------------------------------------------------------- the layout
@@ -52,17 +55,19 @@ def test_ulysses_ranks_count_in_the_world_and_in_the_gradient_reduction_but_not_
 
 @pytest.mark.parametrize("layout", [U2, U4], ids=["U2", "U4"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-SP", "SP"])
-def test_every_activation_row_is_the_papers_over_u(layout, sequence_parallel):
+@pytest.mark.parametrize("attention_backend", ["local", "sdpa"])
+def test_every_activation_row_is_the_papers_over_u(layout, sequence_parallel, attention_backend):
     layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel and layout.tp > 1)
     for recompute in RECOMPUTE:
         unsplit = dataclasses.replace(layout, ulysses=1)
-        assert layer_activation_bytes(model(), layout, recompute) == \
-               layer_activation_bytes(model(), unsplit, recompute) / layout.ulysses
+        assert layer_activation_bytes(model(attention_backend), layout, recompute) == \
+               layer_activation_bytes(model(attention_backend), unsplit, recompute) / layout.ulysses
 
 
 def test_activation_bytes_per_layer_by_hand():
-    """U2 (t 2): s b h / U (10 + 24/t + 5as/(ht)), with SP s b h / (t U) (34 + 5as/h); selective drops the score
-    term; full keeps 2 s b h / U (/ t with SP). U4 (t 1): s b h / U (34 + 5as/h)."""
+    """With local attention (model()): U2 (t 2): s b h / U (10 + 24/t + 5as/(ht)), with SP s b h / (t U)
+    (34 + 5as/h); selective drops the score term; full keeps 2 s b h / U (/ t with SP). U4 (t 1): s b h / U
+    (34 + 5as/h)."""
     sp = dataclasses.replace(U2, sequence_parallel=True)
     assert [layer_activation_bytes(model(), U2, r) for r in RECOMPUTE] == [
         SBH / 2 * (10 + 24 / 2 + SCORES / 2), SBH / 2 * (10 + 24 / 2), 2 * SBH / 2] == [55296, 45056, 4096]
@@ -74,16 +79,19 @@ def test_activation_bytes_per_layer_by_hand():
 
 def test_stage_memory_by_hand():
     """The extras hold s/U tokens too: stage 0 the embedding-dropout mask s b h / U per micro-batch in flight
-    (2 of them), stage 1 the norm and head inputs 4 s b h / U and the fp32 softmax 4 (s/U) b V / t. Optimizer
-    states sharded over U x DP: 12/4 bytes per parameter at U2, 12/8 at U4."""
+    (2 of them), stage 1 the norm and head inputs 4 s b h / U and the cross entropy's 16-bit logits, the micro-
+    batch before's and their gradient, 3 x 2 x (s/U) b x V/t, with two fp32 chunk temporaries 2 x 4 x (s/U) b x
+    V/t (a chunk of 2**24 // (V/t) rows holds every token): U2 (s/U) b = 16 x 2 = 32 tokens of V/t = 128,
+    6 x 32 x 128 = 24576 and 2 x 4 x 32 x 128 = 32768; U4 16 tokens of 256, the same 24576 and 32768.
+    Optimizer states sharded over U x DP: 12/4 bytes per parameter at U2, 12/8 at U4."""
     u2_first, u2_last = memory_per_stage(model(), U2, stage_parameters(model(), 2, 2))
     assert u2_first.activations == 2 * (2 * 55296 + SBH / 2) == 225280
-    assert u2_last.activations == 2 * 55296 + 4 * SBH / 2 + 4 * 16 * 2 * 256 / 2 == 135168
+    assert u2_last.activations == 2 * 55296 + 4 * SBH / 2 + 6 * 32 * 128 + 2 * 4 * 32 * 128 == 176128
     assert (u2_first.optimizer, u2_last.optimizer) == (12 / 4 * 60608, 12 / 4 * 60736)
     assert u2_first.total == (2 + 2 + 4 + 3) * 60608 + 225280 + RUNTIME_OVERHEAD_BYTES
     u4_first, u4_last = memory_per_stage(model(), U4, stage_parameters(model(), 1, 2))
     assert u4_first.activations == 2 * (2 * 45056 + SBH / 4) == 182272
-    assert u4_last.activations == 2 * 45056 + 4 * SBH / 4 + 4 * 8 * 2 * 256 == 110592
+    assert u4_last.activations == 2 * 45056 + 4 * SBH / 4 + 6 * 16 * 256 + 2 * 4 * 16 * 256 == 151552
     assert (u4_first.optimizer, u4_last.optimizer) == (12 / 8 * 118400, 12 / 8 * 118528)
 
 
@@ -239,23 +247,48 @@ def long_sequence_model():
 
 
 def test_search_takes_ulysses_where_nothing_fits_without_it():
-    """4 devices of 2.1 GiB, 2 of them the runtime overhead, global batch 4. Without Ulysses no layout fits (the
-    TP 2 the kv heads allow leaves 34 s b h / 2 per layer even with SP and selective recompute); Ulysses 4 at
-    TP 1 (selective) and Ulysses 2 at TP 2 (SP, selective) do. TP 1 x Ulysses 4 by hand: 2 layers of
-    34 s b h / 4, the embedding mask s b h / 4, the head's inputs 4 s b h / 4 and the fp32 softmax 4 (s/4) b V,
-    with 1448192 parameters at 2 + 2 + 4 + 12/4 bytes."""
+    """4 devices of 2.1 GiB, 2 of them the runtime overhead, global batch 4, the default attention (sdpa: flash
+    kernels, no s x s scores, A = 2 + 4a/h = 2.125). Without Ulysses no layout fits: the TP 2 the kv heads allow
+    leaves 34 s b h / 2 per layer even with SP and selective recompute, and full recompute's working set of one
+    whole layer plus the last stage's extras does no better (the closest, TP 2 x PP 2, SP, full, needs 2.117
+    GiB). With Ulysses, all at PP 1 and micro batch 1: Ulysses 2 at TP 2 with SP and no recompute, with full
+    recompute (SP or not) and with SP and selective recompute; Ulysses 4 at TP 1 with full or selective
+    recompute (without recompute it needs 2.104 GiB). Two by hand, s b h = 16384 x 256, one stage, so both extras:
+    - TP 2 x Ulysses 2, SP, no recompute (the fastest): 2 layers of s b h / 4 (34 + 2 + 4 x 8 / 256), the
+      embedding mask s b h / 4, the head's inputs 4 s b h / 4, the cross entropy's logits 6 x (s/2) b x V/t =
+      6 x 8192 x 128 and two fp32 chunk temporaries 2 x 4 x 8192 x 128 (a chunk is 2**24 // 128 = 131072 rows);
+      per device, with the layers' matrices, the column-parallel biases and the embedding halved, 2 x (QKV
+      (256 x 384 + 384) / 2 + projection 256^2 / 2 + 256 + MLP (256 x 1024 + 1024) / 2 + 1024 x 256 / 2 + 256
+      + norms 1024) + embedding 256 x 256 / 2 + final norm 512 = 725888 parameters at 2 + 2 + 4 + 12/2 bytes.
+    - TP 1 x Ulysses 4, selective: 2 layers of 34 s b h / 4, the mask s b h / 4, the head's inputs 4 s b h / 4,
+      the logits 6 x (s/4) b x V = 6 x 4096 x 256 and temporaries 2 x 4 x 4096 x 256, with 1448192 parameters
+      at 2 + 2 + 4 + 12/4 bytes.
+    With the paper's score term (--attention-backend local) only the two selective rows fit."""
     small = Cluster(dataclasses.replace(device_spec("cpu"), memory_gib=2.1), 4, 4)
     result = search.search_layouts(long_sequence_model(), small, 4, top=100)
     ranked = result["ranked"]
     assert [(row["tp"], row["ulysses"], row["sequence_parallel"], row["recompute"]) for row in ranked] == [
+        (2, 2, True, None), (1, 4, False, "full"), (2, 2, False, "full"), (2, 2, True, "full"),
         (1, 4, False, "selective"), (2, 2, True, "selective")]
+    assert all((row["pp"], row["micro_batch_size"]) == (1, 1) for row in ranked)
     sbh = 16384 * 256
-    activations = 2 * 34 * sbh / 4 + sbh / 4 + 4 * sbh / 4 + 4 * 16384 / 4 * 256
-    assert ranked[0]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + 1448192 * 11) / GIB
+    parameters = 2 * ((256 * 384 + 384) / 2 + 256 ** 2 / 2 + 256 + (256 * 1024 + 1024) / 2 + 1024 * 256 / 2 + 256
+                      + 1024) + 256 * 256 / 2 + 512
+    assert parameters == 725888
+    activations = (2 * sbh / 4 * (34 + 2 + 4 * 8 / 256) + sbh / 4 + 4 * sbh / 4 + 6 * 8192 * 128
+                   + 2 * 4 * 8192 * 128)
+    assert ranked[0]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + parameters * 14) / GIB
+    activations = 2 * 34 * sbh / 4 + sbh / 4 + 4 * sbh / 4 + 6 * 4096 * 256 + 2 * 4 * 4096 * 256
+    assert ranked[4]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + 1448192 * 11) / GIB
     assert result["ulysses_skipped"] == 0                                   # no smaller Ulysses size fits
     without = [layout for layout in search.candidate_layouts(4, 4, 1) if layout.ulysses == 1]
     assert all(not isinstance(search.evaluate(long_sequence_model(), layout, small, PerformanceAssumptions()), dict)
                for layout in without)
+    local = long_sequence_model()
+    local = dataclasses.replace(local, config=dataclasses.replace(local.config, attention_backend="local"))
+    assert [(row["tp"], row["ulysses"], row["sequence_parallel"], row["recompute"])
+            for row in search.search_layouts(local, small, 4, top=100)["ranked"]] == [
+        (1, 4, False, "selective"), (2, 2, True, "selective")]
 
 
 def test_search_leaves_ulysses_out_where_the_layout_fits_without_it():

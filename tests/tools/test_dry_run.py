@@ -4,6 +4,7 @@ enough to work out by hand (16 ranks, TP 2 x PP 4 x DP 2; an MoE of 8), the faul
 sitecustomize on the ranks' PYTHONPATH makes one rank create one process group more than the others."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,7 +47,7 @@ def test_every_stage_of_a_16_rank_world_starts_up_and_steps_as_planned(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "covered 8 of 8 (pipeline stage, TP position) classes with 8 ranks" in result.stdout
     assert "12 sending pairs (0 whose receiver did not run)" in result.stdout
-    assert "traffic as planned" in result.stdout
+    assert "traffic and memory as planned, memory within the device" in result.stdout
     records = json.loads((tmp_path / "dry.json").read_text())["ranks"]
     assert sorted(map(int, records)) == [0, 1, 4, 5, 8, 9, 12, 13]   # data-parallel replica 0
     # rank = pipe x 4 + data x 2 + tp: rank 5 is stage 1, replica 0, TP rank 1
@@ -214,3 +215,47 @@ def test_a_rank_whose_start_up_fails_is_named_with_its_error_and_the_next_rank_s
     assert "RuntimeError: injected start-up failure" in result.stderr
     assert "rank 5 failed" not in result.stderr
     assert "covered 1 of 8 (pipeline stage, TP position) classes with 1 ranks" in result.stdout
+
+
+@pytest.mark.e2e
+def test_memory_held_beyond_the_plan_on_one_rank_is_named(tmp_path):
+    hook = sitecustomize(tmp_path, """
+        import os
+        if os.environ.get("DRY_RUN_TEST_EXTRA_MEMORY"):
+            import torch
+            import torch.distributed as dist
+            from megatron_ds import training
+            run, kept = training.run_global_batch, []
+
+            def keeping_4_mib_more(engine, *args, **kwargs):
+                if dist.get_rank() == 5:
+                    kept.append(torch.empty(1 << 20))
+                return run(engine, *args, **kwargs)
+
+            training.run_global_batch = keeping_4_mib_more
+    """)
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_MEMORY": "1"}
+    result = dry(WORLD_16 + ["--step", "--ranks", "4,5"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = [line.strip() for line in result.stderr.split("dry run FAILED:")[1].strip().splitlines()]
+    assert len(problems) == 1 and problems[0].startswith("- rank 5 (stage 1) holds "), result.stderr
+    held, planned = (float(word.replace(",", "")) for word in re.findall(r"([\d,.]+) MiB", problems[0]))
+    assert 4.0 < held - planned < 4.0 + 0.05 * planned   # the 4 MiB kept, on what the check lets pass
+    assert f"({held / planned:.3f}x)" in problems[0]
+
+
+@pytest.mark.e2e
+def test_a_micro_batch_that_overflows_one_stage_names_that_rank_and_the_device():
+    """s 2048 x b 480 at h 256, TP 2: a layer keeps s b h (10 + 24/2 + (2 + 4a/h)/2) = 23.06 s b h bytes per
+    micro-batch (flash attention), 5.8 GB; stage 0 of 4 holds 4 micro-batches of 2 layers (43 GiB), over an
+    A100-40GB's 40 GiB with the 2 GiB runtime overhead; stage 1 holds 3 (32 GiB) and fits."""
+    flags = list(WORLD_16)
+    for flag, value in (("--seq-length", "2048"), ("--micro-batch-size", "480"), ("--global-batch-size", "7680")):
+        flags[flags.index(flag) + 1] = value   # still 8 micro-batches
+    flags += ["--max-position-embeddings", "2048"]
+    result = dry(flags + ["--step", "--ranks", "0,4", "--device", "a100-40gb"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = [line.strip() for line in result.stderr.split("dry run FAILED:")[1].strip().splitlines()]
+    assert len(problems) == 1, result.stderr
+    assert problems[0].startswith("- rank 0 (stage 0) holds 4") and "more than the NVIDIA A100-SXM4-40GB's 40 " \
+        "GiB" in problems[0], problems[0]

@@ -209,6 +209,35 @@ def flash_attention_compile(query, key, value, dropout_p: float, seed):
     return _BlockedAttention.apply(query, key, value, dropout_p, seed, True)
 
 
+class _KernelFootprint(torch.autograd.Function):
+    """Shapes only: what the GPU's flash kernels (torch's scaled_dot_product_attention, this module's triton
+    ones) keep for backward - q, k, v, the output and the fp32 log-sum-exp per query row - and the gradients
+    they allocate, without the math."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def flash_attention_footprint(query, key, value):
+    """For fake tensors (tools/dry_run.py), which have no values for the blocks' math to work on: the memory a
+    GPU's flash attention holds, whose blocks stay on chip (the CPU's math path would keep fp32 s x s scores).
+    Grouped key and value heads are repeated to one per query head, as the kernels take them."""
+    _check(query, key, value)
+    per_group = query.size(1) // key.size(1)
+    if per_group > 1:
+        key, value = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
+    return _KernelFootprint.apply(query, key, value)
+
+
 def _device_function(fn):
     """A function the kernels call. Unlike a kernel it is jitted at import, in the mode triton was imported in
     (as triton jits its own tl functions); without triton it stays plain Python and is never called."""

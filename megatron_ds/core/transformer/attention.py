@@ -9,11 +9,12 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from deepspeed.sequence.layer import DistributedAttention
 
 from megatron_ds.core.fusions import scale_mask_softmax_reference
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.fusions.flash_attention import draw_seed
+from megatron_ds.core.fusions.flash_attention import draw_seed, flash_attention_footprint
 from megatron_ds.core.parallel_state import (get_sequence_parallel_group, get_sequence_parallel_rank,
                                              get_sequence_parallel_world_size, get_tensor_model_parallel_world_size)
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
@@ -114,7 +115,10 @@ class SelfAttention(torch.nn.Module):
         return context.permute(2, 0, 1, 3)
 
     def _core_attention(self, query, key, value, attention_mask):
-        """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank."""
+        """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank. Fake tensors (the
+        dry run) take the flash kernels' footprint unless the backend is the explicit local one."""
+        if self.config.attention_backend != "local" and is_fake(query):
+            return flash_attention_footprint(query, key, value)
         with get_cuda_rng_tracker().fork():
             if self.flash_attention is not None and attention_mask is None:
                 return self._flash_attention(query, key, value)
