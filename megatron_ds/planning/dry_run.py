@@ -206,8 +206,9 @@ def plan_problems(records, plan, weight_bytes_per_parameter):
             problems.append(f"rank {rank} (stage {stage}): {record['bytes']['weights']:,} bytes of weights, the "
                             f"planner {planned * weight_bytes_per_parameter:,}")
         if record["layers"] != per_stage[stage]["layers"]:
-            problems.append(f"rank {rank} (stage {stage}): {record['layers']} transformer layers, the planner "
-                            f"{per_stage[stage]['layers']}")
+            held = "no transformer layer: a pipeline stage without layers" if record["layers"] == 0 else \
+                f"{record['layers']} transformer layers"
+            problems.append(f"rank {rank} (stage {stage}): {held}, the planner {per_stage[stage]['layers']}")
     return problems
 
 

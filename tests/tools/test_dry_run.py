@@ -259,3 +259,56 @@ def test_a_micro_batch_that_overflows_one_stage_names_that_rank_and_the_device()
     assert len(problems) == 1, result.stderr
     assert problems[0].startswith("- rank 0 (stage 0) holds 4") and "more than the NVIDIA A100-SXM4-40GB's 40 " \
         "GiB" in problems[0], problems[0]
+
+
+@pytest.mark.e2e
+def test_a_partition_that_leaves_a_stage_without_layers_is_named(tmp_path):
+    """DeepSpeed balancing the stages on the embedding modules (two of them, the tied pair, among 8 layers)
+    instead of the transformer layers puts every layer in the first two stages."""
+    hook = sitecustomize(tmp_path, """
+        import os
+        if os.environ.get("DRY_RUN_TEST_PARTITION"):
+            from megatron_ds import training
+            choose = training.pipeline_module_class
+
+            def partitioned_on_embeddings(*args, **kwargs):
+                module_class = choose(*args, **kwargs)
+
+                class OnEmbeddings(module_class):
+                    def __init__(self, *a, **k):
+                        super().__init__(*a, **{**k, "partition_method": "type:EmbeddingPipe"})
+                return OnEmbeddings
+
+            training.pipeline_module_class = partitioned_on_embeddings
+    """)
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_PARTITION": "1"}
+    result = dry(WORLD_16 + ["--ranks", "8", "--jobs", "1"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 8 (stage 2): no transformer layer: a pipeline stage without layers, the planner 2" in result.stderr
+    assert "rank 8 (stage 2): 512 parameters, the planner 791,296" in result.stderr   # the final norm only
+
+
+@pytest.mark.e2e
+def test_a_tie_group_the_last_stage_does_not_join_is_named(tmp_path):
+    """The last stage built untied (a model change on one rank) never joins the embedding's tie group [0, 12]:
+    rank 0's tied gradient all-reduce would wait for it forever."""
+    hook = sitecustomize(tmp_path, """
+        import os
+        if os.environ.get("DRY_RUN_TEST_TIE"):
+            from megatron_ds import training
+            specs = training.gpt_layer_specs
+
+            def untied_on_rank_12(config, vocab_size, max_sequence_length, *args, **kwargs):
+                if os.environ["RANK"] != "12":   # set per rank, after this file runs
+                    return specs(config, vocab_size, max_sequence_length, *args, **kwargs)
+                return specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=False)
+
+            training.gpt_layer_specs = untied_on_rank_12
+    """)
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_TIE": "1"}
+    result = dry(WORLD_16 + ["--step", "--ranks", "0,12"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ranks 0 and 12 create different process groups: group 67 is [0, 12] on rank 0 and (none) on rank 12" \
+        in result.stderr
+    assert "group [0, 12]: rank 0 issues 1 collectives on it, rank 12 0; the first unmatched is rank 0's allreduce " \
+        "of 524,288 bytes" in result.stderr
