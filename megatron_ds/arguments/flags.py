@@ -170,6 +170,10 @@ def _add_parallel_args(parser):
                        help="accepted for Megatron-DeepSpeed scripts: DeepSpeed's engine does the data parallelism")
     group.add_argument("--no-async-tensor-model-parallel-allreduce", dest="async_tensor_model_parallel_allreduce",
                        action="store_false", help="accepted; TP all-reduces are not overlapped here either way")
+    group.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                       action="store_false", help="accepted for Megatron-DeepSpeed scripts (which need it without "
+                       "apex): autograd adds the weight gradients into DeepSpeed's buffers here, there is no fused "
+                       "weight-gradient kernel to turn off")
     group.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather_tensors_in_pipeline",
                        action="store_false", help="pipeline messages travel whole between stages instead of split "
                        "over the TP ranks")

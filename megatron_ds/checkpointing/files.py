@@ -32,6 +32,7 @@ import zlib
 import torch
 
 from megatron_ds.arguments.configs import args_to_dict  # noqa: F401 (the checkpoint's record of the arguments)
+from megatron_ds.checkpointing import foreign
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 
@@ -232,10 +233,6 @@ def problems_of(path):
     try:
         metadata = read_metadata(path)
     except FileNotFoundError:
-        if os.path.isdir(os.path.join(path, "zero")):
-            return ["a DeepSpeed universal checkpoint (ds_to_universal's output, a zero/ folder of parameters): "
-                    "load it with --universal-checkpoint (its pointer latest_universal must name it), or load the "
-                    "checkpoint it was made from: --load reshards any layout"]
         return [f"no {METADATA_FILE} (the save did not finish)"]
     except (OSError, ValueError) as error:
         return [f"{METADATA_FILE} is unreadable ({error})"]
@@ -323,6 +320,8 @@ def resolve_checkpoint(load_dir, iteration=None):
         if iteration is not None:
             raise CheckpointError(f"--load {load_dir}: no such folder")
         return None, None, [f"--load {load_dir}: no such folder; starting from scratch"]
+    if not list_tags(load_dir) and not os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
+        _refuse_foreign(load_dir, foreign.foreign_folder(load_dir))
     temporaries = [name for name in os.listdir(load_dir) if name.endswith(TMP_SUFFIX)]
     if temporaries:
         notes.append(f"ignoring incomplete save(s) {', '.join(sorted(temporaries))} in {load_dir} (a save was killed)")
@@ -348,10 +347,17 @@ def resolve_checkpoint(load_dir, iteration=None):
             notes.append(f"{newer_tag} is newer than the pointers' {tag} but was not published (a save killed "
                          f"before updating the pointers?); it is {state}; loading {tag}")
     path = os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        _refuse_foreign(path, foreign.foreign_checkpoint(path))
     problems = problems_of(path)
     if problems:
         raise damaged_checkpoint_error(load_dir, tag, problems)
     return tag, read_metadata(path), notes
+
+
+def _refuse_foreign(path, holds):
+    if holds is not None:
+        raise CheckpointError(f"--load: {path} holds {holds}; it is not a megatron_ds checkpoint")
 
 
 def load_file(path, what="checkpoint file"):

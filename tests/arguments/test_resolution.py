@@ -2,6 +2,7 @@
 planning tools derive the same values from the same functions."""
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -83,3 +84,13 @@ def test_planner_resolves_like_pretrain(tmp_path):
     names = ("ffn_hidden_size", "padded_vocab_size", "data_parallel_size", "micro_batch_size", "global_batch_size",
              "zero_stage", "params_dtype", "effective_deepspeed_config")
     assert {name: getattr(planned, name) for name in names} == {name: getattr(trained, name) for name in names}
+
+
+def test_megatron_deepspeed_flags_that_change_nothing_here_are_accepted_and_say_why():
+    """Megatron-DeepSpeed's scripts pass --no-gradient-accumulation-fusion to run without apex."""
+    args = parse_args(TINY_MODEL + ["--no-gradient-accumulation-fusion"], world_size=1)
+    assert args.gradient_accumulation_fusion is False
+    assert parse_args(TINY_MODEL, world_size=1).gradient_accumulation_fusion is True
+    help_text = " ".join(re.sub(r"-\n\s+", "-", build_parser().format_help()).split())   # wrapped at hyphens
+    assert "--no-gradient-accumulation-fusion accepted for Megatron-DeepSpeed scripts" in help_text
+    assert "there is no fused weight-gradient kernel to turn off" in help_text
