@@ -15,7 +15,8 @@ EXAMPLES = """examples:
       --target-pipeline-model-parallel-size 2
   convert_checkpoint.py --to-hf --load ckpt --save hf_model
   convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf --target-tensor-parallel-size 2 \\
-      --target-pipeline-model-parallel-size 2"""
+      --target-pipeline-model-parallel-size 2
+  convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds"""
 
 
 def build_parser():
@@ -24,6 +25,10 @@ def build_parser():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--to-hf", action="store_true", help="write a Hugging Face model folder to --save")
     mode.add_argument("--from-hf", metavar="HF_DIR", help="read this Hugging Face model folder")
+    mode.add_argument("--from-megatron-deepspeed", metavar="MDS_DIR",
+                      help="read this Megatron-DeepSpeed checkpoint folder (its `latest` names the checkpoint; "
+                           "--load-iteration another): weights, iteration and data position; not yet its optimizer "
+                           "states or LR schedule")
     parser.add_argument("--load", help="our checkpoint folder (its pointers name the checkpoint)")
     parser.add_argument("--load-iteration", default=None, help="this iteration instead of the pointers' one")
     parser.add_argument("--save", required=True, help="output folder")
@@ -52,6 +57,9 @@ def main(argv=None):
             convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
                             args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by,
                             args.target_expert_parallel_size, args.target_expert_tensor_parallelism)
+        elif args.from_megatron_deepspeed:
+            convert.from_megatron_deepspeed(args.from_megatron_deepspeed, args.save, args.target_tensor_parallel_size,
+                                            args.target_pipeline_model_parallel_size, args.load_iteration)
         elif not args.load:
             parser.error("give --load (reshape or --to-hf) or --from-hf")
         elif args.to_hf:

@@ -9,7 +9,7 @@ import torch
 from megatron_ds.arguments import flag_defaults, padded_vocab_size
 from megatron_ds.checkpointing import files, layout, state
 from megatron_ds.checkpointing.files import CheckpointError
-from megatron_ds.conversion import huggingface
+from megatron_ds.conversion import huggingface, megatron_deepspeed
 
 
 def _log(message):
@@ -279,6 +279,23 @@ def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_
     _log(f"wrote {folder} ({files.model_family(shape)} family, {layout_text}, weights only) from {hf_dir}; "
          f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
          f"{model_flags(shape, full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
+    return folder
+
+
+def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None):
+    """A Megatron-DeepSpeed checkpoint written as ours (weights, iteration, data position), at its own layout
+    unless told another."""
+    path = megatron_deepspeed.checkpoint_folder(mds_dir, iteration)
+    full = megatron_deepspeed.read_megatron_deepspeed(path)
+    source_tp, source_pp = full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"]
+    tp, pp = tp or source_tp, pp or source_pp
+    _check_target(full.model, tp, pp)
+    _retarget(full, tp, pp)
+    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=False,
+                                            source=os.path.abspath(path))
+    _log(f"wrote {folder} (iteration {full.iteration}, {full.consumed_train_samples} samples consumed; weights "
+         f"only: the optimizer states and the LR schedule start afresh) from Megatron-DeepSpeed's {path} (TP "
+         f"{source_tp} x PP {source_pp}); {_training_hint(full, tp, pp)}")
     return folder
 
 

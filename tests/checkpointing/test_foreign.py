@@ -57,7 +57,9 @@ def refusal(load_dir):
                                                    (2, 2, 8, "TP 2 x PP 2 x DP 2")])
 def test_a_megatron_deepspeed_checkpoint_is_named_with_its_version_and_layout(tmp_path, tp, pp, world, layout):
     tag = megatron_deepspeed_checkpoint(tmp_path, tp, pp, world)
-    assert f"{tag} holds a Megatron-DeepSpeed checkpoint (version 3.0, {layout}, iteration 5)" in refusal(tmp_path)
+    message = refusal(tmp_path)
+    assert f"{tag} holds a Megatron-DeepSpeed checkpoint (version 3.0, {layout}, iteration 5): convert it with " \
+           f"tools/convert_checkpoint.py --from-megatron-deepspeed {tmp_path} --save DIR" in message
 
 
 def test_deepspeed_files_of_another_program_are_named_for_what_they_lack(tmp_path):
