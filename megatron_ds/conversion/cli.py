@@ -61,7 +61,7 @@ def main(argv=None):
             convert.from_megatron_deepspeed(args.from_megatron_deepspeed, args.save, args.target_tensor_parallel_size,
                                             args.target_pipeline_model_parallel_size, args.load_iteration)
         elif not args.load:
-            parser.error("give --load (reshape or --to-hf) or --from-hf")
+            parser.error("give --load (reshape or --to-hf), --from-hf or --from-megatron-deepspeed")
         elif args.to_hf:
             convert.to_hf(args.load, args.save, args.load_iteration, args.trim_vocab_padding)
         else:
