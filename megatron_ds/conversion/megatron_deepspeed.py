@@ -33,15 +33,11 @@ _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 
 
 def checkpoint_folder(load_dir, iteration=None):
-    """The tag folder --load [--load-iteration] names, by DeepSpeed's pointer `latest`."""
-    if iteration is not None:
-        tag = f"global_step{int(iteration)}"
-    else:
-        pointer = os.path.join(load_dir, "latest")
-        if not os.path.isfile(pointer):
-            raise CheckpointError(f"--load {load_dir}: no pointer `latest` (DeepSpeed's) to a Megatron-DeepSpeed "
-                                  f"checkpoint; name one with --load-iteration")
-        tag = open(pointer).read().strip()
+    """The tag folder --load [--load-iteration] names, by the pointers Megatron-DeepSpeed writes (ours too)."""
+    tag = files.tag_for(int(iteration)) if iteration is not None else files.read_pointer(load_dir)
+    if tag is None:
+        raise CheckpointError(f"--load {load_dir}: no pointer (latest, {files.MEGATRON_TRACKER}) to a "
+                              f"Megatron-DeepSpeed checkpoint; name one with --load-iteration")
     path = os.path.join(load_dir, tag)
     if not os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt")):
         raise CheckpointError(f"--load {load_dir}: {path} has no mp_rank_00_model_states.pt")
@@ -126,12 +122,14 @@ def _canonical(name, num_layers):
 
 
 def _canonical_of_layer_file(number, key, num_layers):
-    if number == 1 or number == num_layers + 3:
-        return _canonical(f"embedding.{key}", num_layers) if number == 1 else _head(key, num_layers)
-    if number == num_layers + 2:
-        return f"decoder.final_layernorm.{key}"
+    if number == 1:
+        return _canonical(f"embedding.{key}", num_layers)
     if 2 <= number <= num_layers + 1:
         return _canonical(f"encoder.layers.{number - 2}.{key}", num_layers)
+    if number == num_layers + 2:
+        return f"decoder.final_layernorm.{key}"
+    if number == num_layers + 3:
+        return _head(key, num_layers)
     return None
 
 

@@ -232,10 +232,15 @@ def flash_attention_footprint(query, key, value):
     GPU's flash attention holds, whose blocks stay on chip (the CPU's math path would keep fp32 s x s scores).
     Grouped key and value heads are repeated to one per query head, as the kernels take them."""
     _check(query, key, value)
+    return _KernelFootprint.apply(query, *_per_query_head(query, key, value))
+
+
+def _per_query_head(query, key, value):
+    """Key and value with one head per query head (grouped ones repeated), as the kernels take them."""
     per_group = query.size(1) // key.size(1)
     if per_group > 1:
-        key, value = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
-    return _KernelFootprint.apply(query, key, value)
+        return key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
+    return key, value
 
 
 def _device_function(fn):
@@ -454,10 +459,7 @@ def flash_attention_triton(query, key, value, dropout_p: float, seed):
     """Triton kernels, forward and backward (seed may be None when dropout_p is 0). The kernels take a key and
     value head per query head: grouped ones are repeated (and their gradients summed by autograd)."""
     _check(query, key, value)
-    per_group = query.size(1) // key.size(1)
-    if per_group > 1:
-        key, value = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
-    return _TritonAttention.apply(query, key, value, dropout_p, seed)
+    return _TritonAttention.apply(query, *_per_query_head(query, key, value), dropout_p, seed)
 
 
 # On CUDA, `auto` leaves attention to scaled_dot_product_attention (flash and cuDNN kernels, with dropout)
