@@ -207,10 +207,14 @@ def digested(record):
 
 def _with_reference_model_ops(args):
     """The model's fused ops as their references: fake tensors go through no kernel, and torch.compile of fake
-    tensors costs minutes. The optimizer stays the launch's: a fused AdamW makes no temporaries, the for-loop
-    one (--fusion-backend reference) makes them on a GPU too."""
+    tensors costs minutes. Attention stays on the path a GPU would take (the flash_attention op, which saves
+    other tensors than sdpa's kernels, where the GPU would run it). The optimizer stays the launch's: a fused
+    AdamW makes no temporaries, the for-loop one (--fusion-backend reference) makes them on a GPU too."""
     from megatron_ds.arguments.resolve import replaced
-    return replaced(args, model=dataclasses.replace(args.model, fusion_backend="reference"))
+    from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
+    model = args.model
+    attention = "flash" if runs_flash_attention(model, cuda_op_backend) else model.attention_backend
+    return replaced(args, model=dataclasses.replace(model, fusion_backend="reference", attention_backend=attention))
 
 
 def main(argv):

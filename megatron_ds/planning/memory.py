@@ -16,40 +16,49 @@ over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; D
 everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
 take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
 
-Activations, bytes per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022, docs/formulas.md), s
-sequence, b micro batch, h hidden, a heads, t TP, U Ulysses SP, with the attention term A:
-  no recompute, TP:       s b h / U (10 + 24/t + A/t)   (t = U = 1: s b h (34 + A))
-  no recompute, TP + SP:  s b h / (t U) (34 + A)
-  selective recompute:    the same without A
-  full recompute:         2 s b h / U (the layer input), / t with SP or --distribute-saved-activations
-A is the paper's score term 5 a s / h for the explicit attention (--attention-backend local: softmax output 2,
-dropout mask 1, dropout output 2 bytes per score) and 2 + 4 a / h for flash attention (sdpa, flash: the GPUs'
-kernels keep no scores, only their output, 2 s b h, and an fp32 log-sum-exp per query row, 4 a s b).
-The paper's rows are U = 1. Ulysses (--ds-sequence-parallel-size U) divides each by U: outside attention a rank
-holds s/U tokens, so every s-proportional term (10 + 24/t, 34/t, the layer input) takes s/U. Inside attention
-the all-to-all trades the sequence split for a head split: a rank holds q, k, v (k and v expanded to every query
-head) of a/(tU) heads over the whole s, as many elements as s/U tokens of a/t heads, so their share of the 24/t
-stays 6 s b h / (t U), and so do the flash kernel's output and statistics; the score term, 5 s^2 b bytes per
-head, over a/(tU) heads is 5 a s^2 b / (t U) = s b h / U x 5 a s / (h t). The all-to-alls keep nothing for
-backward (DeepSpeed's _SeqAllToAll saves no tensor): attention saves their outputs as q, k, v instead of views
-of the QKV output, which nothing keeps then; tools/activation_memory.py measures this on real Ulysses ranks.
-fp32 activations count twice. These are the paper's GPT-2-shape counts; SwiGLU and GQA layers differ
-somewhat.
+Activations, bytes per transformer layer and micro-batch, counted from the layer's config the way the paper
+counts its GPT-2 layer (Korthikanti et al. 2022, docs/formulas.md): s sequence, b micro batch, h hidden, a heads,
+g query groups (key/value heads), d head dim, F FFN hidden, t TP, U Ulysses SP, w bytes per activation (2, or 4
+for fp32). Per token, outside the TP regions (s/U tokens, s/(tU) with SP): both norms' inputs, the QKV and fc1
+inputs, 4wh, and with hidden dropout the two 1-byte masks, 2h. Inside them (s/U tokens, every term / t): the
+MLP (GeLU: its input and output, 2wF; SwiGLU: fc1's 2F output and the product, 3wF), attention's output
+(the projection's input, w a d), q, k and v, and the attention kernel's own:
+- q, k, v: where q is a view of the QKV output (multi-head, or one query group per TP rank, where k and v are
+  stride-0 expansions of it) and attention keeps what it is given (sdpa's kernels; selective recompute's
+  checkpoint; the local path's matmuls for multi-head, whose reshapes stay views), that output stays whole,
+  w(a + 2g)d, beside RoPE's rotated q and k (k expanded, 2wad); otherwise q, k and v are copies of a heads each,
+  3wad (GQA's expansions, the local matmuls' copies of grouped views, the flash_attention op's contiguous copies,
+  Ulysses' all-to-alls).
+- the kernel: the local path's softmax output over s keys per head, w a s, and with attention dropout its
+  1-byte mask and output, (2w + 1) a s (the paper's 5as/h term); a flash kernel (sdpa's, the op's) its fp32
+  log-sum-exp per head, 4a; selective recompute keeps neither.
+- RoPE's fp32 cos and sin, 8 (s/U) r per layer (r the rotary dimension), made anew by every layer.
+For the paper's GPT-2 layer (w 2, g = a, F = 4h, dropout) this is s b h (10 + 24/t) without SP and
+s b h 34/t with it, plus the kernel's term; full recompute keeps the layer input, w s b h / U, / t with SP or
+--distribute-saved-activations. Ulysses: outside attention a rank holds s/U tokens; inside, the all-to-all trades
+the sequence split for a head split (a/(tU) heads over the whole s, as many elements as s/U tokens of a/t heads),
+so every per-token term above takes s/U tokens, the local scores included (a/(tU) heads x s x s). The
+all-to-alls keep nothing for backward (DeepSpeed's _SeqAllToAll saves no tensor). tools/activation_memory.py
+measures these counts on real TP and Ulysses ranks.
 A 1F1B stage i of p holds min(p - i, m) micro-batches in flight. Added terms: the first stage keeps the
-embedding-dropout mask (s b h bytes, / t with SP) per micro-batch in flight; the last stage keeps the final
-norm and head inputs (4 s b h, / t with SP) for its one micro-batch, and its cross entropy (core/fusions/
-fused_cross_entropy: no fp32 softmax) needs 6 s b V / t: the logits it keeps (2 s b V / t), those of the
-micro-batch before, which DeepSpeed's pipeline keeps as that one's output, and their gradient; plus two fp32
-temporaries of one chunk of tokens (min(s b, chunk rows) x V / t, 64 MiB each at most; the triton kernel needs
-none, so an upper bound there); all of them / U with Ulysses. Full recompute (Megatron's methods):
+embedding-dropout mask (s b h bytes, / t with SP; with hidden dropout only) per micro-batch in flight; the last
+stage keeps the final norm and head inputs (2w s b h, / t with SP) for its one micro-batch, and its cross entropy
+(core/fusions/fused_cross_entropy: no fp32 softmax) needs 3w s b V / t: the logits it keeps (w s b V / t), those
+of the micro-batch before, which DeepSpeed's pipeline keeps as that one's output, and their gradient; plus two
+fp32 temporaries of one chunk of tokens (min(s b, chunk rows) x V / t, 64 MiB each at most; the triton kernel
+needs none, so an upper bound there); all of them / U with Ulysses. Full recompute (Megatron's methods):
 "uniform" with N layers per chunk keeps one input per chunk and needs one chunk's whole activations while it
 runs backward; "block" recomputes only the first N layers of each stage and keeps the others' whole activations.
+Every stage also needs one layer's backward working set (_backward_working_set_bytes) and, under DeepSpeed's
+PipelineEngine, the buffers it keeps for sending and receiving (_pipeline_buffer_bytes).
 """
 import dataclasses
 from dataclasses import dataclass
 from typing import List
 
 from megatron_ds.core.fusions.fused_cross_entropy import default_chunk_rows
+from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
+from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, total_parameters
@@ -97,21 +106,74 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float:
-    """As activation_bytes_per_layer, for recompute None, "selective" or "full": the module docstring's rows,
-    s/U tokens per rank and the attention term over the whole s (a/(tU) heads of it)."""
-    config, t, sp = model.config, layout.tp, layout.sequence_parallel
-    s, b, h, a = model.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
+    """As activation_bytes_per_layer, for recompute None, "selective" or "full": the module docstring's count
+    from the layer's config, s/U tokens per rank (s/(tU) outside TP regions with SP) and attention over the
+    whole s for a/(tU) heads."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
-    scores = 0.0 if recompute == "selective" else attention_term(config.attention_backend, s, h, a)
-    tokens = layout.tokens_per_rank(s, split_over_tp=False)
-    per_layer = tokens * b * h / t * (34 + scores) if sp else tokens * b * h * (10 + 24 / t + scores / t)
-    return per_layer * (1 if model.sixteen_bit else 2)
+    config, s, b = model.config, model.seq_length, layout.micro_batch_size
+    width = _activation_width(model)
+    replicated = layout.tokens_per_rank(s) * _replicated_bytes_per_token(config, width)
+    split = layout.tokens_per_rank(s, split_over_tp=False) * _split_bytes_per_token(config, layout, s, recompute,
+                                                                                     width) / layout.tp
+    return b * (replicated + split) + _rotary_angle_bytes(model, layout)
 
 
-def attention_term(attention_backend, s, h, a):
-    """The module docstring's A: what core attention keeps beyond q, k and v, in units of s b h bytes."""
-    return 5 * a * s / h if attention_backend == "local" else 2 + 4 * a / h
+def _activation_width(model):
+    return 2 if model.sixteen_bit else 4
+
+
+def _replicated_bytes_per_token(config, width):
+    """Outside the TP regions: both norms' inputs, the QKV and fc1 inputs, the two dropout masks (1 byte)."""
+    masks = 2 * config.hidden_size if config.hidden_dropout > 0 else 0
+    return 4 * width * config.hidden_size + masks
+
+
+def _split_bytes_per_token(config, layout, s, recompute, width):
+    """Inside the TP regions, before the split over t: the MLP, q, k, v, the projection's input (attention's
+    output) and the attention kernel's own."""
+    f, heads_width = config.ffn_hidden_size, config.num_attention_heads * config.kv_channels
+    mlp = (3 if config.gated_linear_unit else 2) * width * f
+    kernel = attention_kernel(config)
+    attention = 0.0 if recompute == "selective" else attention_term(config, s, kernel, width)
+    return mlp + _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width) + width * heads_width + attention
+
+
+def attention_kernel(config) -> str:
+    """The attention a GPU runs for this config: "local" (explicit scores), "flash_op" (megatron_ds's
+    flash_attention op) or "sdpa" (torch's kernels)."""
+    if config.attention_backend == "local":
+        return "local"
+    return "flash_op" if runs_flash_attention(config, cuda_op_backend) else "sdpa"
+
+
+def _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width):
+    """The storage that keeps q, k, v for backward: the module docstring's views of the QKV output (q a view of
+    it, kept as given) or copies, 3ad."""
+    a, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    q_is_view = layout.ulysses == 1 and (g == a or g == layout.tp)
+    kept_as_given = recompute == "selective" or kernel == "sdpa" or (kernel == "local" and g == a)
+    if not (q_is_view and kept_as_given):
+        return 3 * width * a * d
+    rotated = 2 * width * a * d if config.position_embedding_type == "rope" else 0
+    return width * (a + 2 * g) * d + rotated
+
+
+def attention_term(config, s, kernel, width=2):
+    """What core attention keeps beyond q, k, v and its output, per token before the split over t: the local
+    path's softmax output (and with attention dropout its 1-byte mask and output) over s keys per head; a
+    flash kernel's fp32 log-sum-exp per head."""
+    a = config.num_attention_heads
+    if kernel == "local":
+        return a * s * (2 * width + 1 if config.attention_dropout > 0 else width)
+    return 4 * a
+
+
+def _rotary_angle_bytes(model, layout):
+    """RoPE's fp32 cos and sin, [s/U, rotary_dim] each, made anew by every layer for each micro-batch."""
+    if model.config.position_embedding_type != "rope":
+        return 0.0
+    return 2 * 4 * layout.tokens_per_rank(model.seq_length, split_over_tp=False) * model.config.rotary_dim
 
 
 def in_flight_micro_batches(layout: Layout, stage: int) -> float:
@@ -121,15 +183,18 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 def _first_stage_extra_bytes(model, layout):
+    """The embedding dropout's 1-byte mask."""
+    if model.config.hidden_dropout == 0:
+        return 0.0
     return layout.tokens_per_rank(model.seq_length) * layout.micro_batch_size * model.config.hidden_size
 
 
 def _last_stage_extra_bytes(model, layout):
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
-    width = 1 if model.sixteen_bit else 2
-    norm_and_head_inputs = 4 * layout.tokens_per_rank(s) * b * h * width
+    width = _activation_width(model)
+    norm_and_head_inputs = 2 * width * layout.tokens_per_rank(s) * b * h
     tokens, vocab = layout.tokens_per_rank(s, split_over_tp=False) * b, model.padded_vocab_size(t) // t
-    logits = 3 * 2 * tokens * vocab * width
+    logits = 3 * width * tokens * vocab
     chunk_temporaries = 2 * 4 * min(tokens, default_chunk_rows(vocab)) * vocab
     return norm_and_head_inputs + logits + chunk_temporaries
 
@@ -139,7 +204,7 @@ def _saved_layer_input_bytes(model, layout):
     --distribute-saved-activations (and over U with Ulysses)."""
     split = layout.sequence_parallel or layout.distribute_saved_activations
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=split)
-    return 2 * tokens * layout.micro_batch_size * model.config.hidden_size * (1 if model.sixteen_bit else 2)
+    return _activation_width(model) * tokens * layout.micro_batch_size * model.config.hidden_size
 
 
 def _layer_activations_per_micro_batch(model, layout, num_layers):
@@ -156,10 +221,36 @@ def _layer_activations_per_micro_batch(model, layout, num_layers):
     return kept, whole_layer if recomputed else 0.0
 
 
+def _pipeline_buffer_bytes(model, layout, stage, in_flight):
+    """DeepSpeed's PipelineEngine (1F1B, ZB-H1) keeps, on a stage that sends activations, each in-flight
+    micro-batch's output as sent (1/t of it where it splits messages over TP, the rest of the tensor freed) and
+    one received gradient; without the split a receiving stage also keeps each received input beside the clone
+    its forward runs on. DualPipeVEngine's buffers are not counted."""
+    if layout.pp == 1 or layout.pipeline_schedule not in ("1f1b", "zbh1"):
+        return 0.0
+    whole = (_activation_width(model) * layout.tokens_per_rank(model.seq_length) * layout.micro_batch_size
+             * model.config.hidden_size)
+    split = messages_split_over_tensor_parallel(layout.pipeline_schedule, layout.sequence_parallel)
+    message = whole / layout.tp if split else whole
+    kept = (in_flight + 1) * message if stage != pipeline.head_rank(layout) else 0.0
+    return kept + (in_flight * whole if stage != 0 and not split else 0.0)
+
+
+def _backward_working_set_bytes(model, layout):
+    """The gradients alive while one layer runs its MLP's backward, beside everything kept: fc1's output
+    gradient (2F wide with SwiGLU, / t) and two of the hidden state's (the one arriving and the one being made)."""
+    config, s, b = model.config, model.seq_length, layout.micro_batch_size
+    fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    fc1 = layout.tokens_per_rank(s, split_over_tp=False) * fc1_width / layout.tp
+    hidden = 2 * layout.tokens_per_rank(s) * config.hidden_size
+    return _activation_width(model) * b * (fc1 + hidden)
+
+
 def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int) -> float:
     in_flight = in_flight_micro_batches(layout, stage)
     kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers)
-    total = in_flight * kept + recompute_working_set
+    total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout)
+             + _pipeline_buffer_bytes(model, layout, stage, in_flight))
     if stage == 0:
         total += in_flight * _first_stage_extra_bytes(model, layout)
     if stage == pipeline.head_rank(layout):

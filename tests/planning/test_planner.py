@@ -43,8 +43,8 @@ def test_memory_section_by_hand():
     assert memory["fits"] and memory["capacity_bytes"] == 64 * GIB
     assert memory["state_bytes_per_parameter_on_device"] == {"weights": 2, "gradients": 2, "grad_accumulation": 4,
                                                             "optimizer": 6}       # 12 / DP 2
-    # no recompute: s b h (10 + 24/2 + (2 + 4a/h)/2) with flash attention (sdpa, the default) = 4096 x 23.125
-    assert memory["activation_bytes_per_layer"] == {"None": 94720, "selective": 32 * 2 * 64 * 22,
+    # no recompute: s b h (10 + 24/2 + (4a/h)/2) with flash attention (sdpa, the default) = 4096 x 22.125
+    assert memory["activation_bytes_per_layer"] == {"None": 90624, "selective": 32 * 2 * 64 * 22,
                                                     "full": 2 * 32 * 2 * 64}
 
 

@@ -83,15 +83,18 @@ def test_stage_memory_by_hand():
     batch before's and their gradient, 3 x 2 x (s/U) b x V/t, with two fp32 chunk temporaries 2 x 4 x (s/U) b x
     V/t (a chunk of 2**24 // (V/t) rows holds every token): U2 (s/U) b = 16 x 2 = 32 tokens of V/t = 128,
     6 x 32 x 128 = 24576 and 2 x 4 x 32 x 128 = 32768; U4 16 tokens of 256, the same 24576 and 32768.
+    Every stage adds one layer's backward working set, fc1's output gradient 2 (s/U) b 4h / t and two of the
+    hidden state 2 x 2 (s/U) b h (U2 16384, U4 12288), stage 0 the pipeline's outputs as sent, 2 (s/U) b h / t
+    for each of its 2 micro-batches in flight and one received gradient (U2 3 x 2048, U4 3 x 2048).
     Optimizer states sharded over U x DP: 12/4 bytes per parameter at U2, 12/8 at U4."""
     u2_first, u2_last = memory_per_stage(model(), U2, stage_parameters(model(), 2, 2))
-    assert u2_first.activations == 2 * (2 * 55296 + SBH / 2) == 225280
-    assert u2_last.activations == 2 * 55296 + 4 * SBH / 2 + 6 * 32 * 128 + 2 * 4 * 32 * 128 == 176128
+    assert u2_first.activations == 2 * (2 * 55296 + SBH / 2) + 16384 + 3 * 2048 == 247808
+    assert u2_last.activations == 2 * 55296 + 4 * SBH / 2 + 6 * 32 * 128 + 2 * 4 * 32 * 128 + 16384 == 192512
     assert (u2_first.optimizer, u2_last.optimizer) == (12 / 4 * 60608, 12 / 4 * 60736)
-    assert u2_first.total == (2 + 2 + 4 + 3) * 60608 + 225280 + RUNTIME_OVERHEAD_BYTES
+    assert u2_first.total == (2 + 2 + 4 + 3) * 60608 + 247808 + RUNTIME_OVERHEAD_BYTES
     u4_first, u4_last = memory_per_stage(model(), U4, stage_parameters(model(), 1, 2))
-    assert u4_first.activations == 2 * (2 * 45056 + SBH / 4) == 182272
-    assert u4_last.activations == 2 * 45056 + 4 * SBH / 4 + 6 * 16 * 256 + 2 * 4 * 16 * 256 == 151552
+    assert u4_first.activations == 2 * (2 * 45056 + SBH / 4) + 12288 + 3 * 2048 == 200704
+    assert u4_last.activations == 2 * 45056 + 4 * SBH / 4 + 6 * 16 * 256 + 2 * 4 * 16 * 256 + 12288 == 163840
     assert (u4_first.optimizer, u4_last.optimizer) == (12 / 8 * 118400, 12 / 8 * 118528)
 
 
@@ -247,39 +250,39 @@ def long_sequence_model():
 
 
 def test_search_takes_ulysses_where_nothing_fits_without_it():
-    """4 devices of 2.1 GiB, 2 of them the runtime overhead, global batch 4, the default attention (sdpa: flash
-    kernels, no s x s scores, A = 2 + 4a/h = 2.125). Without Ulysses no layout fits: the TP 2 the kv heads allow
-    leaves 34 s b h / 2 per layer even with SP and selective recompute, and full recompute's working set of one
-    whole layer plus the last stage's extras does no better (the closest, TP 2 x PP 2, SP, full, needs 2.117
-    GiB). With Ulysses, all at PP 1 and micro batch 1: Ulysses 2 at TP 2 with SP and no recompute, with full
-    recompute (SP or not) and with SP and selective recompute; Ulysses 4 at TP 1 with full or selective
-    recompute (without recompute it needs 2.104 GiB). Two by hand, s b h = 16384 x 256, one stage, so both extras:
-    - TP 2 x Ulysses 2, SP, no recompute (the fastest): 2 layers of s b h / 4 (34 + 2 + 4 x 8 / 256), the
-      embedding mask s b h / 4, the head's inputs 4 s b h / 4, the cross entropy's logits 6 x (s/2) b x V/t =
-      6 x 8192 x 128 and two fp32 chunk temporaries 2 x 4 x 8192 x 128 (a chunk is 2**24 // 128 = 131072 rows);
-      per device, with the layers' matrices, the column-parallel biases and the embedding halved, 2 x (QKV
-      (256 x 384 + 384) / 2 + projection 256^2 / 2 + 256 + MLP (256 x 1024 + 1024) / 2 + 1024 x 256 / 2 + 256
-      + norms 1024) + embedding 256 x 256 / 2 + final norm 512 = 725888 parameters at 2 + 2 + 4 + 12/2 bytes.
-    - TP 1 x Ulysses 4, selective: 2 layers of 34 s b h / 4, the mask s b h / 4, the head's inputs 4 s b h / 4,
-      the logits 6 x (s/4) b x V = 6 x 4096 x 256 and temporaries 2 x 4 x 4096 x 256, with 1448192 parameters
-      at 2 + 2 + 4 + 12/4 bytes.
-    With the paper's score term (--attention-backend local) only the two selective rows fit."""
-    small = Cluster(dataclasses.replace(device_spec("cpu"), memory_gib=2.1), 4, 4)
+    """4 devices of 2.12 GiB, 2 of them the runtime overhead, global batch 4, the default attention (sdpa: flash
+    kernels, no s x s scores, A = 4a/h = 0.125, the fp32 log-sum-exp). Without Ulysses no layout fits: the TP 2
+    the kv heads allow leaves 34 s b h / 2 per layer even with SP and selective recompute, and full recompute's
+    working set of one whole layer plus the last stage's extras does no better. With Ulysses every one fits at
+    PP 1 and micro batch 1 but TP 2 without SP and without full recompute. Two by hand, s b h = 16384 x 256, one
+    stage, so both extras:
+    - TP 2 x Ulysses 2, SP, no recompute: 2 layers of s b h / 4 (34 + 4 x 8 / 256) and RoPE's fp32 angles
+      8 x 8192 x 32, the embedding mask s b h / 4, the head's inputs 4 s b h / 4, the cross entropy's logits
+      6 x (s/2) b x V/t = 6 x 8192 x 128 and two fp32 chunk temporaries 2 x 4 x 8192 x 128 (a chunk is
+      2**24 // 128 = 131072 rows), one layer's backward working set (fc1's output gradient 2 x 8192 x 1024 / 2,
+      two of the hidden state 2 x 2 x 4096 x 256); per device, with the layers' matrices, the column-parallel
+      biases and the embedding halved, 2 x (QKV (256 x 384 + 384) / 2 + projection 256^2 / 2 + 256 + MLP
+      (256 x 1024 + 1024) / 2 + 1024 x 256 / 2 + 256 + norms 1024) + embedding 256 x 256 / 2 + final norm 512 =
+      725888 parameters at 2 + 2 + 4 + 12/2 bytes.
+    - TP 2 x Ulysses 2, SP, selective: the same without the log-sum-exp, 2 layers of 34 s b h / 4.
+    With the paper's score term (--attention-backend local) only the selective rows fit."""
+    small = Cluster(dataclasses.replace(device_spec("cpu"), memory_gib=2.12), 4, 4)
     result = search.search_layouts(long_sequence_model(), small, 4, top=100)
     ranked = result["ranked"]
     assert [(row["tp"], row["ulysses"], row["sequence_parallel"], row["recompute"]) for row in ranked] == [
-        (2, 2, True, None), (1, 4, False, "full"), (2, 2, False, "full"), (2, 2, True, "full"),
-        (1, 4, False, "selective"), (2, 2, True, "selective")]
+        (1, 4, False, None), (2, 2, True, None), (1, 4, False, "full"), (2, 2, False, "full"),
+        (2, 2, True, "full"), (1, 4, False, "selective"), (2, 2, True, "selective")]
     assert all((row["pp"], row["micro_batch_size"]) == (1, 1) for row in ranked)
-    sbh = 16384 * 256
+    sbh, angles = 16384 * 256, 8 * 8192 * 32
     parameters = 2 * ((256 * 384 + 384) / 2 + 256 ** 2 / 2 + 256 + (256 * 1024 + 1024) / 2 + 1024 * 256 / 2 + 256
                       + 1024) + 256 * 256 / 2 + 512
     assert parameters == 725888
-    activations = (2 * sbh / 4 * (34 + 2 + 4 * 8 / 256) + sbh / 4 + 4 * sbh / 4 + 6 * 8192 * 128
-                   + 2 * 4 * 8192 * 128)
-    assert ranked[0]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + parameters * 14) / GIB
-    activations = 2 * 34 * sbh / 4 + sbh / 4 + 4 * sbh / 4 + 6 * 4096 * 256 + 2 * 4 * 4096 * 256
-    assert ranked[4]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + 1448192 * 11) / GIB
+    extras = (sbh / 4 + 4 * sbh / 4 + 6 * 8192 * 128 + 2 * 4 * 8192 * 128
+              + 2 * 8192 * 1024 / 2 + 2 * 2 * 4096 * 256)
+    activations = 2 * (sbh / 4 * (34 + 4 * 8 / 256) + angles) + extras
+    assert ranked[1]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + parameters * 14) / GIB
+    activations = 2 * (34 * sbh / 4 + angles) + extras
+    assert ranked[6]["peak_memory_gib"] == (RUNTIME_OVERHEAD_BYTES + activations + parameters * 14) / GIB
     assert result["ulysses_skipped"] == 0                                   # no smaller Ulysses size fits
     without = [layout for layout in search.candidate_layouts(4, 4, 1) if layout.ulysses == 1]
     assert all(not isinstance(search.evaluate(long_sequence_model(), layout, small, PerformanceAssumptions()), dict)

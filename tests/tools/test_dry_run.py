@@ -246,9 +246,10 @@ def test_memory_held_beyond_the_plan_on_one_rank_is_named(tmp_path):
 
 @pytest.mark.e2e
 def test_a_micro_batch_that_overflows_one_stage_names_that_rank_and_the_device():
-    """s 2048 x b 480 at h 256, TP 2: a layer keeps s b h (10 + 24/2 + (2 + 4a/h)/2) = 23.06 s b h bytes per
-    micro-batch (flash attention), 5.8 GB; stage 0 of 4 holds 4 micro-batches of 2 layers (43 GiB), over an
-    A100-40GB's 40 GiB with the 2 GiB runtime overhead; stage 1 holds 3 (32 GiB) and fits."""
+    """s 2048 x b 480 at h 256, TP 2: a layer keeps s b h (10 + 24/2 + (4a/h)/2) = 22.06 s b h bytes per
+    micro-batch (flash attention), 5.6 GB; stage 0 of 4 holds 4 micro-batches of 2 layers (45 GiB with the
+    backward working set and the pipeline's buffers), over an A100-40GB's 40 GiB with the 2 GiB runtime overhead;
+    stage 1 holds 3 (34 GiB) and fits. Both peaks within 1% of the planner's."""
     flags = list(WORLD_16)
     for flag, value in (("--seq-length", "2048"), ("--micro-batch-size", "480"), ("--global-batch-size", "7680")):
         flags[flags.index(flag) + 1] = value   # still 8 micro-batches

@@ -24,7 +24,7 @@ class _MaskedScale(torch.autograd.Function):
     def forward(ctx, x, keep, scale):
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return x * keep * scale
+        return (x * keep).mul_(scale)  # in place: one temporary of x's size, not two
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -227,11 +227,15 @@ class _KernelFootprint(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-def flash_attention_footprint(query, key, value):
+def flash_attention_footprint(query, key, value, copies=False):
     """For fake tensors (tools/dry_run.py), which have no values for the blocks' math to work on: the memory a
     GPU's flash attention holds, whose blocks stay on chip (the CPU's math path would keep fp32 s x s scores).
-    Grouped key and value heads are repeated to one per query head, as the kernels take them."""
+    Grouped key and value heads are repeated to one per query head, as the kernels take them. copies: the
+    flash_attention op's triton kernel, which saves contiguous copies of q, k and v (sdpa's kernels save the
+    tensors they are given, views included)."""
     _check(query, key, value)
+    if copies:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     return _KernelFootprint.apply(query, *_per_query_head(query, key, value))
 
 

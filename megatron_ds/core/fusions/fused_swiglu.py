@@ -1,12 +1,14 @@
 """SwiGLU: silu(gate) * up from fc1's output [..., 2f], first half the gate and second half the up projection
 (the layout of mlp.py's fc1, stride 2 over TP); output [..., f] in the input dtype. The reference is
-PyTorch's SiLU and product in the input dtype (autograd saves gate, silu(gate) and up); the compiled and
-triton paths compute in fp32 and save the input alone; the kernels write both halves' gradients into one
-[..., 2f] tensor.
+PyTorch's SiLU and product in the input dtype, saving the input alone as the fused kernels do (backward
+recomputes them; left to autograd it would also keep silu(gate), half as much again); the compiled and triton
+paths compute in fp32 and save the input alone; the kernels write both halves' gradients into one [..., 2f]
+tensor.
 """
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.core.fusions._recompute import recomputed_in_backward
 from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
@@ -16,10 +18,14 @@ def _swiglu_fp32(x):
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def swiglu_reference(x):
-    """silu(gate) * up with gate, up = x.chunk(2, -1), by PyTorch's kernels in x's dtype."""
+def _swiglu_math(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu_reference(x):
+    """silu(gate) * up with gate, up = x.chunk(2, -1), by PyTorch's kernels in x's dtype; saves x alone."""
+    return recomputed_in_backward(_swiglu_math, x)
 
 
 def swiglu_compile(x):

@@ -118,7 +118,8 @@ class SelfAttention(torch.nn.Module):
         """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank. Fake tensors (the
         dry run) take the flash kernels' footprint unless the backend is the explicit local one."""
         if self.config.attention_backend != "local" and is_fake(query):
-            return flash_attention_footprint(query, key, value)
+            return flash_attention_footprint(query, key, value,
+                                             copies=self.flash_attention is not None and attention_mask is None)
         with get_cuda_rng_tracker().fork():
             if self.flash_attention is not None and attention_mask is None:
                 return self._flash_attention(query, key, value)

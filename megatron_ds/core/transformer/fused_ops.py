@@ -4,7 +4,7 @@ or the reference when the op's fusion flag is off or when apex, which serves the
 another op. Causal attention runs flash_attention where runs_flash_attention says so (its eager reference
 only under --attention-backend flash: sdpa is faster)."""
 
-from megatron_ds.core.fusions import get_fused_op, select_backend
+from megatron_ds.core.fusions import auto_order, get_fused_op, select_backend
 
 FUSION_FLAGS = {"scale_mask_softmax": "masked_softmax_fusion", "layer_norm": "persist_layer_norm",
                 "rms_norm": "persist_layer_norm", "rotary_pos_emb": "apply_rope_fusion",
@@ -14,14 +14,27 @@ FUSION_FLAGS = {"scale_mask_softmax": "masked_softmax_fusion", "layer_norm": "pe
 _APEX_OPS = ("layer_norm", "rms_norm")
 
 
+def _reference_by_config(config, op_name):
+    """Whether the config alone makes op_name run its reference: its fusion flag off, apex asked for an op it
+    does not serve, flash attention under the explicit local attention."""
+    return (not getattr(config, FUSION_FLAGS[op_name])
+            or (config.fusion_backend == "apex" and op_name not in _APEX_OPS)
+            or (op_name == "flash_attention" and config.attention_backend == "local"))
+
+
 def op_backend(config, op_name):
     """The backend that runs op_name; raises ValueError when an explicitly requested one cannot."""
-    requested = config.fusion_backend
-    if not getattr(config, FUSION_FLAGS[op_name]) or (requested == "apex" and op_name not in _APEX_OPS):
+    if _reference_by_config(config, op_name):
         return "reference"
-    if op_name == "flash_attention" and config.attention_backend == "local":
+    return select_backend(op_name, config.fusion_backend, hidden_size=config.hidden_size)
+
+
+def cuda_op_backend(config, op_name):
+    """The backend a GPU would run op_name with, asked on any machine (a plan, the dry run): the requested one,
+    or `auto`'s first choice on CUDA; whether this machine could run it is not asked."""
+    if _reference_by_config(config, op_name):
         return "reference"
-    return select_backend(op_name, requested, hidden_size=config.hidden_size)
+    return config.fusion_backend if config.fusion_backend != "auto" else auto_order(op_name, "cuda")[0]
 
 
 def op_implementation(config, op_name):
@@ -40,11 +53,12 @@ def fusion_errors(config):
     return errors
 
 
-def runs_flash_attention(config):
+def runs_flash_attention(config, backend_of=op_backend):
     """Whether causal attention runs the flash_attention op: asked for, or sdpa's where the op is compiled
-    or a kernel (not its eager reference, slower than sdpa's own)."""
+    or a kernel (not its eager reference, slower than sdpa's own). backend_of: op_backend (this machine) or
+    cuda_op_backend (a GPU's)."""
     return config.attention_backend == "flash" or (
-        config.attention_backend == "sdpa" and op_backend(config, "flash_attention") != "reference")
+        config.attention_backend == "sdpa" and backend_of(config, "flash_attention") != "reference")
 
 
 def model_ops(config):

@@ -53,13 +53,20 @@ class TransformerLayer(torch.nn.Module):
         return get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
 
     def _layer_forward(self, hidden_states, attention_mask):
-        p, training = self.config.hidden_dropout, self.training
-        attention_out, attention_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
+        # one function per block, so that a block's output dies with its residual add instead of staying
+        # referenced while the next block runs
+        hidden_states = self._attention_block(hidden_states, attention_mask)
+        return self._mlp_block(hidden_states)
+
+    def _attention_block(self, hidden_states, attention_mask):
+        out, bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
         with self._replicated_region_rng():
-            hidden_states = self.bias_dropout_add(attention_out, attention_bias, hidden_states, p, training)
-        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training)
+
+    def _mlp_block(self, hidden_states):
+        out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         with self._replicated_region_rng():
-            return self.bias_dropout_add(mlp_out, mlp_bias, hidden_states, p, training)
+            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training)
 
 
 def assign_recompute_chunks(layers, config):
