@@ -20,7 +20,8 @@ QKV output, which nothing keeps then, so the count stays the paper's 6 s b h / U
 keeps no s x s tensor: its formula drops the 5as/h term. Attention dropout is 0 for sdpa rows: on CPU only the
 math kernel implements dropout, and it stores the s x s probabilities (GPU flash kernels regenerate the
 mask instead). DeepSpeed's checkpoint keeps its inputs on the autograd node, not through
-save_for_backward: those are counted from the graph (on each rank).
+save_for_backward: those are counted from the graph (on each rank). --num-experts E measures an MoE layer
+(DeepSpeed's MOELayer with our MLP as its experts, EP 1) on one rank, beside the planner's count for it.
 """
 import argparse
 import os
@@ -59,6 +60,7 @@ class Scheme:
 
 
 ULYSSES_SIZES = (2, 4)
+MOE_LAYER_NUMBER = 2  # the measured layer: with --num-experts, the first MoE one (every second layer is)
 SCHEMES = [Scheme("no parallelism"), Scheme("TP", tp=True), Scheme("TP + SP", tp=True, sequence_parallel=True),
            Scheme("TP + SP + selective", tp=True, sequence_parallel=True, recompute="selective"),
            Scheme("full recompute", tp=True, recompute="full"),
@@ -130,14 +132,17 @@ def layer_config(args, scheme):
     Attention dropout only on the local path (on CPU only sdpa's math kernel draws dropout, and it keeps the
     s x s probabilities that a GPU's flash kernels do not)."""
     positions = "rope" if args.use_rotary_position_embeddings else "learned_absolute"
-    return TransformerConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+    return TransformerConfig(num_layers=MOE_LAYER_NUMBER, hidden_size=args.hidden_size,
+                             num_attention_heads=args.num_attention_heads,
                              num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
                              gated_linear_unit=args.swiglu, normalization=args.normalization,
                              position_embedding_type=positions,
                              bias=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
                              attention_dropout=args.attention_dropout if scheme.backend == "local" else 0.0,
                              params_dtype=torch.bfloat16, attention_backend=scheme.backend,
-                             sequence_parallel=scheme.sequence_parallel, recompute_granularity=scheme.recompute)
+                             sequence_parallel=scheme.sequence_parallel, recompute_granularity=scheme.recompute,
+                             num_experts=(args.num_experts,), moe_router_topk=args.topk,
+                             moe_train_capacity_factor=args.moe_train_capacity_factor)
 
 
 def planner_bytes(args, scheme):
@@ -147,12 +152,12 @@ def planner_bytes(args, scheme):
     tp = args.tensor_model_parallel_size if scheme.tp else 1
     layout = Layout(tp, 1, 1, args.micro_batch_size, args.micro_batch_size, sequence_parallel=scheme.sequence_parallel,
                     recompute=scheme.recompute, distribute_saved_activations=scheme.partition, ulysses=scheme.ulysses)
-    return layer_activation_bytes(model, layout, scheme.recompute)
+    return layer_activation_bytes(model, layout, scheme.recompute, experts=args.num_experts)
 
 
 def _layer_bytes(args, scheme):
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    layer = TransformerLayer(layer_config(args, scheme), layer_number=1)
+    layer = TransformerLayer(layer_config(args, scheme), layer_number=MOE_LAYER_NUMBER)
     seq = args.seq_length // scheme.ulysses // (tp if scheme.sequence_parallel else 1)
     hidden_states = torch.randn(seq, args.micro_batch_size, args.hidden_size, dtype=torch.bfloat16,
                                 requires_grad=True)
@@ -218,11 +223,19 @@ def main(argv=None):
     parser.add_argument("--disable-bias-linear", action="store_true")
     parser.add_argument("--hidden-dropout", type=float, default=0.1)
     parser.add_argument("--attention-dropout", type=float, default=0.1, help="local rows only")
+    parser.add_argument("--num-experts", type=int, default=1, help="an MoE layer (DeepSpeed's MOELayer, EP 1): "
+                        "the schemes without TP or Ulysses")
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
     args = parser.parse_args(argv)
     s, b, h, a, t = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
                      args.tensor_model_parallel_size)
     schemes = [scheme for scheme in SCHEMES if args.scheme is None or scheme.name in args.scheme]
     errors = _split_errors(args, schemes)
+    several_ranks = sorted({scheme.name for scheme in schemes if scheme_ranks(args, scheme) > 1})
+    if args.num_experts > 1 and several_ranks:
+        errors.append(f"--num-experts {args.num_experts}: an MoE layer is measured on one rank (--scheme 'no "
+                      f"parallelism'), not in {', '.join(several_ranks)}")
     if errors:
         parser.error("; ".join(errors))
     print(f"activation bytes saved for backward by one transformer layer: s={s} b={b} h={h} a={a} t={t} (Ulysses "

@@ -14,7 +14,7 @@ data-parallel, so the gradient reduction and the ZeRO partitions span them (Layo
 Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
 over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; DeepSpeed's MoE groups),
 everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
-take MoE (DeepSpeed). Activations are counted as for a dense layer (see the plan's warning for MoE).
+take MoE (DeepSpeed). An MoE layer's activations: see _moe_mlp_bytes.
 
 Activations, bytes per transformer layer and micro-batch, counted from the layer's config the way the paper
 counts its GPT-2 layer (Korthikanti et al. 2022, docs/formulas.md): s sequence, b micro batch, h hidden, a heads,
@@ -53,6 +53,7 @@ Every stage also needs one layer's backward working set (_backward_working_set_b
 PipelineEngine, the buffers it keeps for sending and receiving (_pipeline_buffer_bytes).
 """
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import List
 
@@ -60,6 +61,7 @@ from megatron_ds.core.fusions.fused_cross_entropy import default_chunk_rows
 from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
+from megatron_ds.planning.communication import expert_capacity
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, total_parameters
 
@@ -105,38 +107,72 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
     return layer_activation_bytes(model, layout, layout.recompute)
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute) -> float:
-    """As activation_bytes_per_layer, for recompute None, "selective" or "full": the module docstring's count
-    from the layer's config, s/U tokens per rank (s/(tU) outside TP regions with SP) and attention over the
-    whole s for a/(tU) heads."""
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1) -> float:
+    """As activation_bytes_per_layer, for recompute None, "selective" or "full", of a dense layer or one with
+    `experts` experts: the module docstring's count from the layer's config, s/U tokens per rank (s/(tU) outside
+    TP regions with SP) and attention over the whole s for a/(tU) heads."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
     width = _activation_width(model)
-    replicated = layout.tokens_per_rank(s) * _replicated_bytes_per_token(config, width)
-    split = layout.tokens_per_rank(s, split_over_tp=False) * _split_bytes_per_token(config, layout, s, recompute,
-                                                                                     width) / layout.tp
-    return b * (replicated + split) + _rotary_angle_bytes(model, layout)
+    replicated_tokens, split_tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    attention = (replicated_tokens * _replicated_attention_bytes_per_token(config, width)
+                 + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width) / layout.tp)
+    if experts > 1:
+        mlp = _moe_mlp_bytes(model, layout, replicated_tokens, experts, width)
+    else:
+        mlp = (replicated_tokens * width * config.hidden_size
+               + split_tokens * _mlp_bytes_per_token(config, width) / layout.tp)
+    return attention + mlp + _rotary_angle_bytes(model, layout)
 
 
 def _activation_width(model):
     return 2 if model.sixteen_bit else 4
 
 
-def _replicated_bytes_per_token(config, width):
-    """Outside the TP regions: both norms' inputs, the QKV and fc1 inputs, the two dropout masks (1 byte)."""
+def _replicated_attention_bytes_per_token(config, width):
+    """Outside the TP regions, but the fc1 input: both norms' inputs, the QKV input, the two dropout masks (1
+    byte)."""
     masks = 2 * config.hidden_size if config.hidden_dropout > 0 else 0
-    return 4 * width * config.hidden_size + masks
+    return 3 * width * config.hidden_size + masks
 
 
-def _split_bytes_per_token(config, layout, s, recompute, width):
-    """Inside the TP regions, before the split over t: the MLP, q, k, v, the projection's input (attention's
-    output) and the attention kernel's own."""
-    f, heads_width = config.ffn_hidden_size, config.num_attention_heads * config.kv_channels
-    mlp = (3 if config.gated_linear_unit else 2) * width * f
+def _mlp_bytes_per_token(config, width, ffn_hidden_size=None):
+    """A dense MLP inside its TP region, before the split over t (GeLU: its input and output; SwiGLU: fc1's 2F
+    output and the product)."""
+    return (3 if config.gated_linear_unit else 2) * width * (ffn_hidden_size or config.ffn_hidden_size)
+
+
+def _split_attention_bytes_per_token(config, layout, s, recompute, width):
+    """Inside the TP region, before the split over t: q, k, v, the projection's input (attention's output) and
+    the attention kernel's own."""
+    heads_width = config.num_attention_heads * config.kv_channels
     kernel = attention_kernel(config)
     attention = 0.0 if recompute == "selective" else attention_term(config, s, kernel, width)
-    return mlp + _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width) + width * heads_width + attention
+    return _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width) + width * heads_width + attention
+
+
+def _moe_mlp_bytes(model, layout, tokens, experts, width):
+    """One MoE layer's MLP (DeepSpeed's MOELayer, sparse routes), `tokens` tokens: what it saves in place of a
+    dense MLP's. The gate keeps its fp32 input (4h per token; the norm's output itself is not kept) and its
+    routing: softmax and one-hot (top-1: 12 bytes per token and expert; top-2, and here any k > 1: 13, plus 16
+    per token), 4E. The dispatch keeps its slot map (8 bytes per slot, E C + 1 slots); the combine the k routes'
+    int64 slots, their gathered outputs (w h each) and fp32 weights. Each TP rank's experts run its share of the
+    slots, E ceil(C/t) (DeepSpeed's drop of the duplicated tokens, padded as megatron_ds pads it; with EP the
+    all-to-all moves slots, not their number): per slot the expert's input and MLP, w h + 2wF (3wF SwiGLU),
+    F/t wide with --enable-expert-tensor-parallelism, which gathers all C slots instead. Plus the auxiliary
+    loss, 4. PR-MoE's residual MLP is not counted (the plan warns)."""
+    config = model.config
+    h, k, tp = config.hidden_size, config.moe_router_topk, layout.tp
+    capacity = expert_capacity(model, tokens, experts)
+    routing = tokens * experts * (12 if k == 1 else 13) + (0 if k == 1 else 16 * tokens) + 4 * experts
+    gate = 4 * tokens * h + routing
+    combine = 8 * (experts * capacity + 1) + k * tokens * (8 + width * h + 4)
+    if config.moe_expert_tensor_parallel:
+        slots, ffn = experts * capacity, config.ffn_hidden_size / tp
+    else:
+        slots, ffn = experts * math.ceil(capacity / tp), config.ffn_hidden_size
+    return gate + combine + slots * (width * h + _mlp_bytes_per_token(config, width, ffn)) + 4
 
 
 def attention_kernel(config) -> str:
@@ -207,18 +243,22 @@ def _saved_layer_input_bytes(model, layout):
     return _activation_width(model) * tokens * layout.micro_batch_size * model.config.hidden_size
 
 
-def _layer_activations_per_micro_batch(model, layout, num_layers):
-    """(bytes kept per micro-batch in flight, bytes of the one chunk being recomputed in backward)."""
+def _layer_activations_per_micro_batch(model, layout, num_layers, first_layer=1):
+    """(bytes kept per micro-batch in flight, bytes of the one chunk being recomputed in backward) of the stage's
+    `num_layers` layers from `first_layer` (global, 1-based; MoE layers among them)."""
+    experts = [model.config.experts_in_layer(n) for n in range(first_layer, first_layer + num_layers)]
     if layout.recompute != "full":
-        return num_layers * activation_bytes_per_layer(model, layout), 0.0
-    whole_layer = layer_activation_bytes(model, layout, recompute=None)
+        per_layer = {e: layer_activation_bytes(model, layout, layout.recompute, e) for e in set(experts)}
+        return sum(per_layer[e] for e in experts), 0.0
+    whole = {e: layer_activation_bytes(model, layout, None, e) for e in set(experts)}
     if layout.recompute_method == "uniform":
-        chunks = -(-num_layers // layout.recompute_num_layers)
-        return (chunks * _saved_layer_input_bytes(model, layout),
-                min(layout.recompute_num_layers, num_layers) * whole_layer)
+        chunk = layout.recompute_num_layers
+        chunks = [experts[i:i + chunk] for i in range(0, num_layers, chunk)]
+        return (len(chunks) * _saved_layer_input_bytes(model, layout),
+                max(sum(whole[e] for e in layers) for layers in chunks))
     recomputed = layout.recomputed_layers(num_layers)
-    kept = recomputed * _saved_layer_input_bytes(model, layout) + (num_layers - recomputed) * whole_layer
-    return kept, whole_layer if recomputed else 0.0
+    kept = recomputed * _saved_layer_input_bytes(model, layout) + sum(whole[e] for e in experts[recomputed:])
+    return kept, max(whole[e] for e in experts[:recomputed]) if recomputed else 0.0
 
 
 def _pipeline_buffer_bytes(model, layout, stage, in_flight):
@@ -246,9 +286,10 @@ def _backward_working_set_bytes(model, layout):
     return _activation_width(model) * b * (fc1 + hidden)
 
 
-def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int) -> float:
+def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int,
+                           first_layer: int = 1) -> float:
     in_flight = in_flight_micro_batches(layout, stage)
-    kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers)
+    kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers, first_layer)
     total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout)
              + _pipeline_buffer_bytes(model, layout, stage, in_flight))
     if stage == 0:
@@ -269,6 +310,8 @@ class StageMemory:
     optimizer: float
     activations: float
     overhead: float
+    expert_gradient_reduction: float = 0.0  # alive at the step, when the activations are gone
+    gradients_before_activation_peak: bool = True  # False with one micro-batch: none exists before its backward
 
     @property
     def model_states(self) -> float:
@@ -276,7 +319,14 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.overhead
+        """The model states and the larger of the activation peak and the step's reduction copy; with one
+        micro-batch the gradients are made as its activations are freed, so they count with the copy only."""
+        step = self.gradients + self.expert_gradient_reduction
+        if self.gradients_before_activation_peak:
+            peak = self.gradients + max(self.activations, self.expert_gradient_reduction)
+        else:
+            peak = max(self.activations, step)
+        return self.weights + self.grad_accumulation + self.optimizer + peak + self.overhead
 
 
 def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
@@ -289,6 +339,19 @@ def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParam
     return StateBytes(*(n * a + e * b for a, b in zip(dataclasses.astuple(dense), dataclasses.astuple(experts))))
 
 
+# DeepSpeed's engine (allreduce_no_retain) reduces gradients in flat copies of up to this many elements
+ENGINE_REDUCTION_BUCKET_ELEMENTS = 500_000_000
+
+
+def expert_gradient_reduction_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> float:
+    """With bf16 and ZeRO-1 (DeepSpeed's BF16_Optimizer) the engine all-reduces the experts' fp32 gradients over
+    their expert-data-parallel group as flat copies of up to 500M elements (the rest in place, in the
+    optimizer's flat buffer). Other optimizers reduce experts in their own buckets, not counted here."""
+    if not stage_params.experts or model.precision != "bf16" or layout.zero_stage != 1:
+        return 0.0
+    return 4.0 * min(stage_params.experts, ENGINE_REDUCTION_BUCKET_ELEMENTS)
+
+
 def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StageMemory:
     states = stage_state_bytes(model, layout, stage_params)
     return StageMemory(stage=stage_params.stage, parameters=stage_params.total,
@@ -296,8 +359,10 @@ def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters
                        weights=states.weights, gradients=states.gradients,
                        grad_accumulation=states.grad_accumulation, optimizer=states.optimizer,
                        activations=stage_activation_bytes(model, layout, stage_params.stage,
-                                                          stage_params.num_layers),
-                       overhead=RUNTIME_OVERHEAD_BYTES)
+                                                          stage_params.num_layers, stage_params.first_layer),
+                       overhead=RUNTIME_OVERHEAD_BYTES,
+                       expert_gradient_reduction=expert_gradient_reduction_bytes(model, layout, stage_params),
+                       gradients_before_activation_peak=layout.num_micro_batches > 1)
 
 
 def memory_per_stage(model: ModelSpec, layout: Layout, stages: List[StageParameters]) -> List[StageMemory]:

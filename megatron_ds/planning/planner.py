@@ -137,10 +137,12 @@ def _warnings(model, layout, cluster, performance):
                         f"iteration is pipeline bubble")
     if layout.sequence_parallel and layout.tp == 1:
         warnings.append("--sequence-parallel has no effect with TP 1")
-    if model.config.is_moe:
-        warnings.append("activations are counted as for dense layers: an MoE layer keeps its experts' inputs "
-                        "and intermediates at capacity (about k x capacity factor x the dense MLP's) and the "
-                        "gate's, so the activation figure is low when k x capacity factor > 1")
+    if model.config.moe_residual:
+        warnings.append("PR-MoE's residual MLP (--mlp-type residual) is not in the activation count: an MoE layer "
+                        "keeps a dense MLP's activations more than the plan says")
+    if model.config.is_moe and not model.config.moe_token_dropping:
+        warnings.append("--disable-moe-token-dropping: an expert's capacity is its largest token count, which the "
+                        "plan takes as balanced routing (k x tokens / experts); unbalanced routing keeps more")
     return warnings
 
 

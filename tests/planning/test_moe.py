@@ -23,7 +23,7 @@ from megatron_ds.planning import cli
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
                                         stage_hardware_flops_per_micro_batch)
-from megatron_ds.planning.memory import memory_per_stage
+from megatron_ds.planning.memory import layer_activation_bytes, memory_per_stage, stage_activation_bytes
 from megatron_ds.planning.meta import check_against_formula
 from megatron_ds.planning.model import Layout, expert_data_parallel_size, layout_errors
 from megatron_ds.planning.parameters import (active_parameters, layer_parameters, mlp_parameters, stage_parameters,
@@ -363,6 +363,43 @@ def test_experts_split_over_tp_count_per_rank_and_shard_over_dp_over_ep():
                                                   Layout(2, 1, 2, 1, 2))] == ["expert parallel size does not divide DP"]
 
 
+def test_moe_layer_activations_by_hand():
+    """gpt2_top2 in bf16 (h 32, F 128, 4 experts, top-2, capacity factor 1), micro batch 2 x s 16 = T 32 tokens:
+    C = max(ceil(32 / 4 x 2), 4) = 16 slots per expert, 64 in all. What the MoE MLP keeps (docs/formulas.md):
+    the gate's fp32 input 4Th, top-2 routing 13TE + 16T + 4E, the slot map 8 x 65, the combine's k T (8 + 2h + 4),
+    each slot's input and GeLU MLP 2h + 4F, the auxiliary loss 4; a dense MLP keeps 2Th + 4FT / t."""
+    model = case_model("gpt2_top2", params_dtype=torch.bfloat16)
+    t_, e, h, f = 32, 4, 32, 128
+    gate_and_combine = 4 * t_ * h + 13 * t_ * e + 16 * t_ + 4 * e + 8 * 65 + 2 * t_ * (8 + 2 * h + 4) + 4
+
+    def extra(layout, slots):
+        moe = gate_and_combine + slots * (2 * h + 4 * f)
+        dense = 2 * t_ * h + 4 * f * t_ / layout.tp
+        return moe - dense
+
+    for layout, slots in ((Layout(1, 1, 1, 2, 2), 64), (Layout(2, 1, 1, 2, 2), 32)):  # TP 2: 8 of each 16 slots
+        dense_layer = layer_activation_bytes(model, layout, None)
+        assert layer_activation_bytes(model, layout, None, experts=4) - dense_layer == extra(layout, slots)
+        # the stage of all 4 layers keeps 2 MoE layers (every second) for its one micro-batch
+        dense_model = dataclasses.replace(model, config=dataclasses.replace(model.config, num_experts=(1,)))
+        assert stage_activation_bytes(model, layout, 0, 4) - stage_activation_bytes(dense_model, layout, 0, 4) \
+            == 2 * extra(layout, slots)
+    assert extra(Layout(1, 1, 1, 2, 2), 64) == 30108
+
+
+def test_the_expert_gradients_flat_all_reduce_copy_is_a_stage_peak():
+    """bf16 + ZeRO-1: DeepSpeed's engine all-reduces the experts' fp32 gradients as one flat copy after backward,
+    when the activations are gone: the stage needs the larger of the two beside its model states."""
+    model = case_model("gpt2_top2", params_dtype=torch.bfloat16)
+    (device,) = stage_parameters(model, tp=1, pp=1)
+    (stage,) = memory_per_stage(model, Layout(1, 1, 2, 1, 2), [device])
+    assert stage.expert_gradient_reduction == 4 * device.experts == 4 * 2 * 4 * GPT2_MLP > stage.activations
+    assert stage.total == stage.model_states + stage.expert_gradient_reduction + stage.overhead
+    fp32 = case_model("gpt2_top2")
+    (stage,) = memory_per_stage(fp32, Layout(1, 1, 2, 1, 2), stage_parameters(fp32, tp=1, pp=1))
+    assert stage.expert_gradient_reduction == 0   # ZeRO-1's own optimizer reduces experts in its buckets
+
+
 def test_plan_reports_total_active_experts_per_rank_and_all_to_all():
     model = case_model("llama_pyramid_residual", ep=2, params_dtype=torch.bfloat16)
     plan = make_plan(model, Layout(1, 1, 8, 2, 16), cpu_cluster(8))
@@ -380,7 +417,8 @@ def test_plan_reports_total_active_experts_per_rank_and_all_to_all():
     ep = plan["communication"]["expert_parallel"]
     assert ep["per_iteration_per_device"] == 2 * 4 * 1024 * 1               # 2 MoE layers, 4 x half, m 1
     assert plan["performance"]["slowest_stage"]["expert_all_to_all"] > 0
-    assert any("MoE layer" in warning for warning in plan["warnings"])
+    # its activations are counted, but for the residual MLP beside the experts
+    assert [w for w in plan["warnings"] if "MoE" in w] == [next(w for w in plan["warnings"] if "residual MLP" in w)]
 
 
 def test_dense_plan_has_no_moe_entries():

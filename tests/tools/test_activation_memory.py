@@ -70,3 +70,17 @@ def test_measured_llama_layer_bytes_match_the_planner(groups):
         backend = next(word for word in row if word in ("local", "sdpa"))
         measured, planned = (int(row[row.index(backend) + i].replace(",", "")) for i in (1, 2))
         assert measured == pytest.approx(planned, rel=0.002), (row, result.stdout)
+
+
+def test_measured_moe_layer_bytes_match_the_planner():
+    """An MoE layer (DeepSpeed's MOELayer, 4 experts, top-2, capacity factor 1.5) saves what planning/memory.py
+    counts: the gate's fp32 input and routing, the experts' inputs and MLPs over 4 x 384 slots, the combine's."""
+    result = subprocess.run([sys.executable, "tools/activation_memory.py", "--num-experts", "4", "--topk", "2",
+                             "--moe-train-capacity-factor", "1.5", "--scheme", "no parallelism"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("no parallelism")]
+    assert len(rows) == 2, result.stdout             # local and sdpa
+    for row in rows:
+        measured, planned = (int(row[3 + i].replace(",", "")) for i in (0, 1))
+        assert measured == pytest.approx(planned, rel=0.001), (row, result.stdout)

@@ -1,7 +1,8 @@
 """tools/dry_run.py: pretrain.py's start-up of chosen ranks of a world this machine does not have, each in its
 own process on torch's fake process group, checked against each other and the planner. The worlds are small
-enough to work out by hand (16 ranks, TP 2 x PP 4 x DP 2; an MoE of 8), the faults are injected for real: a
-sitecustomize on the ranks' PYTHONPATH makes one rank create one process group more than the others."""
+enough to work out by hand (16 ranks, TP 2 x PP 4 x DP 2; an MoE and a Ulysses world of 8), the faults are
+injected for real: a sitecustomize on the ranks' PYTHONPATH makes one rank create one process group more than the
+others."""
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.planning import dry_run
+from megatron_ds.planning import dry_run, step_checks
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
@@ -25,6 +26,14 @@ WORLD_16 = MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-paral
 def dry(flags, environment=None):
     return subprocess.run([sys.executable, "tools/dry_run.py", *flags], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(environment or {})}, timeout=900)
+
+
+def stepped_as_planned(tmp_path, flags):
+    """The records of a --step dry run of `flags` that passed every check."""
+    result = dry(flags + ["--world-size", "8", "--jobs", "2", "--step", "--json", str(tmp_path / "dry.json")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "traffic and memory as planned, memory within the device" in result.stdout
+    return json.loads((tmp_path / "dry.json").read_text())["ranks"]
 
 
 def sitecustomize(tmp_path, source):
@@ -133,16 +142,55 @@ def test_all_ranks_form_their_groups_and_an_extra_group_on_one_rank_is_named(tmp
 
 
 @pytest.mark.e2e
-def test_an_moe_world_forms_its_expert_groups(tmp_path):
-    flags = MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-experts",
-                     "4", "--moe-expert-parallel-size", "2", "--world-size", "8", "--jobs", "2", "--json",
-                     str(tmp_path / "moe.json")]
-    result = dry(flags)
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = json.loads((tmp_path / "moe.json").read_text())["ranks"]
+def test_an_moe_world_forms_its_expert_groups_and_steps_as_planned(tmp_path):
+    records = stepped_as_planned(tmp_path, MODEL + ["--tensor-model-parallel-size", "2",
+                                                    "--pipeline-model-parallel-size", "2", "--num-experts", "4",
+                                                    "--moe-expert-parallel-size", "2"])
     # stage 1 holds ranks 4-7; EP 2 runs over consecutive ranks (TP fastest): experts split between 4 and 5
     assert records["5"]["groups"]["ours"]["expert"] == [4, 5]
     assert records["5"]["groups"]["ours"]["expert-data"] == [5, 7]
+    moe_iteration_worked_by_hand(records["5"])
+
+
+def moe_iteration_worked_by_hand(last):
+    """Rank 5: stage 1 (layers 5-8; every second layer is MoE: 6 and 8), TP rank 1, 16 / DP 2 = 8 micro-batches.
+    P = 128 tokens x 256 x 2 bytes = 65,536. Top-1 with capacity factor 1: C = 128 / 4 experts = 32 slots each;
+    each TP rank sends its 16 of every expert's slots: [4, 16, 256] bf16 = 32,768 bytes per all-to-all."""
+    m, p = 8, 65536
+    # the MoE layers' MLPs have no TP all-reduce: 2 dense layers x 4 + 2 MoE layers x 2 (attention) + the head's
+    assert _count(last, "allreduce", [4, 5], size=p) == m * (2 * 4 + 2 * 2 + 1)
+    # DeepSpeed's gather of the TP ranks' slots after the combine and in the drop's backward ([4, 32, 256] = P),
+    # and the received activation's halves
+    assert _count(last, "_allgather_base", [4, 5], size=p) == m * (2 * 2 + 1)
+    # dispatch and combine, forward and backward, per MoE layer
+    assert _count(last, "alltoall_base", [4, 5], size=32768) == m * 2 * 4
+    # 2 MoE layers x 2 local experts x fc1 (256 x 1024 + 1024) and fc2 (1024 x 256 + 256): reduced over the
+    # expert-data-parallel group in fp32, apart from the rest
+    experts = 2 * 2 * (256 * 1024 + 1024 + 1024 * 256 + 256)
+    assert _count(last, "allreduce", [5, 7], size=4 * experts) == 1
+    assert _count(last, "allreduce", [5, 7], size=4 * (last["parameters"] - experts)) == 1
+
+
+@pytest.mark.e2e
+def test_a_ulysses_world_steps_as_planned(tmp_path):
+    """TP 2 x Ulysses 2 x PP 2 at DP 1, where the sequence-data group is the Ulysses group: its all-to-alls are
+    Ulysses traffic, the gradient reduction over the same ranks data traffic."""
+    last = stepped_as_planned(tmp_path, MODEL + ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                                                 "--pipeline-model-parallel-size", "2", "--ds-sequence-parallel-size",
+                                                 "2"])["5"]
+    # rank = pipe x 4 + seq x 2 + tp: rank 5 is stage 1, Ulysses rank 0, TP rank 1
+    assert last["groups"]["ours"]["sequence"] == last["groups"]["ours"]["sequence-data"] == [5, 7]
+    # 16 / (DP 1 x 2) = 8 micro-batches of 2 x 128 / U 2 tokens: P = 128 x 256 x 2 = 65,536 per rank
+    m, p = 8, 65536
+    assert _count(last, "allreduce", [4, 5], size=p) == m * (4 * 4 + 1)
+    # q, k, v and attention's output forward, their gradients backward, for a / t = 4 heads: P / t each
+    assert _count(last, "alltoall_base", [5, 7], size=p // 2) == m * 4 * 8
+    traffic = step_checks.recorded_traffic(last)
+    assert traffic["ulysses"] == m * 4 * 8 * p // 2 // 2   # each rank keeps half of what it sends itself
+    # over two ranks a ring all-reduce sends its payload once, an all-gather half of its output: the fp32
+    # gradients' all-reduce (4 bytes a parameter) and the bf16 weights' all-gather (2 bytes, half of it sent),
+    # and one fp32 scalar all-reduced
+    assert traffic["data"] == 4 * last["parameters"] + 2 * last["parameters"] // 2 + 4
 
 
 @pytest.mark.parametrize("flags, message", [
