@@ -1,9 +1,12 @@
-"""Launch pretrain.py through a real launcher (torchrun or deepspeed) and read its log."""
+"""Launch pretrain.py on several real ranks (forked by tests/zygote.py, or under torchrun or deepspeed) and read its
+log."""
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,14 +18,19 @@ LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "MPI_", "SLURM_")
 
 def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("pretrain.py",)):
     """Run pretrain.py (or program, e.g. ("-m", "tests.backdated_start", "61")) on nproc local ranks; return the
-    CompletedProcess (stdout and stderr merged)."""
+    CompletedProcess (stdout and stderr merged). A plain pretrain.py launch under "torchrun" forks its ranks from
+    tests/zygote.py (imports paid once per test session; TESTS_REAL_LAUNCHER=1 starts torchrun instead); one with
+    its own environment or program, or under "deepspeed", starts the real launcher."""
     from tests.distributed import free_port
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if launcher == "torchrun" and env is None and program == ("pretrain.py",) and not os.environ.get(
+            "TESTS_REAL_LAUNCHER"):
+        return _launch_forked(nproc, flags, timeout, environment)
     port = str(free_port())
     if launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
     else:
         command = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     # its own session, so a launch that overruns is killed whole (the launcher alone would leave its ranks)
     with subprocess.Popen(command + [*program, *flags], cwd=REPO, env=environment, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
@@ -34,6 +42,34 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("p
             raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n"
                                  f"{output[-12000:]}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+_zygote = []  # the session's tests/zygote.py process, started by the first forked launch
+
+
+def _zygote_process():
+    if not _zygote or _zygote[0].poll() is not None:
+        _zygote[:] = [subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, text=True,
+                                       env=clean_env(PYTHONUNBUFFERED="1"), stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE)]
+    return _zygote[0]
+
+
+def _launch_forked(nproc, flags, timeout, environment):
+    zygote = _zygote_process()
+    with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
+        request = {"nproc": nproc, "argv": list(flags), "environ": environment, "log": log.name, "timeout": timeout}
+        zygote.stdin.write(json.dumps(request) + "\n")
+        zygote.stdin.flush()
+        answer = zygote.stdout.readline()
+        output = log.read()
+    if not answer:
+        raise AssertionError(f"tests/zygote.py died (exit {zygote.wait()}); the launch's output:\n{output[-12000:]}")
+    answer = json.loads(answer)
+    if answer["timed_out"]:
+        raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n{output[-12000:]}")
+    return subprocess.CompletedProcess(["tests/zygote.py", str(nproc), "pretrain.py", *flags], answer["returncode"],
+                                       output)
 
 
 def clean_env(**extra):
