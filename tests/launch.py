@@ -58,7 +58,8 @@ def _zygote_process():
 def _launch_forked(nproc, flags, timeout, environment):
     zygote = _zygote_process()
     with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-        request = {"nproc": nproc, "argv": list(flags), "environ": environment, "log": log.name, "timeout": timeout}
+        request = {"nproc": nproc, "argv": [os.fspath(flag) for flag in flags], "environ": environment,
+                   "log": log.name, "timeout": timeout}
         zygote.stdin.write(json.dumps(request) + "\n")
         zygote.stdin.flush()
         answer = zygote.stdout.readline()
