@@ -6,7 +6,8 @@ MASTER_ADDR and MASTER_PORT in its environment, pretrain.py run as __main__, std
 As torchrun does, when a rank fails the others are stopped (SIGTERM, then SIGKILL), and the launch exits 1.
 
     python -m tests.zygote        # reads one JSON request a line, answers one JSON line each:
-    {"nproc": 4, "argv": [...], "environ": {...}, "log": "/path", "timeout": 300} -> {"returncode": 0, "timed_out": false}
+    {"nproc": 4, "argv": [...], "environ": {...}, "log": "/path", "timeout": 300}
+    -> {"returncode": 0, "timed_out": false}
 
 Only this module's request loop runs in the zygote: it never trains, so every rank starts from a process that
 has imported but not run anything. tests/launch.py uses it for plain pretrain.py launches; launches with their

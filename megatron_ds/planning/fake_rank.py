@@ -253,7 +253,8 @@ _PARTITIONS = {}  # DeepSpeed's layer partitions the first rank worked out, for 
 def _read_partitions(path):
     if os.path.exists(path):
         with open(path) as handle:
-            _PARTITIONS.update({(tuple(weights), parts): boundaries for weights, parts, boundaries in json.load(handle)})
+            _PARTITIONS.update({(tuple(weights), parts): boundaries
+                                for weights, parts, boundaries in json.load(handle)})
 
 
 def _import_start_up():
