@@ -69,6 +69,7 @@ def _run_rank(rank, request, port):
 
 
 def _stop(pids):
+    """SIGTERM the ranks still running, SIGKILL those that outlive the grace; reaps them all."""
     for sig, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, None)):
         for pid in pids:
             try:
@@ -78,7 +79,10 @@ def _stop(pids):
         deadline = time.monotonic() + (grace or 0)
         while pids and (grace is None or time.monotonic() < deadline):
             pid, _ = os.waitpid(-1, os.WNOHANG if grace else 0)
-            pids.discard(pid) if pid else time.sleep(0.05)
+            if pid:
+                pids.discard(pid)
+            else:
+                time.sleep(0.05)
         if not pids:
             return
 

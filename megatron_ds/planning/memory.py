@@ -255,7 +255,7 @@ def _layer_activations_per_micro_batch(model, layout, num_layers, first_layer=1)
         chunk = layout.recompute_num_layers
         chunks = [experts[i:i + chunk] for i in range(0, num_layers, chunk)]
         return (len(chunks) * _saved_layer_input_bytes(model, layout),
-                max(sum(whole[e] for e in layers) for layers in chunks))
+                max((sum(whole[e] for e in layers) for layers in chunks), default=0.0))
     recomputed = layout.recomputed_layers(num_layers)
     kept = recomputed * _saved_layer_input_bytes(model, layout) + sum(whole[e] for e in experts[recomputed:])
     return kept, max(whole[e] for e in experts[:recomputed]) if recomputed else 0.0
