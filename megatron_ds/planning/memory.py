@@ -321,11 +321,10 @@ class StageMemory:
     def total(self) -> float:
         """The model states and the larger of the activation peak and the step's reduction copy; with one
         micro-batch the gradients are made as its activations are freed, so they count with the copy only."""
-        step = self.gradients + self.expert_gradient_reduction
         if self.gradients_before_activation_peak:
             peak = self.gradients + max(self.activations, self.expert_gradient_reduction)
         else:
-            peak = max(self.activations, step)
+            peak = max(self.activations, self.gradients + self.expert_gradient_reduction)
         return self.weights + self.grad_accumulation + self.optimizer + peak + self.overhead
 
 

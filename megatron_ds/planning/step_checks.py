@@ -115,10 +115,11 @@ def _axis(entry, groups, pipeline):
     if entry["op"] in POINT_TO_POINT:
         return "pipeline"
     ranks = entry["group"]
-    if entry["op"].startswith("alltoall") and groups.get("expert") == ranks:
-        return "expert"  # (its ranks may be the TP group's too)
-    if entry["op"].startswith("alltoall") and groups.get("sequence") == ranks:
-        return "ulysses"  # (at DP 1 its ranks are the sequence-data group's too)
+    # an all-to-all is MoE's or Ulysses' even where their group's ranks are another's too (TP's; at DP 1 the
+    # sequence-data group's)
+    for axis, name in (("expert", "expert"), ("sequence", "ulysses")):
+        if entry["op"].startswith("alltoall") and groups.get(axis) == ranks:
+            return name
     if entry["op"] == "allreduce" and len(ranks) == 2 and ranks == [pipeline[0], pipeline[-1]]:
         return "tied"   # DeepSpeed's tie group (at PP 2 the pipeline group's ranks too)
     for axis, name in (("tensor", "tensor"), ("sequence-data", "data"), ("sequence", "ulysses"),
