@@ -20,7 +20,7 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 
 SCHEDULE_FLAGS = {schedule: ["--pipeline-schedule", schedule] for schedule in ("1f1b", "zbh1", "dualpipev")}
 SCHEDULE_FLAGS["interleaved"] = ["--num-virtual-stages-per-pipeline-rank", "2"]  # Megatron-LM's spelling
-GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? grad norm: ([0-9.E+-]+) \|")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? grad norm: ([0-9.E+-]+|inf|nan) \|")  # inf: fp16 overflowed
 _runs = {}
 
 

@@ -1,7 +1,8 @@
 """The pipeline schedules beyond 1F1B inside DeepSpeed's pipeline engine train what 1F1B trains: the same lm loss
 and grad norm at every iteration (fp32, dropout 0), at PP 2 and PP 4 with tied embeddings, at TP 2 x PP 2 with
-Megatron's sequence parallelism and untied embeddings (LLaMA), in bf16, and with an MoE layer in each stage
-under full recompute. ZB-H1 takes the weight gradients later but in 1F1B's order, so its updates are 1F1B's
+Megatron's sequence parallelism and untied embeddings (LLaMA), in bf16, in fp16 (its dynamic loss scale
+overflowing and halving in the first iterations, where this CPU's oneDNN has fp16), and with an MoE layer in
+each stage under full recompute. ZB-H1 takes the weight gradients later but in 1F1B's order, so its updates are 1F1B's
 bitwise; the zero-bubble DualPipeV (DeepSpeed's DualPipeVModule and DualPipeVEngine, two stages per rank) sums
 each weight's micro-batch gradients in another order, so it agrees to rounding; interleaved (Megatron's order,
 2 virtual stages per rank, on DeepSpeed's DualPipeV machinery) agrees the same way. A checkpoint saved under one
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ds.arguments.checks import fp16_supported
 from tests.launch import launch, losses
 from tests.layouts import COMMON, ITERATIONS, SCHEDULE_FLAGS, run_layout, run_layout_grad_norms, run_layout_output
 
@@ -30,11 +32,19 @@ CASES = {
     "gpt2-pp4": ("gpt2", 1, 4, 1, ["--num-layers", "8", "--global-batch-size", "16"]),
     "llama-tp2-pp2-sp": ("llama", 2, 2, 1, ["--sequence-parallel"]),
     "llama-tp2-pp2-bf16": ("llama", 2, 2, 1, ["--bf16"]),
+    # 2^20: the first three iterations overflow and are skipped, the scale halving to 2^18
+    "gpt2-pp2-fp16": ("gpt2", 1, 2, 1, ["--fp16", "--initial-loss-scale", str(2 ** 20)]),
     # an MoE layer in each stage, with full recompute (one launch per schedule for both: the suite's time)
     "gpt2-pp2-moe-full-recompute": ("gpt2", 1, 2, 1, ["--num-experts", "2", "--expert-interval", "1",
                                                       *NO_TOKEN_DROPPING, "--recompute-granularity", "full",
                                                       "--recompute-method", "uniform"]),
 }
+
+
+def _cases():
+    """Every case, fp16's skipped where DeepSpeed has no fp16 on this machine."""
+    no_fp16 = pytest.mark.skipif(not fp16_supported(), reason="DeepSpeed has no fp16 on this CPU (oneDNN)")
+    return [pytest.param(case, marks=no_fp16) if "--fp16" in CASES[case][4] else case for case in CASES]
 
 
 def _scheduled(case, schedule):
@@ -48,6 +58,8 @@ def _assert_trains_the_same(case, schedule, loss_rel, norm_abs):
     observed_losses, observed_norms = run_layout(*_scheduled(case, schedule)), run_layout_grad_norms(
         *_scheduled(case, schedule))
     assert expected_losses[ITERATIONS] < expected_losses[1]
+    if "--fp16" in CASES[case][4]:  # the overflowed iterations were skipped under both, then it trained
+        assert expected_norms[1] == observed_norms[1] == float("inf") != expected_norms[ITERATIONS]
     assert sorted(observed_norms) == sorted(expected_norms) == list(range(1, ITERATIONS + 1))
     for iteration in expected_losses:
         assert observed_losses[iteration] == pytest.approx(expected_losses[iteration], rel=loss_rel, abs=0), (
@@ -56,25 +68,29 @@ def _assert_trains_the_same(case, schedule, loss_rel, norm_abs):
             iteration, observed_norms, expected_norms)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases())
 def test_zero_bubble_h1_trains_what_one_forward_one_backward_trains(case):
     _assert_trains_the_same(case, "zbh1", loss_rel=0, norm_abs=0)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases())
 def test_zero_bubble_dualpipev_trains_what_one_forward_one_backward_trains(case):
-    """fp32 within 1e-5 of the loss and one unit of the printed grad norm (3 decimals); bf16 to its rounding."""
-    bf16 = "--bf16" in CASES[case][4]
-    _assert_trains_the_same(case, "dualpipev", loss_rel=1e-4 if bf16 else 1e-5, norm_abs=2.1e-3 if bf16 else 1.1e-3)
+    """fp32 within 1e-5 of the loss and one unit of the printed grad norm (3 decimals); bf16 and fp16 to their
+    rounding."""
+    _assert_trains_the_same(case, "dualpipev", **_tolerances(case))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases())
 def test_interleaved_trains_what_one_forward_one_backward_trains(case):
     """Megatron's interleaved order with 2 virtual stages per rank (rank r: model stages r and p + r; the tied
     embedding's two copies on rank 0 and the last rank, as under 1F1B)."""
-    bf16 = "--bf16" in CASES[case][4]
-    _assert_trains_the_same(case, "interleaved", loss_rel=1e-4 if bf16 else 1e-5,
-                            norm_abs=2.1e-3 if bf16 else 1.1e-3)
+    _assert_trains_the_same(case, "interleaved", **_tolerances(case))
+
+
+def _tolerances(case):
+    """A schedule that sums each weight's micro-batch gradients in another order than 1F1B agrees to rounding."""
+    half = {"--bf16", "--fp16"} & set(CASES[case][4])
+    return {"loss_rel": 1e-4, "norm_abs": 2.1e-3} if half else {"loss_rel": 1e-5, "norm_abs": 1.1e-3}
 
 
 def _trace_kinds(schedule, rank, iteration):

@@ -359,14 +359,6 @@ _SCHEDULE_FEATURES = {"zbh1": "the zero-bubble pipeline schedule", "interleaved"
 
 def engine_schedule_errors(args):
     """The pipeline schedules pretrain.py's engine does not run yet (tools/plan.py plans them all)."""
-    if args.pipeline_schedule in ("zbh1", "dualpipev") and args.fp16:
-        return [f"--pipeline-schedule {args.pipeline_schedule} with --fp16: the split backward does not apply fp16's "
-                f"loss scale yet; use --bf16, or 1f1b with --fp16"]
-    if args.pipeline_schedule in ("zbh1", "dualpipev") and args.deepspeed_activation_checkpointing:
-        return [f"--pipeline-schedule {args.pipeline_schedule} with --deepspeed-activation-checkpointing: the split "
-                f"backward takes the input gradient with torch.autograd.grad, which DeepSpeed's checkpoint refuses "
-                f"(\"Checkpointing is not compatible with .grad()\"); use --recompute-granularity full (megatron_ds's "
-                f"recompute, which composes), or the 1f1b or interleaved schedule"]
     if args.pipeline_schedule == "interleaved":
         return _interleaved_engine_errors(args)
     if args.pipeline_schedule in ("1f1b", "zbh1", "dualpipev"):
@@ -418,16 +410,24 @@ def data_source_errors(args):
 
 
 def this_host_errors(args):
-    """What this machine cannot do: fp16 without a GPU, the profiler's CUDA mode, W&B without wandb installed."""
+    """What this machine cannot do: fp16 where DeepSpeed's accelerator has none, the profiler's CUDA mode, W&B
+    without wandb installed."""
     import importlib.util
     errors = []
-    if args.fp16 and not torch.cuda.is_available():
-        errors.append("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 or fp32 "
-                      "on CPU")
+    if args.fp16 and not fp16_supported():
+        errors.append("--fp16 needs a GPU, or a CPU whose oneDNN computes in fp16 (DeepSpeed's CPU accelerator "
+                      "supports fp16 only there, and this CPU's does not); use --bf16 or fp32 here")
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         errors.append(f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed: "
                       f"pip install wandb (or drop --wandb-project)")
     return errors + profile_errors(args) + pipeline_timeline_errors(args)
+
+
+def fp16_supported():
+    """Whether DeepSpeed trains in fp16 here: any CUDA device, or a CPU with oneDNN's fp16 (DeepSpeed's CPU
+    accelerator asks torch.ops.mkldnn._is_mkldnn_fp16_supported)."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.cuda.is_available() or get_accelerator().is_fp16_supported()
 
 
 def pipeline_timeline_errors(args):

@@ -28,7 +28,8 @@ OWNED_NAMES = (
     "deepspeed_saved_tensors", "saved_data",
     "_train_schedule", "_running_engine_backward", "immediate_grad_update", "pipe_partition_output_meta_cache",
     "grad_partition_grad_layer_meta_cache", "update_hp_grads", "clear_lp_grads", "_backward_prologue_per_tensor",
-    "_send_tensor_meta", "has_bool_tensors",
+    "_send_tensor_meta", "has_bool_tensors", "scale_if_loss", "torch_autocast_z0_gradscaler",
+    "_is_checkpoint_valid",
 )
 
 
@@ -160,12 +161,13 @@ def scale_loss_outside_output_hooks(engine):
 
 def backward_targets(engine, buffer_id):
     """(tensors, their gradients) a backward of the buffer's micro-batch starts from, as the pipeline engine's
-    _exec_backward_pass has them: the last stage's loss over the accumulation steps (gradient None; see
-    scale_loss_outside_output_hooks), else the stage's floating-point outputs, reassembled where DeepSpeed split
-    them over the TP ranks (pipe_partitioned / grad_partitioned), with the received gradients (0.19.8)."""
+    _exec_backward_pass has them: the last stage's loss over the accumulation steps, times fp16's loss scale
+    (gradient None; see scale_loss_outside_output_hooks and _scaled_loss), else the stage's floating-point
+    outputs, reassembled where DeepSpeed split them over the TP ranks (pipe_partitioned / grad_partitioned), with
+    the received gradients (0.19.8); those gradients carry the loss scale already."""
     from deepspeed.runtime.utils import PartitionedTensor
     if engine.is_last_stage():
-        return [engine.loss / engine.gradient_accumulation_steps()], None
+        return [_scaled_loss(engine, engine.loss / engine.gradient_accumulation_steps())], None
     outputs = engine.pipe_buffers["outputs"][buffer_id]
     group = engine.grid.get_slice_parallel_group()
     if engine.is_pipe_partitioned:
@@ -190,6 +192,18 @@ def backward_targets(engine, buffer_id):
     return outputs, list(gradients) if isinstance(gradients, (tuple, list)) else [gradients]
 
 
+def _scaled_loss(engine, loss):
+    """The loss as DeepSpeedEngine.backward scales it before its backward: a ZeRO optimizer's scale_if_loss (fp16's
+    dynamic or static loss scale under ZeRO 1 and 2; BF16_Optimizer leaves it), or ZeRO 0's autocast GradScaler
+    (0.19.8)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        return engine.optimizer.scale_if_loss(loss)
+    if engine.torch_autocast_z0_gradscaler is not None:
+        return engine.torch_autocast_z0_gradscaler.scale(loss)
+    return loss
+
+
 @contextlib.contextmanager
 def engine_backward(engine):
     """Within the block a backward counts as the engine's own (_running_engine_backward), as in
@@ -200,6 +214,23 @@ def engine_backward(engine):
         yield
     finally:
         engine._running_engine_backward = False
+
+
+@contextlib.contextmanager
+def deepspeed_checkpoints_recompute_in_partial_backward():
+    """Within the block DeepSpeed's activation checkpoint recomputes inside a backward that asks for some inputs'
+    gradients only (torch.autograd.grad, as the split backward's input-gradient pass does). Its reentrant
+    CheckpointFunction.backward refuses one when torch.autograd._is_checkpoint_valid() is False, because its
+    inner backward adds the recomputed region's weight gradients into their .grad, which .grad() promises not to
+    do. Here that is wanted: those weights are reachable only through the checkpoint, so their gradients are taken
+    there, during the input-gradient pass, as megatron_ds's own recompute takes them (0.19.8)."""
+    import torch
+    own = torch.autograd._is_checkpoint_valid
+    torch.autograd._is_checkpoint_valid = lambda: True
+    try:
+        yield
+    finally:
+        torch.autograd._is_checkpoint_valid = own
 
 
 def dualpipev_backward(engine, buffer_id, phase, backward):

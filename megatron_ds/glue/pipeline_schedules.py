@@ -178,7 +178,8 @@ def _backward_input(engine, buffer_id, deferred):
     inputs = [tensor for tensor in (inputs if isinstance(inputs, tuple) else (inputs,))
               if tensor.is_floating_point() and tensor.requires_grad]
     weights = [param for param in engine.module.parameters() if param.requires_grad]
-    with deepspeed_internals.engine_backward(engine):
+    with deepspeed_internals.engine_backward(engine), \
+            deepspeed_internals.deepspeed_checkpoints_recompute_in_partial_backward():
         _, kept = stage_backward_input(targets, gradients, inputs, iter(weights))
     deferred[buffer_id] = (weights, kept)
     deepspeed_internals.free_backward_buffers(engine, buffer_id)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ds.arguments import ArgumentsError, parse_args
+from megatron_ds.arguments.checks import fp16_supported
 from tests.flags import TINY_MODEL as BASE
 
 MISSING, DIRECTORY = object(), object()  # special --deepspeed_config values
@@ -50,8 +51,8 @@ CASES = dict([
     case("seq-vs-positions", "--max-position-embeddings", "8",
          expect=["--seq-length 16 exceeds --max-position-embeddings 8"]),
     case("fp16-and-bf16", "--fp16", "--bf16", expect=["--fp16 and --bf16 are mutually exclusive"]),
-    case("fp16-on-cpu", "--fp16", expect=["--fp16 needs a GPU"],
-         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only without CUDA")),
+    case("fp16-without-support", "--fp16", expect=["--fp16 needs a GPU"],
+         marks=pytest.mark.skipif(fp16_supported(), reason="fp16 is refused only where DeepSpeed has none")),
     *[case(f"zero{stage}-with-pp", "--zero-stage", str(stage), "--pipeline-model-parallel-size", "2", world=2,
            expect=[f"--zero-stage {stage} with --pipeline-model-parallel-size 2"]) for stage in (2, 3)],
     case("non-positive", "--hidden-size", "0", "--micro-batch-size", "-1",

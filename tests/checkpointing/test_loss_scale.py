@@ -1,5 +1,6 @@
 """fp16's dynamic loss scale across a resharded load: read from the saved ZeRO files as DeepSpeed's own
-same-layout load reads it (fp16 needs a GPU, so the file is written here as DeepSpeed writes it)."""
+same-layout load reads it (the file written here as DeepSpeed writes it, so the test runs where DeepSpeed has no
+fp16)."""
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_args, parse_flags, raise_if_invalid
+from megatron_ds.arguments.checks import fp16_supported
 from megatron_ds.planning import cli, search
 from megatron_ds.planning.memory import in_flight_micro_batches
 from megatron_ds.planning.model import Layout
@@ -119,22 +120,21 @@ def test_search_names_the_schedule_it_chose():
     assert all(row["pipeline_schedule"] == "1f1b" for row in result["ranked"] if row["pp"] == 1)
 
 
-def test_pretrain_runs_zero_bubble_but_not_with_fp16():
+@pytest.mark.skipif(not fp16_supported(), reason="DeepSpeed has no fp16 on this CPU (oneDNN)")
+def test_megatron_deepspeeds_zero_bubble_flag_is_zbh1_in_fp16_too():
+    """fp16 composes: the split backward scales the loss as DeepSpeed's backward does (trained in
+    tests/test_pipeline_schedules_training.py)."""
     args = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
-                               "--enable-zbh1-pipeline"], world_size=4)
-    assert args.pipeline_schedule == "zbh1"
-    with pytest.raises(ArgumentsError, match="--pipeline-schedule zbh1 with --fp16: the split backward does not "
-                                             "apply fp16's loss scale yet"):
-        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "4",
-                            "--enable-zbh1-pipeline", "--fp16"], world_size=4)
+                               "--enable-zbh1-pipeline", "--fp16"], world_size=4)
+    assert (args.pipeline_schedule, args.fp16) == ("zbh1", True)
 
 
 @pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
-def test_the_split_backward_refuses_deepspeeds_activation_checkpointing(schedule):
-    """DeepSpeed's checkpoint refuses torch.autograd.grad, which the split backward's input gradient uses."""
-    with pytest.raises(ArgumentsError, match=f"--pipeline-schedule {schedule} with --deepspeed-activation-"
-                                             "checkpointing: the split backward takes the input gradient with "
-                                             "torch.autograd.grad, which DeepSpeed's checkpoint refuses"):
-        parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "2",
-                            "--global-batch-size", "8", "--pipeline-schedule", schedule, "--checkpoint-activations",
-                            "--deepspeed-activation-checkpointing"], world_size=2)
+def test_the_split_backward_takes_deepspeeds_activation_checkpointing(schedule):
+    """Accepted at start-up (trained in tests/test_deepspeed_activation_checkpointing.py), DeepSpeed's
+    contiguous buffers sized for the micro-batches the schedule keeps in flight on a rank."""
+    args = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "2",
+                               "--global-batch-size", "8", "--pipeline-schedule", schedule, "--checkpoint-activations",
+                               "--deepspeed-activation-checkpointing", "--contigious-checkpointing",
+                               "--partition-activations"], world_size=2)
+    assert args.effective_deepspeed_config["activation_checkpointing"]["contiguous_memory_optimization"]
