@@ -80,6 +80,7 @@ def setup_engine(args, config, building_model=contextlib.nullcontext):
                                            config=copy.deepcopy(args.effective_deepspeed_config),  # DeepSpeed may edit it
                                            mpu=None if pipelined else ModelParallelUnit(),
                                            dist_init_required=False)
+    deepspeed_internals.mend_zero_stage_0(engine)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
         install_schedule(engine, args.pipeline_schedule, args.virtual_pipeline_stages)

@@ -29,7 +29,9 @@ OWNED_NAMES = (
     "_train_schedule", "_running_engine_backward", "immediate_grad_update", "pipe_partition_output_meta_cache",
     "grad_partition_grad_layer_meta_cache", "update_hp_grads", "clear_lp_grads", "_backward_prologue_per_tensor",
     "_send_tensor_meta", "has_bool_tensors", "scale_if_loss", "torch_autocast_z0_gradscaler",
-    "_is_checkpoint_valid",
+    "_is_checkpoint_valid", "loss_scale_config", "custom_loss_scaler", "external_loss_scale",
+    "_global_grad_norm", "clip_fp32_gradients", "ds_pipe_replicated", "fp32_groups_flat", "fp16_groups_flat",
+    "fp32_groups",
 )
 
 
@@ -193,15 +195,133 @@ def backward_targets(engine, buffer_id):
 
 
 def _scaled_loss(engine, loss):
-    """The loss as DeepSpeedEngine.backward scales it before its backward: a ZeRO optimizer's scale_if_loss (fp16's
-    dynamic or static loss scale under ZeRO 1 and 2; BF16_Optimizer leaves it), or ZeRO 0's autocast GradScaler
-    (0.19.8)."""
+    """The loss as DeepSpeedEngine.backward scales it before its backward, with fp16 at ZeRO 0 mended (see
+    mend_zero_stage_0): a ZeRO optimizer's scale_if_loss (fp16's dynamic or static loss scale under
+    ZeRO 1 and 2; BF16_Optimizer leaves it), or ZeRO 0's autocast GradScaler (0.19.8)."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     if isinstance(engine.optimizer, ZeROOptimizer):
         return engine.optimizer.scale_if_loss(loss)
     if engine.torch_autocast_z0_gradscaler is not None:
         return engine.torch_autocast_z0_gradscaler.scale(loss)
-    return loss
+    return _fp16_zero_stage_0_scaled(engine, loss)
+
+
+def _fp16_zero_stage_0_scaled(engine, loss):
+    """The loss times the loss scale that fp16's ZeRO-0 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) divide
+    the gradients by in step(), as their own backward() scales it (0.19.8)."""
+    config = getattr(engine.optimizer, "loss_scale_config", None)
+    if not engine.fp16_enabled() or engine.zero_optimization() or config is None:
+        return loss
+    if engine.optimizer.custom_loss_scaler:
+        return loss * engine.optimizer.external_loss_scale
+    return loss.float() * config.cur_scale if config.use_grad_scaling else loss
+
+
+def mend_zero_stage_0(engine):
+    """Make DeepSpeed 0.19.8's ZeRO-stage-0 engine train as its ZeRO-1 engine does, with tensor and pipeline
+    parallelism. Without ZeRO it goes wrong in three places, each mended here:
+    - fp16: DeepSpeedEngine.backward scales the loss only for ZeRO optimizers, while fp16's ZeRO-0 optimizers
+      divide the gradients by the loss scale in step(): updates loss-scale times too small, clipping never
+      triggered, small gradients underflowing (DeepSpeed pull request 8393, open). Mended class-wide, because the
+      pipeline engine's last stage calls it through super().
+    - fp16 with an optimizer other than FusedAdam (FP16_UnfusedOptimizer): the gradient norm for clipping is taken
+      over gradient tensors, which carry neither ds_pipe_replicated (a tied embedding's second copy, counted twice)
+      nor tensor_model_parallel (TP ranks > 0 skip every gradient); and the norm it reports keeps the loss scale.
+    - fp32: clip_fp32_gradients counts the replicated parameters on model-parallel rank 0 only, which with
+      DeepSpeed's pipeline grid is the first stage's TP rank 0 (later stages' norms are left out), and the norm
+      it computes is never reported (get_global_grad_norm() is None).
+    - fp16: both optimizers take an optimizer step with zero gradients when built (initialize_optimizer_states):
+      AdamW's step count starts at 1 (its bias correction off by a step ever after) and its weight decay shrinks
+      the fp32 master weights by lr x decay, away from the 16-bit ones.
+    bf16 needs none of it."""
+    if engine.zero_optimization() or engine.bfloat16_enabled():
+        return
+    if engine.fp16_enabled():
+        _scale_fp16_loss_at_zero_stage_0()
+        _undo_the_initial_fp16_step(engine.optimizer)
+        _mend_unfused_fp16_norm(engine.optimizer)
+    else:
+        engine.clip_fp32_gradients = lambda: _clip_fp32_gradients(engine)
+
+
+def _scale_fp16_loss_at_zero_stage_0():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    own = DeepSpeedEngine.backward
+    if getattr(own, "scales_fp16_at_zero_stage_0", False):
+        return
+
+    def backward(self, loss, *args, **kwargs):
+        return own(self, _fp16_zero_stage_0_scaled(self, loss), *args, **kwargs)
+
+    backward.scales_fp16_at_zero_stage_0 = True
+    DeepSpeedEngine.backward = backward
+
+
+def _undo_the_initial_fp16_step(optimizer):
+    """The wrapped optimizer's state emptied and the fp32 master weights copied back from the 16-bit ones they
+    were made from, as they were before initialize_optimizer_states stepped (FP16_Optimizer: flat groups;
+    FP16_UnfusedOptimizer: per parameter)."""
+    import torch
+    optimizer.optimizer.state.clear()
+    if hasattr(optimizer, "fp32_groups_flat"):
+        pairs = zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat)
+    else:
+        pairs = zip((p for group in optimizer.fp32_groups for p in group),
+                    (p for group in optimizer.fp16_groups for p in group))
+    with torch.no_grad():
+        for master, weight in pairs:
+            master.copy_(weight)
+
+
+def _mend_unfused_fp16_norm(optimizer):
+    """FP16_UnfusedOptimizer's norm from gradients that carry their parameters' tags (through the module's
+    split_params_grads_into_shared_and_expert_params, which hands them to get_weight_norm); the norm it reports
+    without the loss scale of the step that took it."""
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    if not isinstance(optimizer, unfused_optimizer.FP16_UnfusedOptimizer):
+        return
+    split = unfused_optimizer.split_params_grads_into_shared_and_expert_params
+    if not getattr(split, "tags_gradients", False):
+        def tagged_split(group):
+            _tagged_gradients(group)
+            return split(group)
+        tagged_split.tags_gradients = True
+        unfused_optimizer.split_params_grads_into_shared_and_expert_params = tagged_split
+    step = optimizer.step
+
+    def step_reporting_the_unscaled_norm(*args, **kwargs):
+        scale = optimizer.loss_scale_config.cur_scale  # before step() may change it
+        overflow = step(*args, **kwargs)
+        optimizer._global_grad_norm = optimizer._global_grad_norm / scale
+        return overflow
+
+    optimizer.step = step_reporting_the_unscaled_norm
+
+
+def _tagged_gradients(params):
+    """The parameters' gradients, each carrying its parameter's ds_pipe_replicated and tensor_model_parallel,
+    which DeepSpeed's get_weight_norm reads off the tensors it is given."""
+    gradients = []
+    for param in params:
+        if param.grad is not None:
+            param.grad.ds_pipe_replicated = getattr(param, "ds_pipe_replicated", False)
+            param.grad.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
+            gradients.append(param.grad)
+    return gradients
+
+
+def _clip_fp32_gradients(engine):
+    """Every gradient clipped by the norm DeepSpeed's get_weight_norm takes over the model-parallel ranks (each
+    replicated parameter once: on TP rank 0, a tied embedding on its first stage); the norm kept for
+    get_global_grad_norm() (nan where it is not finite)."""
+    from deepspeed.runtime.utils import get_weight_norm
+    gradients = _tagged_gradients(engine.module.parameters())
+    norm = get_weight_norm(gradients, mpu=engine.mpu)
+    engine._global_grad_norm = norm if norm >= 0 else float("nan")  # -1: not finite
+    coefficient = engine.gradient_clipping() / (norm + 1e-6)
+    if 0 <= norm and coefficient < 1:
+        for gradient in gradients:
+            gradient.mul_(coefficient)
 
 
 @contextlib.contextmanager
