@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+from megatron_ds.arguments.checks import fp16_supported
 from tests.corpus import sample_sentences
 
 SCRIPTS = {name: script for name, script in
@@ -112,8 +113,9 @@ def make_datasets(folder, files):
 TINY = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
         "--max-position-embeddings": 32, "--micro-batch-size": 2, "--log-interval": 1, "--eval-iters": 1,
         "--eval-interval": 2, "--save-interval": 1000, "--rampup-batch-size": None}
-# what a CPU cannot run: fp16 (bf16 instead) and NCCL
-CPU = {"--fp16": None, "--distributed-backend": "gloo"}
+# what a CPU cannot run: NCCL, and fp16 where its oneDNN has none (bf16 instead)
+FP16 = fp16_supported()
+CPU = {"--distributed-backend": "gloo", **({} if FP16 else {"--fp16": None})}
 
 
 def is_moe(name):
@@ -124,31 +126,31 @@ def is_moe(name):
 
 def tiny_command_line(name, files, datasets, folder, iterations=3):
     """(argv, ranks): the script's flags on a tiny model for `iterations` iterations on at most 4 CPU ranks (TP
-    and PP 2 where the script uses them), bf16 where it uses fp16, its DeepSpeed JSON given the same batch
-    sizes and precision; data, tokenizer and output folders from the test."""
+    and PP 2 where the script uses them), its fp16 as it is where this CPU has fp16 (else bf16), its DeepSpeed JSON
+    given the same batch sizes and precision; data, tokenizer and output folders from the test."""
     flags = dict((flag, value) for flag, value in SCRIPTS[name]["flags"])
     tp = 2 if int(flags.get("--tensor-model-parallel-size", 1)) > 1 else 1
     pp = 2 if int(flags.get("--pipeline-model-parallel-size", 1)) > 1 else 1
     dp = 2 if tp * pp <= 2 else 1
     global_batch = 2 * dp * 2  # micro batch 2, two micro-batches per iteration
-    sixteen_bit = "--fp16" in flags or "--bf16" in flags
+    as_bf16 = "--bf16" in flags or ("--fp16" in flags and not FP16)
     schedule = ({"--train-samples": iterations * global_batch} if "--train-samples" in flags
                 else {"--train-iters": iterations})
     family = "sentencepiece" if "--tokenizer-model" in flags else "gpt2"
     replace = {**TINY, **CPU, **schedule, "--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
                "--global-batch-size": global_batch, "--data-path": datasets[family],
                "--data-cache-path": str(folder / "cache"), "--save": str(folder / "save"), "--load": str(folder / "save"),
-               "--tensorboard-dir": str(folder / "tensorboard"), "--bf16": True if sixteen_bit else None,
+               "--tensorboard-dir": str(folder / "tensorboard"), "--bf16": True if as_bf16 else None,
                "--num-key-value-heads": 2 if "--num-key-value-heads" in flags else None,
                "--ffn-hidden-size": 128 if "--ffn-hidden-size" in flags else None}
     if is_moe(name):  # 4 experts over the data-parallel ranks
         replace.update({"--num-experts": 4, "--moe-expert-parallel-size": dp})
     config = {key: value for key, value in (SCRIPTS[name]["ds_config"] or {}).items()
-              if key not in ("fp16", "gradient_accumulation_steps")}
+              if key != "gradient_accumulation_steps" and not (key == "fp16" and as_bf16)}
     config.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=2)
     if config.get("curriculum_learning", {}).get("enabled"):  # its sequence-length warm-up, over the tiny run
         config["curriculum_learning"] = {**config["curriculum_learning"], "min_difficulty": 8, "max_difficulty": 32,
                                          "schedule_config": {"total_curriculum_step": iterations, "difficulty_step": 8}}
-    if sixteen_bit:
+    if as_bf16:
         config["bf16"] = {"enabled": True}
     return command_line(name, files, folder, replace, config), tp * pp * dp
