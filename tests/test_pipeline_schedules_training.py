@@ -1,6 +1,6 @@
 """The pipeline schedules beyond 1F1B inside DeepSpeed's pipeline engine train what 1F1B trains: the same lm loss
 and grad norm at every iteration (fp32, dropout 0), at PP 2 and PP 4 with tied embeddings, at TP 2 x PP 2 with
-Megatron's sequence parallelism and untied embeddings (LLaMA), in bf16, in fp16 (its dynamic loss scale
+Megatron's sequence parallelism, selective recompute and untied embeddings (LLaMA), in bf16, in fp16 (its dynamic loss scale
 overflowing and halving in the first iterations, where this CPU's oneDNN has fp16), and with an MoE layer in
 each stage under full recompute. ZB-H1 takes the weight gradients later but in 1F1B's order, so its updates are 1F1B's
 bitwise; the zero-bubble DualPipeV (DeepSpeed's DualPipeVModule and DualPipeVEngine, two stages per rank) sums
@@ -30,7 +30,7 @@ CASES = {
     "gpt2-pp2": ("gpt2", 1, 2, 1, []),
     # DualPipeV's 8 stages at PP 4 take 8 layers, and at least 2 x PP micro-batches
     "gpt2-pp4": ("gpt2", 1, 4, 1, ["--num-layers", "8", "--global-batch-size", "16"]),
-    "llama-tp2-pp2-sp": ("llama", 2, 2, 1, ["--sequence-parallel"]),
+    "llama-tp2-pp2-sp-selective": ("llama", 2, 2, 1, ["--sequence-parallel", "--recompute-granularity", "selective"]),
     "llama-tp2-pp2-bf16": ("llama", 2, 2, 1, ["--bf16"]),
     # 2^20: the first three iterations overflow and are skipped, the scale halving to 2^18
     "gpt2-pp2-fp16": ("gpt2", 1, 2, 1, ["--fp16", "--initial-loss-scale", str(2 ** 20)]),
