@@ -44,6 +44,7 @@ RELEASE_TAG = "release"
 TMP_SUFFIX = ".tmp"
 FORMAT_DEEPSPEED = "deepspeed"
 FORMAT_SHARDED = "megatron_ds-sharded"
+FORMAT_MEGATRON_DEEPSPEED = "megatron-deepspeed"  # its own files, described by megatron_deepspeed.read_metadata
 FORMAT_VERSION = 1
 CHECKSUM_CHUNK_BYTES = 4 * 2 ** 20  # a file is read for its checksum in pieces this large
 _TAG = re.compile(r"^global_step(\d+)$")

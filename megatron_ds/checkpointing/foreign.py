@@ -7,7 +7,7 @@ refuse them by that name instead of calling them damaged.
                                (Megatron-LM's iter_NNNNNNN/)
 
 Recognised: Megatron-DeepSpeed's (DeepSpeed's mp_rank_XX_model_states.pt with its `args` and
-`checkpoint_version`; conversion/megatron_deepspeed.py reads them), DeepSpeed's universal checkpoints (a zero/ folder),
+`checkpoint_version`; megatron_deepspeed.py reads them), DeepSpeed's universal checkpoints (a zero/ folder),
 Megatron-LM's torch_dist (*.distcp) and legacy (mp_rank_XX/model_optim_rng.pt) formats, DeepSpeed files of
 another program (no `args`), and Hugging Face model folders.
 """
@@ -68,7 +68,7 @@ def foreign_folder(load_dir):
 
 def _deepspeed_files(path, model_states):
     try:
-        state = _peek(os.path.join(path, model_states[0]))
+        state = peek(os.path.join(path, model_states[0]))
     except Exception as error:   # whatever unpickling a damaged or foreign file raises
         return (f"DeepSpeed model states, {model_states[0]} unreadable ({type(error).__name__}: {error}): a damaged "
                 f"DeepSpeed or Megatron-DeepSpeed checkpoint")
@@ -78,7 +78,7 @@ def _deepspeed_files(path, model_states):
                 f"which these files do not record")
     return (f"a Megatron-DeepSpeed checkpoint ({_megatron_deepspeed_layout(state)}): convert it with "
             f"tools/convert_checkpoint.py --from-megatron-deepspeed {os.path.dirname(path)} --save DIR (its weights, "
-            f"iteration and samples), then --load DIR")
+            f"optimizer states, iteration, samples and LR schedule), then --load DIR")
 
 
 def _megatron_deepspeed_layout(state):
@@ -92,7 +92,7 @@ def _megatron_deepspeed_layout(state):
             f"iteration {state.get('iteration', '?')}")
 
 
-def _peek(path):
+def peek(path):
     """The file's top-level object, its tensors memory-mapped (a 500B model's states are not read to look)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

@@ -41,6 +41,7 @@ class FullState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    consumed_train_tokens: Optional[int] = None  # None: samples x --seq-length
     scheduler: Optional[dict] = None
     extra: dict = field(default_factory=dict)
     recorded_model: Optional[dict] = None
@@ -69,6 +70,9 @@ def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
         data = load_file(os.path.join(path, files.sharded_file_name(tp_rank, pp_rank)))
         optimizer = data.get("optimizer") if with_optimizer else None
         return RankState(data["model"], optimizer, data.get("optimizer_step") if optimizer else None)
+    if metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED:
+        from megatron_ds.checkpointing import megatron_deepspeed  # it builds on this module
+        return megatron_deepspeed.read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer)
     if metadata["format"] != files.FORMAT_DEEPSPEED:
         raise CheckpointError(f"{path}: unknown checkpoint format {metadata['format']!r}")
     return _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer)
@@ -143,7 +147,7 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
         return _read_plain_optimizer(mp_state, entry, weights, canonical)
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
-    partitions = _ZeroPartitions(path, lay)
+    partitions = ZeroPartitions(path, lay)
     # DeepSpeed's data-parallel ranks (its ZeRO partitions) are the sequence-data-parallel ones: SP x DP
     replicas = lay["data_parallel_size"] * lay.get("sequence_parallel_size", 1)
     data_parallel = [(dp, entry["mp_rank"]) for dp in range(replicas)]
@@ -195,7 +199,7 @@ def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
     return owners
 
 
-class _ZeroPartitions:
+class ZeroPartitions:
     """DeepSpeed's ZeRO-1/2 (or BF16 optimizer) files of a checkpoint, each read once: a parameter group's
     flat fp32 partitions and Adam moments, read over the ranks that share it, cut at the parameters."""
 
@@ -311,6 +315,7 @@ def read_full_state(path, metadata, with_optimizer=True):
                      iteration=metadata.get("iteration", 0),
                      consumed_train_samples=metadata.get("consumed_train_samples", 0),
                      consumed_valid_samples=metadata.get("consumed_valid_samples", 0),
+                     consumed_train_tokens=metadata.get("consumed_train_tokens"),
                      scheduler=metadata.get("scheduler"), recorded_model=model,
                      model_config=metadata.get("model_config"))
 
@@ -430,6 +435,8 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
                                   has_optimizer_states=optimizer is not None, has_rng_states=False,
                                   optimizer_step=full.optimizer_step if optimizer is not None else None,
                                   converted_from=source, model=full.model,
+                                  **({"consumed_train_tokens": full.consumed_train_tokens}
+                                     if full.consumed_train_tokens is not None else {}),
                                   **({"model_config": full.model_config} if full.model_config else {}))
     files.finish_folder(tmp_path, metadata, checksums)
     files.publish(save_dir, tmp_tag, tag, tag if tag == files.RELEASE_TAG else str(full.iteration))

@@ -27,8 +27,8 @@ def build_parser():
     mode.add_argument("--from-hf", metavar="HF_DIR", help="read this Hugging Face model folder")
     mode.add_argument("--from-megatron-deepspeed", metavar="MDS_DIR",
                       help="read this Megatron-DeepSpeed checkpoint folder (its `latest` names the checkpoint; "
-                           "--load-iteration another): weights, iteration and data position; not yet its optimizer "
-                           "states or LR schedule")
+                           "--load-iteration another): weights, fp32 master weights, Adam moments, iteration, data "
+                           "position, tokens and LR schedule")
     parser.add_argument("--load", help="our checkpoint folder (its pointers name the checkpoint)")
     parser.add_argument("--load-iteration", default=None, help="this iteration instead of the pointers' one")
     parser.add_argument("--save", required=True, help="output folder")

@@ -7,9 +7,9 @@ import shutil
 import torch
 
 from megatron_ds.arguments import flag_defaults, padded_vocab_size
-from megatron_ds.checkpointing import files, layout, state
+from megatron_ds.checkpointing import files, layout, megatron_deepspeed, state
 from megatron_ds.checkpointing.files import CheckpointError
-from megatron_ds.conversion import huggingface, megatron_deepspeed
+from megatron_ds.conversion import huggingface
 
 
 def _log(message):
@@ -283,19 +283,24 @@ def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_
 
 
 def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None):
-    """A Megatron-DeepSpeed checkpoint written as ours (weights, iteration, data position), at its own layout
-    unless told another."""
+    """A Megatron-DeepSpeed checkpoint written as ours (weights, fp32 master weights and Adam moments, iteration,
+    data position, tokens, LR schedule), at its own layout unless told another."""
     path = megatron_deepspeed.checkpoint_folder(mds_dir, iteration)
-    full = megatron_deepspeed.read_megatron_deepspeed(path)
+    metadata = megatron_deepspeed.read_metadata(path)
+    full = state.read_full_state(path, metadata, with_optimizer=metadata["has_optimizer_states"])
     source_tp, source_pp = full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"]
     tp, pp = tp or source_tp, pp or source_pp
     _check_target(full.model, tp, pp)
     _retarget(full, tp, pp)
-    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=False,
+    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=full.optimizer is not None,
                                             source=os.path.abspath(path))
-    _log(f"wrote {folder} (iteration {full.iteration}, {full.consumed_train_samples} samples consumed; weights "
-         f"only: the optimizer states and the LR schedule start afresh) from Megatron-DeepSpeed's {path} (TP "
-         f"{source_tp} x PP {source_pp}); {_training_hint(full, tp, pp)}")
+    optimizer = (f"fp32 master weights and Adam moments (step {full.optimizer_step})" if full.optimizer is not None
+                 else "no optimizer states (no ZeRO files, or saved before the first step: the optimizer starts "
+                      "afresh)")
+    schedule = "its LR schedule" if full.scheduler else "no LR schedule (the flags' is used)"
+    _log(f"wrote {folder} (iteration {full.iteration}, {full.consumed_train_samples} samples consumed; weights, "
+         f"{optimizer}, {schedule}) from Megatron-DeepSpeed's {path} (TP {source_tp} x PP {source_pp}); "
+         f"{_training_hint(full, tp, pp)}")
     return folder
 
 

@@ -1,5 +1,5 @@
 """tools/convert_checkpoint.py --from-megatron-deepspeed: checkpoints written here by code that follows
-Megatron-DeepSpeed's file layout (megatron_ds/conversion/megatron_deepspeed.py's docstring; Megatron-DeepSpeed is not
+Megatron-DeepSpeed's file layout (megatron_ds/checkpointing/megatron_deepspeed.py's docstring; Megatron-DeepSpeed is not
 vendored), its query_key_value rows built head by head from what each row means, converted and read back as ours."""
 import argparse
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ds.checkpointing import files, state
-from megatron_ds.conversion.megatron_deepspeed import qkv_in_our_order
+from megatron_ds.checkpointing.megatron_deepspeed import qkv_in_our_order
 
 REPO = Path(__file__).resolve().parents[2]
 H, HEADS, GROUPS, D, FFN, LAYERS, VOCAB, POSITIONS = 16, 4, 2, 4, 32, 2, 64, 16
@@ -78,33 +78,125 @@ def their_layer(weights, i, tp, rank):
     return layer
 
 
-def megatron_deepspeed_checkpoint(load_dir, weights, tp, pp, iteration=5):
+WORD, POSITION = "embedding.word_embeddings.weight", "embedding.position_embeddings.weight"
+ITERATION, SAMPLES, TOKENS, STEP, BATCH, TRAIN_ITERS, LR = 5, 80, 1280, 5, 16, 7, 1e-3
+
+
+def adam_states(weights, seed=1):
+    """{fp32, exp_avg, exp_avg_sq: {canonical name: tensor}}: the master weights are the (fp32) weights; moments
+    of the size a few steps leave."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"fp32": dict(weights),
+            "exp_avg": {name: 1e-2 * torch.randn(value.shape, generator=generator) for name, value in weights.items()},
+            "exp_avg_sq": {name: 1e-4 * torch.rand(value.shape, generator=generator) for name, value in weights.items()}}
+
+
+def their_parameters(values, tp, rank, stage, pp):
+    """{name as DeepSpeed's engine names the parameter: TP rank `rank`'s tensor} of pipeline stage `stage`: the
+    nested module's names at PP 1, PipelineModule's `{layer file number}.{key}` and `tied_modules.embed.{key}` (on
+    the first and the last stage) at PP > 1."""
+    embedding = {"word_embeddings.weight": values[WORD].chunk(tp)[rank].clone(), "position_embeddings.weight":
+                 values[POSITION].clone()}
+    final = {"weight": values["decoder.final_layernorm.weight"], "bias": values["decoder.final_layernorm.bias"]}
+    per_stage = LAYERS // pp
+    layers = {i: their_layer(values, i, tp, rank) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    if pp == 1:
+        return {**{f"language_model.embedding.{key}": value for key, value in embedding.items()},
+                **{f"language_model.encoder.layers.{i}.{key}": value for i, layer in layers.items()
+                   for key, value in layer.items()},
+                **{f"language_model.encoder.final_layernorm.{key}": value for key, value in final.items()}}
+    named = {f"tied_modules.embed.{key}": value for key, value in embedding.items()} \
+        if stage in (0, pp - 1) else {}
+    named.update({f"{i + 2}.{key}": value for i, layer in layers.items() for key, value in layer.items()})
+    if stage == pp - 1:
+        named.update({f"{LAYERS + 2}.{key}": value for key, value in final.items()})
+    return named
+
+
+def _module(named):
+    """PP 1's nested `module`: language_model.{embedding: {word_embeddings: {weight}, ...}, encoder: {flat keys}}."""
+    embedding, encoder = {}, {}
+    for name, value in named.items():
+        rest = name.removeprefix("language_model.")
+        if rest.startswith("embedding."):
+            module, key = rest.removeprefix("embedding.").split(".")
+            embedding.setdefault(module, {})[key] = value
+        else:
+            encoder[rest.removeprefix("encoder.")] = value
+    return {"language_model": {"embedding": embedding, "encoder": encoder}}
+
+
+def _layer_files(tag, named, rank, stage):
+    """PP > 1: one file per layer of the stage (the tied embedding: file 1 on the first, its copy L+3 on the last)."""
+    by_number = {}
+    for name, value in named.items():
+        number, key = name.split(".", 1)
+        if number == "tied_modules":
+            number, key = (1 if stage == 0 else LAYERS + 3), key.removeprefix("embed.")
+        by_number.setdefault(int(number), {})[key] = value
+    for number, content in by_number.items():
+        torch.save(content, tag / f"layer_{number:02d}-model_{rank:02d}-model_states.pt")
+
+
+def _zero_files(tag, groups, moments, mp_rank, dp):
+    """DeepSpeed's ZeRO-1 files of one model-parallel rank: each group's parameters flattened in order, padded to a
+    multiple of 4 x dp, split in dp partitions (master weights and both moments alike)."""
+    flats = {key: [torch.cat([by_name[name].flatten() for name in group]) for group in groups]
+             for key, by_name in moments.items()}
+    for key, group_flats in flats.items():
+        flats[key] = [torch.nn.functional.pad(flat, (0, -flat.numel() % (4 * dp))).chunk(dp) for flat in group_flats]
+    for replica in range(dp):
+        state = {index: {"step": torch.tensor(float(STEP)), "exp_avg": flats["exp_avg"][index][replica].clone(),
+                         "exp_avg_sq": flats["exp_avg_sq"][index][replica].clone()} for index in range(len(groups))}
+        optimizer = {"zero_stage": 1, "loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
+                     "partition_count": dp, "base_optimizer_state": {"state": state, "param_groups": []},
+                     "single_partition_of_fp32_groups": [flats["fp32"][index][replica].clone()
+                                                         for index in range(len(groups))]}
+        torch.save({"optimizer_state_dict": optimizer, "ds_version": "0.19.8"},
+                   tag / f"zero_pp_rank_{replica}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def their_scheduler():
+    """Its OptimizerParamScheduler's state after ITERATION iterations of --train-iters TRAIN_ITERS: in samples."""
+    return {"max_lr": LR, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_steps": TRAIN_ITERS * BATCH,
+            "lr_decay_style": "linear", "num_steps": SAMPLES, "lr_warmup_tokens": None, "lr_decay_tokens": None,
+            "num_tokens": TOKENS - BATCH * POSITIONS, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant"}
+
+
+def their_rng_state(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return {"random_rng_state": (3, tuple(range(625)), None), "np_rng_state": ("MT19937", list(range(624)), 0, 0, 0.0),
+            "torch_rng_state": generator.get_state(), "cuda_rng_state": generator.get_state(),
+            "rng_tracker_states": {"model-parallel-rng": torch.Generator().manual_seed(seed + 1).get_state()}}
+
+
+def megatron_deepspeed_checkpoint(load_dir, weights, tp, pp, iteration=ITERATION, moments=None, dp=1):
+    """Its files at TP tp x PP pp x DP dp; with moments (adam_states) its ZeRO-1 files as well."""
     tag = load_dir / f"global_step{iteration}"
     tag.mkdir(parents=True)
     args = argparse.Namespace(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
                               ffn_hidden_size=FFN, padded_vocab_size=VOCAB, max_position_embeddings=POSITIONS,
                               seq_length=POSITIONS, normalization="layernorm", params_dtype=torch.float32,
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
-                              data_parallel_size=1, consumed_train_samples=80, consumed_valid_samples=0,
-                              global_batch_size=16, micro_batch_size=1)
-    for rank in range(tp):
-        embedding = {"word_embeddings.weight": weights["embedding.word_embeddings.weight"].chunk(tp)[rank].clone(),
-                     "position_embeddings.weight": weights["embedding.position_embeddings.weight"].clone()}
-        final = {"weight": weights["decoder.final_layernorm.weight"], "bias": weights["decoder.final_layernorm.bias"]}
-        layers = [their_layer(weights, i, tp, rank) for i in range(LAYERS)]
-        module = None
-        if pp == 1:
-            encoder = {f"layers.{i}.{key}": value for i, layer in enumerate(layers) for key, value in layer.items()}
-            encoder.update({f"final_layernorm.{key}": value for key, value in final.items()})
-            module = {"language_model": {"embedding": {"word_embeddings": {"weight": embedding["word_embeddings.weight"]},
-                                                       "position_embeddings": {"weight": embedding["position_embeddings.weight"]}},
-                                         "encoder": encoder}}
-        else:
-            for number, content in [(1, embedding), *[(i + 2, layer) for i, layer in enumerate(layers)],
-                                    (LAYERS + 2, final), (LAYERS + 3, embedding)]:   # the tied copy last
-                torch.save(content, tag / f"layer_{number:02d}-model_{rank:02d}-model_states.pt")
-        torch.save({"module": module, "args": args, "checkpoint_version": 3.0, "iteration": iteration, "tokens": 1280,
-                    "buffer_names": []}, tag / f"mp_rank_{rank:02d}_model_states.pt")
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp * dp,
+                              data_parallel_size=dp, consumed_train_samples=SAMPLES, consumed_valid_samples=0,
+                              global_batch_size=BATCH, micro_batch_size=1, train_iters=TRAIN_ITERS, train_samples=None,
+                              zero_stage=1 if moments else 0)
+    for stage in range(pp):
+        for rank in range(tp):
+            mp_rank = stage * tp + rank
+            named = their_parameters(weights, tp, rank, stage, pp)
+            if pp > 1:
+                _layer_files(tag, named, rank, stage)
+            states = {"module": _module(named) if pp == 1 else None, "args": args, "checkpoint_version": 3.0,
+                      "iteration": iteration, "tokens": TOKENS, "buffer_names": [], "lr_scheduler": their_scheduler(),
+                      "rng_state": [their_rng_state(100 * mp_rank + replica) for replica in range(dp)]}
+            if moments:
+                groups = [[name for name, value in named.items() if value.dim() == 2],
+                          [name for name, value in named.items() if value.dim() == 1]]
+                states["param_shapes"] = [{name: named[name].shape for name in group} for group in groups]
+                their_moments = {key: their_parameters(values, tp, rank, stage, pp) for key, values in moments.items()}
+                _zero_files(tag, groups, their_moments, mp_rank, dp)
+            torch.save(states, tag / f"mp_rank_{mp_rank:02d}_model_states.pt")
     (load_dir / "latest").write_text(tag.name)
     (load_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
@@ -131,6 +223,32 @@ def test_its_weights_iteration_and_samples_arrive_as_ours(tmp_path, tp, pp):
     assert full.model["num_key_value_heads"] == GROUPS and full.model["normalization"] == "LayerNorm"
 
 
+OUR_SCHEDULE = {"schedule": {"max_lr": LR, "min_lr": 0.0, "decay_style": "linear", "warmup": 0,
+                              "warmup_unit": "iterations", "decay": TRAIN_ITERS, "decay_unit": "iterations"},
+                 "position": {"iterations": ITERATION, "samples": SAMPLES, "tokens": TOKENS}}
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 2)],
+                         ids=["tp1pp1", "tp1pp2", "tp2pp1", "tp2pp2dp2"])
+def test_its_adam_states_lr_schedule_and_tokens_arrive_as_ours(tmp_path, tp, pp, dp):
+    """The ZeRO partitions cut through param_shapes (over dp ranks, two groups, padded), each TP shard's
+    query_key_value rows reordered in the master weights and both moments, merged: exactly the moments the
+    checkpoint was built from. Its sample-counted schedule of a --train-iters run is ours in iterations."""
+    weights = ours()
+    moments = adam_states(weights)
+    megatron_deepspeed_checkpoint(tmp_path / "mds", weights, tp, pp, moments=moments, dp=dp)
+    result = convert(tmp_path / "mds", tmp_path / "ours")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"fp32 master weights and Adam moments (step {STEP}), its LR schedule" in result.stdout
+    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "ours"))
+    assert (metadata["consumed_train_tokens"], metadata["scheduler"]) == (TOKENS, OUR_SCHEDULE)
+    full = state.read_full_state(str(tmp_path / "ours" / tag), metadata)
+    assert full.optimizer_step == STEP and sorted(full.optimizer) == sorted(weights)
+    for key, values in moments.items():
+        for name, value in values.items():
+            assert torch.equal(full.optimizer[name][key], value), (key, name)
+
+
 def test_older_qkv_orders_are_read_or_refused_by_name():
     """Version 2.0: per head [q, k, v] (ours for one head per group); 1.0: per head the d rows interleaved
     (q0 k0 v0 q1 k1 v1 ...); grouped heads in either: not something Megatron-DeepSpeed wrote."""
@@ -145,18 +263,63 @@ def test_older_qkv_orders_are_read_or_refused_by_name():
         qkv_in_our_order(ours_rows, heads, heads, d, 4.0)
 
 
+def run_flags(load_dir, tp=1, pp=1):
+    return ["--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
+            "--num-key-value-heads", str(GROUPS), "--ffn-hidden-size", str(FFN), "--seq-length", str(POSITIONS),
+            "--max-position-embeddings", str(POSITIONS), "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by",
+            "32", "--micro-batch-size", "1", "--global-batch-size", str(BATCH), "--mock-data", "--train-iters",
+            str(TRAIN_ITERS), "--lr", str(LR), "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout",
+            "0", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--load",
+            str(load_dir)]
+
+
 @pytest.mark.e2e
 def test_pretrain_goes_on_from_a_converted_checkpoint(tmp_path):
     from tests.launch import launch
     megatron_deepspeed_checkpoint(tmp_path / "mds", ours(), 1, 2)
     assert convert(tmp_path / "mds", tmp_path / "ours").returncode == 0
-    flags = ["--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
-             "--num-key-value-heads", str(GROUPS), "--ffn-hidden-size", str(FFN), "--seq-length", str(POSITIONS),
-             "--max-position-embeddings", str(POSITIONS), "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by",
-             "32", "--micro-batch-size", "1", "--global-batch-size", "16", "--mock-data", "--train-iters", "6",
-             "--lr", "1e-4", "--log-interval", "1", "--pipeline-model-parallel-size", "2",
-             "--load", str(tmp_path / "ours")]
-    result = launch(2, flags)
+    result = launch(2, run_flags(tmp_path / "ours", pp=2))
     assert result.returncode == 0, result.stdout
-    assert "resuming at iteration 5, consumed samples 80" in result.stdout
-    assert " iteration 6/6 | consumed samples: 96 |" in result.stdout
+    assert f"resuming at iteration 5, consumed samples {SAMPLES}" in result.stdout
+    assert f" iteration 6/{TRAIN_ITERS} | consumed samples: 96 |" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """Iterations 6 and 7 of the same model, master weights, moments, step and schedule written directly in our
+    format (no Megatron-DeepSpeed file involved), continued at TP 1 x PP 1."""
+    from tests.launch import launch, losses
+    weights = ours()
+    moments = adam_states(weights)
+    args = {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS,
+            "ffn_hidden_size": FFN, "padded_vocab_size": VOCAB, "vocab_size": VOCAB, "max_position_embeddings":
+            POSITIONS, "seq_length": POSITIONS, "normalization": "LayerNorm", "params_dtype": "float32",
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "make_vocab_size_divisible_by": 32}
+    optimizer = {name: {key: moments[key][name] for key in moments} for name in weights}
+    full = state.FullState(args=args, weights=weights, optimizer=optimizer, optimizer_step=STEP, iteration=ITERATION,
+                           consumed_train_samples=SAMPLES, consumed_train_tokens=TOKENS, scheduler=OUR_SCHEDULE)
+    folder = tmp_path_factory.mktemp("reference")
+    state.write_sharded_checkpoint(full, str(folder), 1, 1)
+    result = launch(1, run_flags(folder))
+    assert result.returncode == 0, result.stdout
+    return losses(result.stdout)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("tp, pp, then", [(1, 1, (2, 1)), (1, 2, (2, 1)), (2, 1, (1, 2))],
+                         ids=["tp1pp1", "tp1pp2", "tp2pp1"])
+def test_a_converted_checkpoint_continues_as_the_same_state_written_as_ours(tmp_path, reference_losses, tp, pp, then):
+    """Its weights, master weights, moments, step and LR schedule converted, continued at its layout and at
+    another: iterations 6 and 7 (the first after an Adam step from the carried moments) as the reference's."""
+    from tests.launch import launch, losses
+    weights = ours()
+    megatron_deepspeed_checkpoint(tmp_path / "mds", weights, tp, pp, moments=adam_states(weights))
+    assert convert(tmp_path / "mds", tmp_path / "ours").returncode == 0
+    for layout in ((tp, pp), then):
+        result = launch(layout[0] * layout[1], run_flags(tmp_path / "ours", *layout))
+        assert result.returncode == 0, result.stdout
+        assert "optimizer states loaded" in result.stdout and "LR schedule the checkpoint's" in result.stdout
+        continued = losses(result.stdout)
+        assert sorted(continued) == sorted(reference_losses) == [6, 7]
+        for iteration, loss in reference_losses.items():
+            assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued, reference_losses)
