@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+import re
 import sys
 import time
 
@@ -31,6 +32,7 @@ from megatron_ds.glue.activation_checkpointing import configure_activation_check
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
+from megatron_ds.glue.launcher_env import Attempt, read_attempt
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.pipeline_schedules import install_schedule, pipeline_module_class
@@ -367,9 +369,10 @@ def pretrain(argv=None, start_time=None):
                                        args.distributed_port, args.tensor_model_parallel_size)
     if not _storage_ready(args) or not _claim_save_folder(args):
         return 2
-    watchdog = Watchdog(dist.get_rank(), dist.get_world_size()).start()
+    attempt = read_attempt()
+    watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), attempt=attempt.number).start()
     try:
-        status = _pretrain(args, watchdog, start_time, all_reduce_note)
+        status = _pretrain(args, watchdog, start_time, all_reduce_note, attempt)
     except BaseException as error:
         watchdog.report_failure(error)  # the other ranks stop within seconds instead of hanging
         raise
@@ -451,7 +454,7 @@ def start_up(args, watchdog=None, all_reduce_note=None, building_model=contextli
     return engine, peak
 
 
-def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
+def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Attempt()):
     engine, peak = start_up(args, watchdog, all_reduce_note)
     config = args.model
     watchdog.activity = "building the datasets"
@@ -464,6 +467,7 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
     except CheckpointError as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         return 2
+    _announce_restart(attempt, watchdog, progress)
     try:
         train(args, engine, datasets, logger, progress, checkpoints, watchdog)
     except (NonFiniteTraining, CheckpointSaveError) as error:
@@ -472,6 +476,22 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None):
         return 1
     logger.close()
     return 0
+
+
+def _announce_restart(attempt, watchdog, progress):
+    """A launch started again after a failure says so: which restart, after what (the restarter's reason, else
+    the previous launch's failure notice where the store kept it), where it resumes, what is computed again."""
+    if not attempt.number:
+        return
+    reason = attempt.reason or watchdog.previous_failure() or "a failure that left no notice"
+    resumed = progress.iteration
+    failed = re.search(r"during iteration (\d+)", reason)
+    again = ""
+    if failed and int(failed.group(1)) > resumed:
+        again = (f"; iterations {resumed + 1}-{failed.group(1)} run again "
+                 f"({int(failed.group(1)) - resumed} since the last save)")
+    print_rank_0(f"restart {attempt.number} of {attempt.max_restarts} ({attempt.by}) after {reason}, resuming from "
+                 f"iteration {resumed}{again}")
 
 
 def _log_placement(args):

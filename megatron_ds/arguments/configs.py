@@ -76,7 +76,8 @@ class OptimizationConfig:
 @dataclass(frozen=True)
 class CheckpointingConfig:
     save: Optional[str]
-    load: Optional[str]
+    load: Optional[str]            # --load, else --save (load_from_save): a restart resumes without --load
+    load_from_save: bool
     save_interval: Optional[int]
     load_iteration: Optional[str]
     async_save: bool

@@ -292,7 +292,8 @@ def _add_checkpoint_args(parser):
                        help="write checkpoints in the background while training goes on (as crash-safe; a save "
                             "waits for the one before, and the run for the last before it exits)")
     group.add_argument("--load", default=None, help="resume from the checkpoint the folder's pointers name "
-                       "(an empty or missing folder: start from scratch)")
+                       "(an empty or missing folder: start from scratch); default: --save, so that a launch "
+                       "started again after a failure resumes")
     group.add_argument("--load-iteration", "--ckpt-step", dest="load_iteration", default=None,
                        help="load this iteration's checkpoint (or 'release') instead of the pointers' one")
     group.add_argument("--no-load-optim", action="store_true",

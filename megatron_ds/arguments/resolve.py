@@ -76,7 +76,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     args.world_size = world_size
     raise_if_invalid(checks.size_errors(args))
     errors = checks.schedule_errors(args)  # on the flags as given, before defaults fill them
-    vars(args).update(model_defaults(args))
+    vars(args).update(model_defaults(args), **load_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
     errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
@@ -266,6 +266,14 @@ def configuration_parts(args, model, batch_schedule):
     return {"model": model, "parallel": checks.parallel_layout(args, args.zero_stage),
             "data": configs.data_config(args), "optimization": configs.optimization_config(args, batch_schedule),
             "checkpointing": configs.checkpointing_config(args), "logging": configs.logging_config(args)}
+
+
+def load_values(args):
+    """--load unset with --save: the run goes on from --save's last complete checkpoint if it has one, so that a
+    launch started again after a failure (torchrun --max-restarts, tools/supervise.py) needs no --load."""
+    if args.load is None and args.save is not None:
+        return {"load": args.save, "load_from_save": True}
+    return {"load_from_save": False}
 
 
 def deepspeed_config_values(args):

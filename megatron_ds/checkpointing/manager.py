@@ -319,6 +319,8 @@ class CheckpointManager:
         if found[0][0] == "error":
             raise CheckpointError(found[0][1])
         _, tag, metadata, notes = found[0]
+        if tag is None and self.config.load_from_save:
+            notes = []  # --save holds nothing yet: a first launch, not a missing --load
         for note in notes:
             print_rank_0(f"note: {note}")
         if tag is None:

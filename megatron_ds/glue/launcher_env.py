@@ -60,6 +60,42 @@ def read_launcher(environ: Optional[Mapping[str, str]] = None, distributed_port=
     return dataclasses.replace(info, master_port=int(port))
 
 
+# tools/supervise.py's variables for the launch it starts again (torchrun's own: TORCHELASTIC_RESTART_COUNT,
+# TORCHELASTIC_MAX_RESTARTS)
+RESTART_COUNT = "MEGATRON_DS_RESTART_COUNT"
+MAX_RESTARTS = "MEGATRON_DS_MAX_RESTARTS"
+RESTART_REASON = "MEGATRON_DS_RESTART_REASON"
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """Which launch of the job this is: number 0 is the first; a restart (number n > 0) comes after a failure,
+    started by torchrun --max-restarts or tools/supervise.py (`by`), which allow max_restarts of them.
+    reason: why the previous launch ended, where the restarter says (tools/supervise.py); under torchrun the
+    previous launch's failure notice is in the rendezvous store instead (glue/watchdog.py)."""
+    number: int = 0
+    max_restarts: int = 0
+    by: Optional[str] = None
+    reason: Optional[str] = None
+
+
+def read_attempt(environ: Optional[Mapping[str, str]] = None) -> Attempt:
+    env = _Variables(os.environ if environ is None else environ)
+    if env.has(RESTART_COUNT):
+        return Attempt(env.integer(RESTART_COUNT), env.integer(MAX_RESTARTS, 0), "tools/supervise.py",
+                       env.get(RESTART_REASON))
+    if env.has("TORCHELASTIC_RESTART_COUNT"):
+        return Attempt(env.integer("TORCHELASTIC_RESTART_COUNT"), env.integer("TORCHELASTIC_MAX_RESTARTS", 0),
+                       "torchrun")
+    return Attempt()
+
+
+def store_hosted_by_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """torchrun's agent hosts the store its workers use (see torch.distributed.rendezvous), and keeps it across its
+    --max-restarts; every other launcher leaves it to rank 0's process, new with each launch."""
+    return (os.environ if environ is None else environ).get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
 def launcher_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
     """World size announced by the launcher before any process group exists; 1 when none is set."""
     return read_launcher(environ).world_size

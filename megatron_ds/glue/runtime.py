@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.core import deepspeed_internals
-from megatron_ds.glue.launcher_env import export_launcher_environment, read_launcher
+from megatron_ds.glue.launcher_env import (export_launcher_environment, read_attempt, read_launcher,
+                                          store_hosted_by_launcher)
 
 
 def local_world_size(environ=None):
@@ -61,9 +62,23 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     else:
         deepspeed_internals.skip_shared_memory_comm_build()  # its JIT build would serve nothing
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if store_hosted_by_launcher():
+        _init_process_group_of_this_launch(backend, timeout, launcher)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     return _use_shared_memory_all_reduce() if shared_memory else None
+
+
+def _init_process_group_of_this_launch(backend, timeout, launcher):
+    """torchrun's agent keeps its store across --max-restarts, and torch keys the process groups' rendezvous in it
+    the same way in every launch: the ranks of a launch started again would read the addresses the previous
+    launch's ranks left there (gloo: connection refused). So every launch under torchrun keys its groups under a
+    prefix of its own (DeepSpeed then takes the process group as it is)."""
+    attempt = read_attempt().number
+    store = dist.TCPStore(launcher.master_addr, launcher.master_port, launcher.world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"megatron_ds/launch{attempt}", store),
+                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout)
 
 
 def _use_shared_memory_all_reduce():

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import psutil
 import torch.distributed as dist
 
-_PREFIX = "megatron_ds/watchdog"
-_FAILURE = f"{_PREFIX}/failure"
+from megatron_ds.glue.launcher_env import store_hosted_by_launcher
+
+_KEYS = "megatron_ds/watchdog"
 _DONE = "done"
 SILENCE_LIMIT_VARIABLE = "MEGATRON_DS_HEARTBEAT_TIMEOUT"
 DEFAULT_SILENCE_LIMIT = 30.0
@@ -203,15 +204,17 @@ def _silence_limit_from_environment():
     return seconds
 
 
-def _store_hosted_by_launcher():
-    """torchrun's agent hosts the store its workers use (see torch.distributed.rendezvous); every other launcher
-    leaves it to rank 0's process."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+def _keys_of(attempt):
+    """The store keys of one launch of the job: torchrun --max-restarts keeps its store across the launches, so
+    each launch keeps its heartbeats and failure notice apart (the next one reads the last one's notice)."""
+    return f"{_KEYS}/attempt{attempt}"
 
 
 class Watchdog:
-    def __init__(self, rank, world_size, interval=2.0, silence_limit=None):
+    def __init__(self, rank, world_size, interval=2.0, silence_limit=None, attempt=0):
         self.rank, self.world_size = rank, world_size
+        self._prefix, self._failure = _keys_of(attempt), f"{_keys_of(attempt)}/failure"
+        self._previous_failure = f"{_keys_of(attempt - 1)}/failure" if attempt else None
         self.silence_limit = _silence_limit_from_environment() if silence_limit is None else silence_limit
         self.interval = min(interval, self.silence_limit / 4)
         self._activity = "start-up"
@@ -222,7 +225,7 @@ class Watchdog:
                           timeout=datetime.timedelta(seconds=max(10.0, self.silence_limit))),
             limit=self.silence_limit)
         self._neighbour = _Neighbour((rank + 1) % world_size)
-        self._store_host = None if _store_hosted_by_launcher() else _Neighbour(0)  # rank 0, when it hosts the store
+        self._store_host = None if store_hosted_by_launcher() else _Neighbour(0)  # rank 0, when it hosts the store
         self._stopped = threading.Event()
         self._exiting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="megatron_ds-watchdog", daemon=True)
@@ -263,16 +266,26 @@ class Watchdog:
                 time.sleep(self.interval / 2)
         notice = f"rank {self.rank} failed during {self.activity}: {type(error).__name__}: {error}"
         try:
-            self._store.compare_set(_FAILURE, "", notice)
+            self._store.compare_set(self._failure, "", notice)
         except Exception:  # the store is gone too; the others will notice it themselves
             pass
+
+    def previous_failure(self):
+        """The failure notice of the launch before this one, where the store outlived it (torchrun's agent hosts it
+        across --max-restarts); None when there was none or it is not there."""
+        if self._previous_failure is None:
+            return None
+        try:
+            return self._store.value(self._previous_failure) or None
+        except Exception:
+            return None
 
     def _publish(self, store):
         """Runs on the store thread, in call order: once stopped, every later heartbeat says done."""
         self._beats += 1
         text = _DONE if self._stopped.is_set() else _Heartbeat(self._beats, _HOST, os.getpid(), _MACHINE,
                                                                self._activity).text()
-        store.set(f"{_PREFIX}/beat/{self.rank}", text)
+        store.set(f"{self._prefix}/beat/{self.rank}", text)
 
     def _run(self):
         try:
@@ -295,7 +308,7 @@ class Watchdog:
     def _watch_neighbour(self):
         if not self._watching():
             return
-        self._neighbour.saw(self._store.value(f"{_PREFIX}/beat/{self._neighbour.rank}"))
+        self._neighbour.saw(self._store.value(f"{self._prefix}/beat/{self._neighbour.rank}"))
         if self._neighbour.silent_for() > self.silence_limit and not self._neighbour.finished:
             self._declare(f"rank {self._neighbour.rank} stopped responding (no heartbeat for "
                           f"{self.silence_limit:.0f} s) during {self._neighbour.activity}"
@@ -311,7 +324,7 @@ class Watchdog:
 
     def _declare_neighbour_dead(self):
         try:  # its last heartbeat is still in the store, fresher than the one read up to an interval ago
-            self._neighbour.saw(self._store.value(f"{_PREFIX}/beat/{self._neighbour.rank}"))
+            self._neighbour.saw(self._store.value(f"{self._prefix}/beat/{self._neighbour.rank}"))
         except Exception:  # the store died with it (it was rank 0, hosting it)
             pass
         if not self._neighbour.finished:
@@ -326,7 +339,7 @@ class Watchdog:
         if self._neighbour.rank == 0:
             self._store_host = self._neighbour  # watched already: its last activity is known too
         elif self.rank != 0:
-            self._store_host.saw(self._store.value(f"{_PREFIX}/beat/0"))
+            self._store_host.saw(self._store.value(f"{self._prefix}/beat/0"))
 
     def _declare(self, notice):
         """Post this rank's finding as the failure notice and exit with whichever notice came first. Not after
@@ -334,7 +347,7 @@ class Watchdog:
         if self._stopped.is_set():
             return
         try:
-            notice = self._store.compare_set(_FAILURE, "", notice) or notice
+            notice = self._store.compare_set(self._failure, "", notice) or notice
         except Exception:  # the store is gone or frozen: this rank's own finding is still worth printing
             pass
         self._exit(notice)
@@ -361,7 +374,7 @@ class Watchdog:
         return self._store_host.host or f"{os.environ['MASTER_ADDR']} (MASTER_ADDR)"
 
     def _exit_on_failure_notice(self):
-        notice = self._store.value(_FAILURE)
+        notice = self._store.value(self._failure)
         if notice:
             self._exit(notice)
 

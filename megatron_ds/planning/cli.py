@@ -48,6 +48,11 @@ def build_plan_parser():
     group.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     group.add_argument("--compute-efficiency", type=float, default=PerformanceAssumptions.compute_efficiency)
     group.add_argument("--bandwidth-efficiency", type=float, default=PerformanceAssumptions.bandwidth_efficiency)
+    group.add_argument("--checkpoint-write-gbs", type=float, default=PerformanceAssumptions.checkpoint_write_gbs,
+                       help="aggregate write bandwidth of --save's file system, GB/s: the checkpoint's write time")
+    group.add_argument("--mtbf-hours", type=float, default=None,
+                       help="the job's mean time between failures: the plan then gives the --save-interval that "
+                            "loses the least time to failures and saves (megatron_ds/planning/checkpoints.py)")
     return parser
 
 
@@ -157,7 +162,8 @@ def run(args) -> tuple:
     checked = validated_args(args)
     model = model_spec(checked)
     cluster = Cluster(device_spec(checked.device), checked.world_size, checked.gpus_per_node, checked.peak_tflops)
-    assumptions = PerformanceAssumptions(checked.compute_efficiency, checked.bandwidth_efficiency)
+    assumptions = PerformanceAssumptions(checked.compute_efficiency, checked.bandwidth_efficiency,
+                                         checked.checkpoint_write_gbs, checked.mtbf_hours)
     result = {"model": model_summary(model), "cluster": cluster_summary(cluster, model.sixteen_bit),
               "assumptions": assumptions_text(assumptions)}
     status = 0

@@ -16,6 +16,7 @@ The model (assumptions also printed with every plan and listed in the README):
   v, write the 16-bit weights).
 """
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import pipeline
@@ -29,6 +30,8 @@ from megatron_ds.planning.parameters import StageParameters
 class PerformanceAssumptions:
     compute_efficiency: float = 0.7
     bandwidth_efficiency: float = 0.7
+    checkpoint_write_gbs: float = 20.0          # the file system's aggregate write bandwidth, GB/s
+    mtbf_hours: Optional[float] = None          # the job's mean time between failures (a --save-interval for it)
 
     def describe(self):
         return [f"compute at {self.compute_efficiency:.0%} of the device's peak FLOP/s (GEMMs and the "
@@ -39,7 +42,9 @@ class PerformanceAssumptions:
                 "data-parallel reduction and the optimizer step add to compute time",
                 "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch; "
                 "ZB-H1, interleaved and DualPipeV: their order simulated with every stage as slow as the slowest, "
-                "forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1"]
+                "forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1",
+                f"checkpoints written at {self.checkpoint_write_gbs:g} GB/s in all (--checkpoint-write-gbs)"
+                + (f"; a failure every {self.mtbf_hours:g} h (--mtbf-hours)" if self.mtbf_hours else "")]
 
 
 def _grad_accumulation_bytes(model: ModelSpec, layout: Layout, parameters: int) -> float:

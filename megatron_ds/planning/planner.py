@@ -2,6 +2,7 @@
 import dataclasses
 
 from megatron_ds.planning import communication as comm
+from megatron_ds.planning.checkpoints import checkpoint_section
 from megatron_ds.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from megatron_ds.planning.memory import (GIB, layer_activation_bytes, memory_per_stage, sharded_state_bytes,
                                          state_bytes_per_parameter)
@@ -165,5 +166,7 @@ def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
         "flops": _flops_section(model, layout),
         "communication": _communication_section(model, layout, stages),
         "performance": performance,
+        "checkpoint": checkpoint_section(model, layout, performance["iteration_s"], assumptions.checkpoint_write_gbs,
+                                         assumptions.mtbf_hours),
         "warnings": _warnings(model, layout, cluster, performance),
     }

@@ -195,6 +195,20 @@ def _performance_lines(performance):
             f"{performance['tokens_per_second']:,.0f} tokens/s"]
 
 
+def _checkpoint_lines(checkpoint):
+    lines = ["Checkpoints",
+             f"  {human_bytes(checkpoint['bytes'])} each (weights and optimizer states), written in "
+             f"{checkpoint['write_s']:.0f} s at {checkpoint['write_gbs']:g} GB/s"]
+    if "save_interval" in checkpoint:
+        lines.append(f"  with a failure every {checkpoint['mtbf_hours']:g} h: --save-interval "
+                     f"{checkpoint['save_interval']} (Young: sqrt(2 x write time x MTBF)); a failure then loses "
+                     f"{checkpoint['lost_per_failure_s'] / 60:.1f} min of iterations on average plus the restart, "
+                     f"saves take {checkpoint['overhead_fraction']:.1%} of the time (less with --async-save)")
+    else:
+        lines.append("  --mtbf-hours H gives the --save-interval that loses the least time to failures and saves")
+    return lines
+
+
 def plan_text(result) -> str:
     lines = model_lines(result["model"], result["cluster"])
     plan = result["plan"]
@@ -205,7 +219,7 @@ def plan_text(result) -> str:
     for section in (_parameter_lines(plan["parameters"], plan.get("moe")), _memory_lines(plan["memory"]),
                     _flops_lines(plan["flops"], plan["layout"]),
                     _communication_lines(plan["communication"], plan["performance"]["links"]),
-                    _performance_lines(plan["performance"])):
+                    _performance_lines(plan["performance"]), _checkpoint_lines(plan["checkpoint"])):
         lines += [""] + section
     if plan["warnings"]:
         lines += ["", "Warnings"] + [f"  - {warning}" for warning in plan["warnings"]]

@@ -94,3 +94,14 @@ def test_megatron_deepspeed_flags_that_change_nothing_here_are_accepted_and_say_
     help_text = " ".join(re.sub(r"-\n\s+", "-", build_parser().format_help()).split())   # wrapped at hyphens
     assert "--no-gradient-accumulation-fusion accepted for Megatron-DeepSpeed scripts" in help_text
     assert "there is no fused weight-gradient kernel to turn off" in help_text
+
+
+def test_load_defaults_to_save_so_a_restarted_launch_resumes():
+    """Without --load a run looks for its checkpoint in --save (empty there: a first launch starts from scratch);
+    --load, when given, is used as it is."""
+    from_save = parse_args(TINY_MODEL + ["--save", "/ckpt/run"], world_size=1).checkpointing
+    assert (from_save.load, from_save.load_from_save) == ("/ckpt/run", True)
+    given = parse_args(TINY_MODEL + ["--save", "/ckpt/run", "--load", "/ckpt/base"], world_size=1).checkpointing
+    assert (given.load, given.load_from_save) == ("/ckpt/base", False)
+    neither = parse_args(TINY_MODEL, world_size=1).checkpointing
+    assert (neither.load, neither.load_from_save) == (None, False)

@@ -4,9 +4,10 @@ import sys
 
 import pytest
 
-from megatron_ds.glue.launcher_env import (LauncherError, LauncherInfo, expand_slurm_nodelist,
+from megatron_ds.glue.launcher_env import (Attempt, LauncherError, LauncherInfo, expand_slurm_nodelist,
                                            export_launcher_environment, launcher_world_size,
-                                           parse_slurm_tasks_per_node, read_launcher)
+                                           parse_slurm_tasks_per_node, read_attempt, read_launcher,
+                                           store_hosted_by_launcher)
 from megatron_ds.glue.runtime import local_world_size
 
 TORCHRUN = dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
@@ -225,3 +226,17 @@ def test_mpirun_across_hosts_without_mpi4py_asks_for_it_or_master_addr(launch_en
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
     with pytest.raises(LauncherError, match="install mpi4py.*export MASTER_ADDR"):
         export_launcher_environment()
+
+
+def test_which_launch_of_the_job_this_is():
+    """torchrun --max-restarts counts its restarts; tools/supervise.py's variables (with the reason) win; a first
+    launch is number 0."""
+    assert read_attempt({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "0"}) == Attempt(0, 0, "torchrun")
+    assert read_attempt({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}) == \
+        Attempt(2, 3, "torchrun")
+    supervised = {**DEEPSPEED, "MEGATRON_DS_RESTART_COUNT": "1", "MEGATRON_DS_MAX_RESTARTS": "4",
+                  "MEGATRON_DS_RESTART_REASON": "rank 3 failed during iteration 9"}
+    assert read_attempt(supervised) == Attempt(1, 4, "tools/supervise.py", "rank 3 failed during iteration 9")
+    assert read_attempt(DEEPSPEED) == Attempt()
+    assert store_hosted_by_launcher({"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert not store_hosted_by_launcher(DEEPSPEED)
