@@ -315,7 +315,8 @@ def _last_good_hint(load_dir, below):
 
 def resolve_checkpoint(load_dir, iteration=None):
     """(tag, metadata, notes) of the checkpoint --load DIR [--load-iteration N] names; (None, None, notes)
-    when the folder holds no checkpoint at all. Raises CheckpointError for a damaged or missing one."""
+    when the folder holds no checkpoint at all. Raises CheckpointError for a damaged or missing one. A
+    Megatron-DeepSpeed checkpoint is described in our metadata's terms (megatron_deepspeed.read_metadata)."""
     notes = []
     if not os.path.isdir(load_dir):
         if iteration is not None:
@@ -349,6 +350,9 @@ def resolve_checkpoint(load_dir, iteration=None):
                          f"before updating the pointers?); it is {state}; loading {tag}")
     path = os.path.join(load_dir, tag)
     if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        from megatron_ds.checkpointing import megatron_deepspeed  # it builds on this module
+        if megatron_deepspeed.is_checkpoint(path):
+            return tag, megatron_deepspeed.read_metadata(path), notes
         _refuse_foreign(path, foreign.foreign_checkpoint(path))
     problems = problems_of(path)
     if problems:

@@ -7,7 +7,8 @@ refuse them by that name instead of calling them damaged.
                                (Megatron-LM's iter_NNNNNNN/)
 
 Recognised: Megatron-DeepSpeed's (DeepSpeed's mp_rank_XX_model_states.pt with its `args` and
-`checkpoint_version`; megatron_deepspeed.py reads them), DeepSpeed's universal checkpoints (a zero/ folder),
+`checkpoint_version`; megatron_deepspeed.py reads them in their --load folder, so only the tag folder itself given to
+--load is named here), DeepSpeed's universal checkpoints (a zero/ folder),
 Megatron-LM's torch_dist (*.distcp) and legacy (mp_rank_XX/model_optim_rng.pt) formats, DeepSpeed files of
 another program (no `args`), and Hugging Face model folders.
 """
@@ -76,9 +77,9 @@ def _deepspeed_files(path, model_states):
         return (f"DeepSpeed files without megatron_ds or Megatron-DeepSpeed metadata ({model_states[0]} has no "
                 f"args or checkpoint_version): megatron_ds needs the model and layout a checkpoint was saved with, "
                 f"which these files do not record")
-    return (f"a Megatron-DeepSpeed checkpoint ({_megatron_deepspeed_layout(state)}): convert it with "
-            f"tools/convert_checkpoint.py --from-megatron-deepspeed {os.path.dirname(path)} --save DIR (its weights, "
-            f"optimizer states, iteration, samples and LR schedule), then --load DIR")
+    return (f"a Megatron-DeepSpeed checkpoint ({_megatron_deepspeed_layout(state)}): give --load the folder that "
+            f"holds it and its pointer `latest` ({os.path.dirname(os.path.abspath(path))}), or convert it with "
+            f"tools/convert_checkpoint.py --from-megatron-deepspeed")
 
 
 def _megatron_deepspeed_layout(state):

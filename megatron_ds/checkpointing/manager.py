@@ -15,7 +15,9 @@ Same layout, DeepSpeed format: DeepSpeed's `load_checkpoint`. Another data-, seq
 size, ZeRO stage or precision, or a checkpoint written by tools/convert_checkpoint.py: this rank's parameters
 (its experts among them), fp32 master weights and Adam moments are read in canonical names and placed into
 the engine directly. Another TP or PP as well: each rank reads the saved stages holding its layers (every
-saved TP rank of them), merges each tensor and splits it for itself (resharding on load). With
+saved TP rank of them), merges each tensor and splits it for itself (resharding on load). A
+Megatron-DeepSpeed checkpoint folder is read per rank the same way (megatron_deepspeed.py), its RNG states
+restored where its TP x PP is this run's. With
 --universal-checkpoint and ds_to_universal's pointer in --load: DeepSpeed's universal loading (universal.py).
 What a load does is planned before anything loads (load_plan.py: a disagreement with the flags stops
 there) and set after the optimizer states, which carry the saved LR. The RNG states
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from megatron_ds.checkpointing import async_save, files, layout, load_plan, placement, universal
+from megatron_ds.checkpointing import async_save, files, layout, load_plan, megatron_deepspeed, placement, universal
 from megatron_ds.checkpointing.exit_policy import ExitPolicy
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.hooks import reached_save_phase
@@ -336,13 +338,10 @@ class CheckpointManager:
         self.engine.global_steps = progress.iteration
         self.engine.global_samples = progress.consumed_train_samples
         self.loaded_iteration = progress.iteration
-        rng = self._stage_rng_state(path, metadata) if plan.load_rng else "not restored"
+        rng = self._stage_rng_state(path, metadata, plan.resharded) if plan.load_rng else "not restored"
         saved_placement = placement_note(metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK))
         dist.barrier()
-        print_rank_0(f"loaded checkpoint {path} ({metadata['format']} format, saved at TP "
-                      f"{metadata['layout']['tensor_model_parallel_size']} x PP "
-                      f"{metadata['layout']['pipeline_model_parallel_size']} x DP "
-                      f"{metadata['layout'].get('data_parallel_size')}{saved_placement}) via {how} in "
+        print_rank_0(f"loaded checkpoint {path} ({_saved_as(metadata)}{saved_placement}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
                       f"samples {progress.consumed_train_samples}, optimizer states "
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
@@ -386,6 +385,8 @@ class CheckpointManager:
         if metadata["format"] == universal.FORMAT:
             return "no checksums in DeepSpeed's universal format: files not verified"
         checksums = metadata.get("checksums")
+        if metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED:
+            return "no checksums in Megatron-DeepSpeed's format: files not verified"
         if not checksums:
             return "no checksums in the checkpoint (saved before they were recorded): files not verified"
         start = time.perf_counter()
@@ -433,10 +434,13 @@ class CheckpointManager:
         return read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
                                          self.request.shape["padded_vocab_size"], with_optimizer=load_optimizer)
 
-    def _stage_rng_state(self, path, metadata):
+    def _stage_rng_state(self, path, metadata, resharded):
         """Read this rank's RNG states (restored by restore_rng right before training)."""
         if not metadata.get("has_rng_states"):
             return "not in the checkpoint (converted): seeded from --seed"
+        foreign_format = metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED
+        if foreign_format and resharded:
+            return "not restored (saved at another TP x PP): seeded from --seed"
         me = _coordinates()
         saved_dp = metadata["layout"]["data_parallel_size"]
         saved_sp = metadata["layout"].get("sequence_parallel_size", 1)
@@ -446,9 +450,18 @@ class CheckpointManager:
                       and entry["dp"] == me["dp"] % saved_dp and entry.get("sp", 0) == me["sp"] % saved_sp]
         if not candidates:
             return "not found for this rank: seeded from --seed"
-        self.rng_state_to_restore = files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
+        self.rng_state_to_restore = megatron_deepspeed.rng_state(path, candidates[0]) if foreign_format else \
+            files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
         same = (candidates[0]["dp"], candidates[0].get("sp", 0)) == (me["dp"], me["sp"])
         return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
+
+
+def _saved_as(metadata):
+    """What the load line calls the checkpoint: another program's by its description, ours by format and layout."""
+    saved = metadata["layout"]
+    return metadata.get("description") or (
+        f"{metadata['format']} format, saved at TP {saved['tensor_model_parallel_size']} x PP "
+        f"{saved['pipeline_model_parallel_size']} x DP {saved.get('data_parallel_size')}")
 
 
 def _merged(checksums_by_rank):

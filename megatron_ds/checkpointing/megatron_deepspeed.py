@@ -116,6 +116,8 @@ def _our_arguments(theirs):
             or (isinstance(value, list) and all(isinstance(item, (int, float, str)) for item in value))}
     if isinstance(theirs.get("normalization"), str):
         args["normalization"] = _NORMALIZATION.get(theirs["normalization"].lower(), theirs["normalization"])
+    if "add_bias_linear" in theirs:   # its --disable-bias-linear
+        args["disable_bias_linear"] = not theirs["add_bias_linear"]
     if isinstance(theirs.get("params_dtype"), torch.dtype):
         args["params_dtype"] = str(theirs["params_dtype"]).replace("torch.", "")
     return args

@@ -1,18 +1,13 @@
 """Checkpoints of other programs (megatron_ds.checkpointing.foreign) are refused by what they hold, never called
-damaged: Megatron-DeepSpeed's, written here by code that follows its file layout (Megatron-DeepSpeed is not
+damaged (a Megatron-DeepSpeed --load folder is read instead, its tag folder named): Megatron-DeepSpeed's, written here by code that follows its file layout (Megatron-DeepSpeed is not
 vendored), Megatron-LM's two formats, DeepSpeed files of another program, a Hugging Face folder; a damaged one
 names its file."""
 import argparse
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_ds.checkpointing import files
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _megatron_deepspeed_args(tp, pp, world):
@@ -55,11 +50,15 @@ def refusal(load_dir):
 
 @pytest.mark.parametrize("tp, pp, world, layout", [(1, 1, 1, "TP 1 x PP 1 x DP 1"), (1, 2, 2, "TP 1 x PP 2 x DP 1"),
                                                    (2, 2, 8, "TP 2 x PP 2 x DP 2")])
-def test_a_megatron_deepspeed_checkpoint_is_named_with_its_version_and_layout(tmp_path, tp, pp, world, layout):
+def test_a_megatron_deepspeed_checkpoint_is_read_and_its_tag_folder_named(tmp_path, tp, pp, world, layout):
+    """Its --load folder is read (megatron_deepspeed.py: described with its version and layout); its tag folder
+    given to --load instead is named, with the folder to give."""
     tag = megatron_deepspeed_checkpoint(tmp_path, tp, pp, world)
-    message = refusal(tmp_path)
-    assert f"{tag} holds a Megatron-DeepSpeed checkpoint (version 3.0, {layout}, iteration 5): convert it with " \
-           f"tools/convert_checkpoint.py --from-megatron-deepspeed {tmp_path} --save DIR" in message
+    found, metadata, _ = files.resolve_checkpoint(str(tmp_path))
+    assert (found, metadata["format"], metadata["iteration"]) == (tag.name, files.FORMAT_MEGATRON_DEEPSPEED, 5)
+    assert metadata["description"] == f"Megatron-DeepSpeed checkpoint (version 3.0, {layout})"
+    assert f"{tag} holds a Megatron-DeepSpeed checkpoint (version 3.0, {layout}, iteration 5): give --load the " \
+           f"folder that holds it and its pointer `latest` ({tmp_path})" in refusal(tag)
 
 
 def test_deepspeed_files_of_another_program_are_named_for_what_they_lack(tmp_path):
@@ -96,12 +95,3 @@ def test_a_hugging_face_folder_given_to_load_is_named_with_its_conversion(tmp_pa
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert f"--from-hf {tmp_path} --save DIR" in refusal(tmp_path)
-
-
-def test_the_converter_refuses_a_megatron_deepspeed_checkpoint_by_name(tmp_path):
-    megatron_deepspeed_checkpoint(tmp_path / "mds", 2, 1, 2)
-    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--load", str(tmp_path / "mds"), "--to-hf",
-                             "--save", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "holds a Megatron-DeepSpeed checkpoint (version 3.0, TP 2 x PP 1 x DP 1, iteration 5)" in result.stderr
-    assert not (tmp_path / "hf").exists()

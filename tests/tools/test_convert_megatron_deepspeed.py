@@ -2,10 +2,12 @@
 Megatron-DeepSpeed's file layout (megatron_ds/checkpointing/megatron_deepspeed.py's docstring; Megatron-DeepSpeed is not
 vendored), its query_key_value rows built head by head from what each row means, converted and read back as ours."""
 import argparse
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,9 +166,11 @@ def their_scheduler():
 
 
 def their_rng_state(seed):
+    """What its get_rng_state saves (on CPU its `cuda_rng_state` is the CPU generator's again)."""
     generator = torch.Generator().manual_seed(seed)
-    return {"random_rng_state": (3, tuple(range(625)), None), "np_rng_state": ("MT19937", list(range(624)), 0, 0, 0.0),
-            "torch_rng_state": generator.get_state(), "cuda_rng_state": generator.get_state(),
+    return {"random_rng_state": random.Random(seed).getstate(),
+            "np_rng_state": np.random.RandomState(seed).get_state(), "torch_rng_state": generator.get_state(),
+            "cuda_rng_state": generator.get_state(),
             "rng_tracker_states": {"model-parallel-rng": torch.Generator().manual_seed(seed + 1).get_state()}}
 
 
@@ -321,5 +325,29 @@ def test_a_converted_checkpoint_continues_as_the_same_state_written_as_ours(tmp_
         assert "optimizer states loaded" in result.stdout and "LR schedule the checkpoint's" in result.stdout
         continued = losses(result.stdout)
         assert sorted(continued) == sorted(reference_losses) == [6, 7]
+        for iteration, loss in reference_losses.items():
+            assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued, reference_losses)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("tp, pp, then", [(1, 1, (2, 1)), (1, 2, (2, 1)), (2, 1, (1, 2))],
+                         ids=["tp1pp1", "tp1pp2", "tp2pp1"])
+def test_pretrain_loads_its_folder_directly(tmp_path, reference_losses, tp, pp, then):
+    """--load of its folder, no conversion: at its layout (RNG states restored) and resharded to another,
+    iterations 6 and 7 as the reference's."""
+    from tests.launch import launch, losses
+    weights = ours()
+    megatron_deepspeed_checkpoint(tmp_path / "mds", weights, tp, pp, moments=adam_states(weights))
+    for layout in ((tp, pp), then):
+        result = launch(layout[0] * layout[1], run_flags(tmp_path / "mds", *layout))
+        assert result.returncode == 0, result.stdout
+        assert f"(Megatron-DeepSpeed checkpoint (version 3.0, TP {tp} x PP {pp} x DP 1)) via" in result.stdout
+        assert "optimizer states loaded" in result.stdout and "LR schedule the checkpoint's" in result.stdout
+        if layout == (tp, pp):
+            assert "resharded" not in result.stdout and "RNG states restored" in result.stdout
+        else:
+            assert f"resharded to TP {layout[0]} x PP {layout[1]}" in result.stdout
+            assert "RNG states not restored (saved at another TP x PP)" in result.stdout
+        continued = losses(result.stdout)
         for iteration, loss in reference_losses.items():
             assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued, reference_losses)
