@@ -10,6 +10,9 @@ One process, CPU only, no download.
     # from Hugging Face, for pretrain.py --load ckpt_from_hf --finetune
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf \\
         --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
+    # from and back to Megatron-DeepSpeed's checkpoints (weights, optimizer states, data position, LR schedule)
+    python tools/convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds
+    python tools/convert_checkpoint.py --to-megatron-deepspeed --load ckpt --save mds_ckpt
 """
 import os
 import sys

@@ -182,6 +182,17 @@ def folder_files(path):
     return sizes
 
 
+def start_folder(save_dir, tag):
+    """(tmp_tag, tmp_path): a fresh temporary folder for the checkpoint `tag` to be written into, then published
+    (publish); the leftovers of killed saves are removed first."""
+    os.makedirs(save_dir, exist_ok=True)
+    remove_stale_temporaries(save_dir)
+    tmp_tag = tag + TMP_SUFFIX
+    tmp_path = os.path.join(save_dir, tmp_tag)
+    os.makedirs(tmp_path)
+    return tmp_tag, tmp_path
+
+
 def publish(save_dir, tmp_tag, tag, iteration_text):
     """Rename the finished folder save_dir/tmp_tag to save_dir/tag, then point both pointers at it.
     Called by one process after every file of the checkpoint (metadata last) is fsync'ed."""

@@ -2,7 +2,9 @@
 metadata's terms (format FORMAT: arguments, layout, iteration, consumed samples and tokens, LR schedule, ranks) and
 read_rank_state reads one (TP, PP) rank of it in canonical names, its query_key_value rows in our order, so that
 state.read_full_state (tools/convert_checkpoint.py --from-megatron-deepspeed) and --load take it as one of ours.
-Not read: MoE checkpoints.
+write_checkpoint is the way back (tools/convert_checkpoint.py --to-megatron-deepspeed): a FullState written in its
+files, checkpoint_version 3.0, so that reading them gives every tensor back bitwise. Not read or written: MoE
+checkpoints.
 
 Its files (DeepSpeed's, with Megatron-DeepSpeed's keys beside them):
     global_step{N}/mp_rank_{MM}_model_states.pt   MM = pp_rank x TP + tp_rank (DeepSpeed's model-parallel rank);
@@ -16,7 +18,9 @@ Its files (DeepSpeed's, with Megatron-DeepSpeed's keys beside them):
     at PP > 1 `module` is None and each layer of DeepSpeed's PipelineModule has its file
         layer_{NN}-model_{TT}-model_states.pt         NN = 1 the embedding, 2..L+1 the layers, L+2 the final norm,
                                                       L+3 the head (the tied embedding's second copy, or untied);
-                                                      the stages split the layers evenly (type:transformer)
+                                                      the stages split the layers evenly (type:transformer);
+                                                      DeepSpeed writes no L+3 file for the tied copy (a
+                                                      forward_fn layer), it loads file 1's into both stages
     [bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt   ZeRO's flat fp32 partitions (master weights, Adam
                                                   moments) of data-parallel rank D, cut at the parameters through
                                                   param_shapes (state.ZeroPartitions); at PP > 1 named
@@ -29,12 +33,14 @@ Its LR scheduler counts samples (num_steps, lr_warmup_steps, lr_decay_steps: the
 with --train-iters) or tokens (lr_warmup_tokens, lr_decay_tokens); read as ours counts them (iterations where
 its run counted iterations).
 """
+import argparse
+import dataclasses
 import os
 import re
 
 import torch
 
-from megatron_ds.checkpointing import files, foreign, state
+from megatron_ds.checkpointing import files, foreign, layout, state
 from megatron_ds.checkpointing.files import CheckpointError
 
 FORMAT = files.FORMAT_MEGATRON_DEEPSPEED
@@ -44,7 +50,10 @@ _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_k
                    "self_attention.dense": "self_attention.linear_proj", "post_attention_layernorm": "pre_mlp_layernorm",
                    "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+_THEIR_NORMALIZATION = {ours: theirs for theirs, ours in _NORMALIZATION.items()}
 _DECAY_STYLES = ("constant", "linear", "cosine")
+_THEIRS_BY_OURS = {ours: theirs for theirs, ours in _OURS_BY_THEIRS.items()}   # in its modules' order
+_RENAMED = {"norm_epsilon": "layernorm_epsilon"}   # our argument: its name for it
 _RNG_KEYS = {"python": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
              "tracker": "rng_tracker_states"}
 
@@ -120,6 +129,7 @@ def _our_arguments(theirs):
         args["disable_bias_linear"] = not theirs["add_bias_linear"]
     if isinstance(theirs.get("params_dtype"), torch.dtype):
         args["params_dtype"] = str(theirs["params_dtype"]).replace("torch.", "")
+    args.update({ours: theirs[their_name] for ours, their_name in _RENAMED.items() if their_name in theirs})
     return args
 
 
@@ -168,7 +178,8 @@ def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
     if lay["pipeline_model_parallel_size"] == 1:
         local = {_canonical(name): value for name, value in _flattened(model_states["module"]).items()}
     else:
-        local = _stage_layer_files(path, tp_rank, pp_rank, lay["pipeline_model_parallel_size"], num_layers)
+        tied = not metadata["args"].get("untie_embeddings_and_output_weights")
+        local = _stage_layer_files(path, tp_rank, pp_rank, lay["pipeline_model_parallel_size"], num_layers, tied)
     weights = {name: in_our_order(name, value) for name, value in local.items()}
     if not (with_optimizer and metadata.get("has_optimizer_states")):
         return state.RankState(weights)
@@ -191,19 +202,26 @@ def rng_state(path, entry):
     return ours
 
 
-def _stage_layer_files(path, tp_rank, stage, pp, num_layers):
-    """{canonical name: tensor} of the layer files of a pipeline stage (the tied embedding's copy on the last)."""
+def _stage_layer_files(path, tp_rank, stage, pp, num_layers, tied):
+    """{canonical name: tensor} of the layer files of a pipeline stage (the tied embedding's copy on the last: its
+    L+3 file where one was written, else file 1, which DeepSpeed loads into both stages)."""
     per_stage = num_layers // pp
     numbers = [2 + layer for layer in range(stage * per_stage, (stage + 1) * per_stage)]
     numbers = ([1] if stage == 0 else []) + numbers + ([num_layers + 2, num_layers + 3] if stage == pp - 1 else [])
     weights = {}
     for number in numbers:
-        file_path = os.path.join(path, f"layer_{number:02d}-model_{tp_rank:02d}-model_states.pt")
+        file_path = _layer_file(path, number, tp_rank)
         if number == num_layers + 3 and not os.path.isfile(file_path):
-            continue   # a head without parameters
+            if not tied:
+                continue   # a head without parameters
+            file_path = _layer_file(path, 1, tp_rank)
         for key, value in files.load_file(file_path).items():
             weights.setdefault(_canonical_of_layer_file(number, key, num_layers), value)
     return weights
+
+
+def _layer_file(path, number, tp_rank):
+    return os.path.join(path, f"layer_{number:02d}-model_{tp_rank:02d}-model_states.pt")
 
 
 def _optimizer_states(path, metadata, model_states, mp_rank):
@@ -306,3 +324,265 @@ def qkv_in_our_order(rows, heads, groups, head_dim, version, path="the checkpoin
     if version == 1.0:          # per head [d, 3]
         return rows.reshape(heads, head_dim, 3, *rest).transpose(1, 2).reshape(rows.shape).clone()
     raise CheckpointError(f"{path}: checkpoint_version {version} is not one megatron_ds reads (0, 1.0, 2.0, 3.0)")
+
+
+# --- writing: the inverse of the reader -----------------------------------------------------------------
+
+VERSION_WRITTEN = 3.0
+_ALIGNMENT = 2   # DeepSpeed's ZeRO-1 pads a group's flat to a multiple of this x DP (nccl_start_alignment_factor)
+
+
+def write_checkpoint(full, save_dir, tp, pp, dp=1, with_optimizer=True):
+    """Write the FullState `full` as Megatron-DeepSpeed's checkpoint (version 3.0) at TP tp x PP pp x DP dp (its
+    ZeRO-1 files partitioned over dp), crash-safe as our saves: the tag folder under a temporary name, then renamed,
+    then its pointers `latest` and latest_checkpointed_iteration.txt. No RNG states (a FullState carries none).
+    Returns the checkpoint folder."""
+    if files.is_moe(full.model):
+        raise CheckpointError("writing a Mixture of Experts checkpoint in Megatron-DeepSpeed's format is not "
+                              "supported yet")
+    source = dataclasses.replace(full, optimizer=full.optimizer if with_optimizer else None)
+    tag = files.tag_for(full.iteration)
+    tmp_tag, tmp_path = files.start_folder(save_dir, tag)
+    common = _common_model_states(source, tp, pp, dp)
+    for stage in range(pp):
+        for tp_rank in range(tp):
+            _write_rank(tmp_path, source, common, tp, pp, dp, tp_rank, stage)
+    files.publish(save_dir, tmp_tag, tag, str(full.iteration))
+    return os.path.join(save_dir, tag)
+
+
+def _write_rank(path, full, common, tp, pp, dp, tp_rank, stage):
+    """The files of one (TP, PP) rank: its model states (the nested module at PP 1), its layer files (PP > 1), its
+    ZeRO files (one per DP rank)."""
+    rank = state.rank_state_of(full, tp, pp, tp_rank, stage)
+    shape = full.model
+    in_their_order = _qkv_back(shape, tp)
+    pipelined, tied = pp > 1, shape["tied_embeddings"]
+    names = sorted(rank.weights, key=lambda name: _module_order(name, shape["num_layers"]))
+    local = {name: _their_local_name(name, shape["num_layers"], pipelined, tied) for name in names}
+    weights = {local[name]: in_their_order(name, rank.weights[name]) for name in names}
+    mp_rank = stage * tp + tp_rank
+    model_states = dict(common, module=None if pipelined else _nested_module(weights))
+    if pipelined:
+        _write_layer_files(path, weights, tp_rank, stage)
+    if rank.optimizer is not None:
+        groups = _weight_decay_groups(weights)
+        model_states["param_shapes"] = [{name: weights[name].shape for name in names} for names, _ in groups]
+        moments = {key: {local[name]: in_their_order(name, rank.optimizer[name][key]) for name in names}
+                   for key in state.OPTIMIZER_KEYS}
+        _write_zero_files(path, full, groups, moments, rank.optimizer_step, mp_rank, dp)
+    files.write_torch_file(model_states, os.path.join(path, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+
+
+def _common_model_states(full, tp, pp, dp):
+    """What every mp_rank_XX_model_states.pt holds besides the module: DeepSpeed's keys, Megatron-DeepSpeed's."""
+    import deepspeed
+    args = _their_arguments(full, tp, pp, dp)
+    tokens = full.consumed_train_tokens
+    if tokens is None:
+        tokens = full.consumed_train_samples * full.args["seq_length"]
+    return {"buffer_names": [], "optimizer": None, "param_shapes": None, "frozen_param_shapes": None,
+            "shared_params": None, "frozen_param_fragments": None,
+            "lr_scheduler": their_scheduler(full.scheduler, full.args), "data_sampler": None, "random_ltd": None,
+            "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": full.iteration,
+            "global_samples": full.consumed_train_samples, "dp_world_size": dp, "mp_world_size": tp * pp,
+            "ds_version": deepspeed.__version__, "args": args, "checkpoint_version": VERSION_WRITTEN,
+            "iteration": full.iteration, "tokens": tokens}
+
+
+def _their_arguments(full, tp, pp, dp):
+    """Its `args` Namespace: ours (the inverse of _our_arguments: the norm, biases, epsilon and dtype in its
+    spelling), the model's shape as Megatron-DeepSpeed's flags say it, the layout and the data position."""
+    shape = full.model
+    theirs = {key: value for key, value in full.args.items() if key not in ("disable_bias_linear", *_RENAMED)}
+    theirs.update({their_name: full.args[ours] for ours, their_name in _RENAMED.items() if ours in full.args})
+    theirs.update(
+        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+        kv_channels=shape["kv_channels"], ffn_hidden_size=shape["ffn_hidden_size"],
+        padded_vocab_size=shape["padded_vocab_size"], swiglu=shape["swiglu"],
+        normalization=_THEIR_NORMALIZATION[shape["normalization"]],
+        add_bias_linear=shape["bias"], untie_embeddings_and_output_weights=not shape["tied_embeddings"],
+        add_position_embedding=shape["position_embedding_type"] == "learned_absolute",
+        use_rotary_position_embeddings=shape["position_embedding_type"] == "rope",
+        params_dtype=getattr(torch, full.args.get("params_dtype") or "float32"),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=tp * pp * dp,
+        zero_stage=0 if full.optimizer is None else 1, iteration=full.iteration,
+        consumed_train_samples=full.consumed_train_samples, consumed_valid_samples=full.consumed_valid_samples)
+    if shape["max_position_embeddings"] is not None:
+        theirs["max_position_embeddings"] = shape["max_position_embeddings"]
+    return argparse.Namespace(**theirs)
+
+
+def their_scheduler(ours, args):
+    """Our LR scheduler state ({"schedule", "position"}) as its OptimizerParamScheduler saves one (the inverse of
+    our_scheduler): steps in samples (an iteration-counted phase: its iterations x the global batch, as its
+    --train-iters runs count), a token-counted phase in lr_*_tokens; None without one."""
+    if ours is None:
+        return None
+    schedule, position = ours["schedule"], ours["position"]
+    batch = args.get("global_batch_size")
+
+    def phase(amount, unit):
+        """(steps, tokens) of a warmup or decay phase."""
+        if unit == "tokens":
+            return 0, amount
+        if unit == "samples":
+            return amount, None
+        if not batch:
+            raise CheckpointError("the LR schedule counts iterations and the checkpoint records no "
+                                  "--global-batch-size: Megatron-DeepSpeed's scheduler counts samples")
+        return amount * batch, None
+    warmup_steps, warmup_tokens = phase(schedule["warmup"], schedule["warmup_unit"])
+    decay_steps, decay_tokens = phase(schedule["decay"], schedule["decay_unit"])
+    weight_decay = args.get("weight_decay", 0.0)
+    # its scheduler reads the token count before the iteration's own tokens are added: one global batch behind
+    lagging_tokens = max(0, position["tokens"] - (batch or 0) * (args.get("seq_length") or 0))
+    return {"max_lr": schedule["max_lr"], "min_lr": schedule["min_lr"], "lr_warmup_steps": warmup_steps,
+            "lr_decay_steps": decay_steps, "lr_decay_style": schedule["decay_style"], "num_steps": position["samples"],
+            "lr_warmup_tokens": warmup_tokens, "lr_decay_tokens": decay_tokens, "num_tokens": lagging_tokens,
+            "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_style": "constant"}
+
+
+def _module_order(name, num_layers):
+    """Sort key of a canonical name: where Megatron-DeepSpeed's model registers the parameter (so its ZeRO flats and
+    param_shapes list the parameters as its engine does): embedding (words, positions), the layers (each in its
+    modules' order, weight before bias), the final norm, the untied head."""
+    kind_rank = 0 if name.endswith(".weight") else 1
+    if name.startswith("embedding."):
+        return 0, 0 if name == "embedding.word_embeddings.weight" else 1, 0, kind_rank
+    index = layout.layer_index(name)
+    if index is not None:
+        module = name.split(".", 3)[3].rsplit(".", 1)[0]
+        return 1, index, list(_THEIRS_BY_OURS).index(module) if module in _THEIRS_BY_OURS else -1, kind_rank
+    return (2 if name.startswith("decoder.final_layernorm.") else 3), 0, 0, kind_rank
+
+
+def _their_local_name(name, num_layers, pipelined, tied):
+    """The name DeepSpeed's engine gives the canonical parameter `name` in Megatron-DeepSpeed's model (the inverse of
+    _canonical and _canonical_of_local): GPTModel's at PP 1, PipelineModule's at PP > 1."""
+    key = name.rsplit(".", 1)[1]
+    if name.startswith("embedding."):
+        rest = name.removeprefix("embedding.")
+        if not pipelined:
+            return f"language_model.embedding.{rest}"
+        return f"tied_modules.embed.{rest}" if tied else f"1.{rest}"
+    index = layout.layer_index(name)
+    if index is not None:
+        module = name.split(".", 3)[3].rsplit(".", 1)[0]
+        if module not in _THEIRS_BY_OURS:
+            raise CheckpointError(f"parameter {name} has no Megatron-DeepSpeed name (GPT and LLaMA layers only)")
+        their_module = f"{_THEIRS_BY_OURS[module]}.{key}"
+        return f"{index + 2}.{their_module}" if pipelined else f"language_model.encoder.layers.{index}.{their_module}"
+    if name.startswith("decoder.final_layernorm."):
+        return f"{num_layers + 2}.{key}" if pipelined else f"language_model.encoder.final_layernorm.{key}"
+    if name == layout.OUTPUT_LAYER:
+        return f"{num_layers + 3}.lm_head.{key}" if pipelined else f"language_model.output_layer.{key}"
+    raise CheckpointError(f"parameter {name} has no Megatron-DeepSpeed name")
+
+
+def _nested_module(weights):
+    """PP 1's `module` (the inverse of _flattened): language_model.{embedding: {word_embeddings: {weight}, ...},
+    encoder: {its flat keys}, output_layer: {weight}}."""
+    language_model = {}
+    for name, value in weights.items():
+        part, rest = name.removeprefix("language_model.").split(".", 1)
+        if part == "embedding":
+            module, key = rest.rsplit(".", 1)
+            language_model.setdefault(part, {}).setdefault(module, {})[key] = value
+        else:
+            language_model.setdefault(part, {})[rest] = value
+    return {"language_model": language_model}
+
+
+def _write_layer_files(path, weights, tp_rank, stage):
+    """PP > 1: one file per layer of the stage; the tied embedding in file 1 of the first stage only."""
+    by_number = {}
+    for name, value in weights.items():
+        number, key = name.split(".", 1)
+        if number == "tied_modules":
+            if stage != 0:
+                continue
+            number, key = "1", key.removeprefix("embed.")
+        by_number.setdefault(int(number), {})[key] = value
+    for number, content in by_number.items():
+        files.write_torch_file(content, _layer_file(path, number, tp_rank))
+
+
+def _weight_decay_groups(weights):
+    """Its optimizer's parameter groups [(names, wd_mult)]: with weight decay, then without (biases and norms), each
+    in module order (its get_param_groups)."""
+    decayed = [name for name, value in weights.items() if value.dim() > 1 and not name.endswith(".bias")]
+    groups = [(decayed, 1.0), ([name for name in weights if name not in decayed], 0.0)]
+    return [(names, wd_mult) for names, wd_mult in groups if names]
+
+
+def _write_zero_files(path, full, groups, moments, step, mp_rank, dp):
+    """DeepSpeed's ZeRO-1 files of one model-parallel rank, one per DP rank: each group's master weights and Adam
+    moments flattened in order, padded to a multiple of 2 x dp and cut in dp partitions; the master weights saved
+    without the padding, as DeepSpeed saves them (prefix bf16_ for bfloat16 weights, its BF16 optimizer's name)."""
+    import deepspeed
+    prefix = "bf16_" if full.args.get("params_dtype") == "bfloat16" else ""
+    flats = {key: [_flat([by_name[name] for name in names]) for names, _ in groups] for key, by_name in moments.items()}
+    padded = {key: [_padded_partitions(flat, dp) for flat in group_flats] for key, group_flats in flats.items()}
+    hyper = _adam_hyperparameters(full.args, step)
+    clip_grad = full.args.get("clip_grad")
+    for replica in range(dp):
+        paddings = [partitions[replica].numel() - _unpadded_numel(flat, partitions, replica)
+                    for flat, partitions in zip(flats["fp32"], padded["fp32"])]
+        optimizer = {
+            "overflow": False, "clip_grad": 1.0 if clip_grad is None else clip_grad,
+            "base_optimizer_state": {
+                "state": {index: {"step": step, "exp_avg": padded["exp_avg"][index][replica],
+                                  "exp_avg_sq": padded["exp_avg_sq"][index][replica]} for index in range(len(groups))},
+                "param_groups": [dict(hyper, params=[index], weight_decay=hyper["weight_decay"] * wd_mult,
+                                      wd_mult=wd_mult) for index, (_, wd_mult) in enumerate(groups)]},
+            "single_partition_of_fp32_groups": [partitions[replica][:partitions[replica].numel() - padding]
+                                                for partitions, padding in zip(padded["fp32"], paddings)],
+            "zero_stage": 1, "group_paddings": paddings, "partition_count": dp, "ds_version": deepspeed.__version__}
+        name = f"{prefix}zero_pp_rank_{replica}_mp_rank_{mp_rank:02d}_optim_states.pt"
+        files.write_torch_file({"optimizer_state_dict": optimizer, "ds_version": deepspeed.__version__},
+                               os.path.join(path, name))
+
+
+def _flat(tensors):
+    return torch.cat([tensor.detach().float().flatten() for tensor in tensors])
+
+
+def _padded_partitions(flat, dp):
+    """The flat zero-padded to a multiple of 2 x dp and cut in dp equal partitions (each its own copy)."""
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % (_ALIGNMENT * dp)))
+    return [piece.clone() for piece in padded.chunk(dp)]
+
+
+def _unpadded_numel(flat, partitions, replica):
+    """How many of partition `replica`'s elements are the flat's (the padding is at the end of the last ones)."""
+    size = partitions[replica].numel()
+    return max(0, min(size, flat.numel() - replica * size))
+
+
+def _adam_hyperparameters(args, step):
+    """A parameter group's values as its (Fused)Adam keeps them; its scheduler sets lr and weight_decay each step."""
+    return {"lr": args.get("lr") or 0.0, "bias_correction": True, "betas": (args.get("adam_beta1", 0.9),
+            args.get("adam_beta2", 0.999)), "eps": args.get("adam_eps", 1e-8),
+            "weight_decay": args.get("weight_decay", 0.0), "amsgrad": False, "step": step, "lr_mult": 1.0}
+
+
+def _qkv_back(shape, tp):
+    """f(name, tensor): a TP shard's tensor, query_key_value's rows put back in version 3.0's order."""
+    heads, groups = shape["num_attention_heads"] // tp, shape["num_key_value_heads"] // tp
+
+    def in_their_order(name, tensor):
+        if ".self_attention.linear_qkv." not in name:
+            return tensor
+        return qkv_in_their_order(tensor, heads, groups, shape["kv_channels"])
+    return in_their_order
+
+
+def qkv_in_their_order(rows, heads, groups, head_dim):
+    """One TP shard's linear_qkv weight or bias from our per-group [q heads, k, v] to version 3.0's [all q; all k;
+    all v] (the inverse of qkv_in_our_order)."""
+    rest = rows.shape[1:]
+    per_group = rows.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+    query, key, value = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return torch.cat([part.reshape(-1, *rest) for part in (query, key, value)])

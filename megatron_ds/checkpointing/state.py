@@ -7,6 +7,7 @@ optimizers keep them as flat fp32 partitions, one per data-parallel rank and par
 partitions of a group are concatenated, then cut at the parameter boundaries recorded in
 `param_shapes` (DeepSpeed's own zero_to_fp32 recipe), so any data-parallel size can be read.
 """
+import dataclasses
 import glob
 import math
 import os
@@ -410,13 +411,9 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
     """Write `full` for (tp_size, pp_size) as a megatron_ds-sharded checkpoint (any data-parallel size
     loads it), crash-safe like a training save; returns the checkpoint folder."""
     tag = tag or files.tag_for(full.iteration)
-    os.makedirs(save_dir, exist_ok=True)
-    files.remove_stale_temporaries(save_dir)
-    tmp_tag = tag + files.TMP_SUFFIX
-    tmp_path = os.path.join(save_dir, tmp_tag)
-    os.makedirs(tmp_path)
+    tmp_tag, tmp_path = files.start_folder(save_dir, tag)
     optimizer = full.optimizer if with_optimizer else None
-    source_state = FullState(**{**full.__dict__, "optimizer": optimizer})
+    source_state = dataclasses.replace(full, optimizer=optimizer)
     checksums = {}
     for tp_rank in range(tp_size):
         for pp_rank in range(pp_size):

@@ -7,7 +7,8 @@ from megatron_ds.conversion import convert
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
 from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, LLaMA
-family with experts in every layer <-> MixtralForCausalLM). A Mixture of Experts checkpoint is read at any expert-parallel
+family with experts in every layer <-> MixtralForCausalLM), and to and from Megatron-DeepSpeed's checkpoints (GPT and
+LLaMA families, with their optimizer states). A Mixture of Experts checkpoint is read at any expert-parallel
 size and written with every expert in each file (--target-expert-parallel-size checks and records the size to train
 at)."""
 EXAMPLES = """examples:
@@ -16,7 +17,8 @@ EXAMPLES = """examples:
   convert_checkpoint.py --to-hf --load ckpt --save hf_model
   convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf --target-tensor-parallel-size 2 \\
       --target-pipeline-model-parallel-size 2
-  convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds"""
+  convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds
+  convert_checkpoint.py --to-megatron-deepspeed --load ckpt --save mds_ckpt --target-data-parallel-size 8"""
 
 
 def build_parser():
@@ -29,18 +31,26 @@ def build_parser():
                       help="read this Megatron-DeepSpeed checkpoint folder (its `latest` names the checkpoint; "
                            "--load-iteration another): weights, fp32 master weights, Adam moments, iteration, data "
                            "position, tokens and LR schedule")
+    mode.add_argument("--to-megatron-deepspeed", action="store_true",
+                      help="write --load in Megatron-DeepSpeed's format (checkpoint version 3.0) to --save: weights, "
+                           "fp32 master weights and Adam moments (its ZeRO-1 files), iteration, data position, "
+                           "tokens and LR schedule; no RNG states")
     parser.add_argument("--load", help="our checkpoint folder (its pointers name the checkpoint)")
     parser.add_argument("--load-iteration", default=None, help="this iteration instead of the pointers' one")
     parser.add_argument("--save", required=True, help="output folder")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--target-data-parallel-size", type=int, default=None,
+                        help="--to-megatron-deepspeed: the data-parallel size of its ZeRO-1 files (DeepSpeed loads "
+                             "them at that size; default: the source run's)")
     parser.add_argument("--target-expert-parallel-size", type=int, default=None,
                         help="Mixture of Experts: the --moe-expert-parallel-size to train the result with (checked "
                              "against the experts; the files hold every expert, so any valid size loads them)")
     parser.add_argument("--target-expert-tensor-parallelism", choices=["on", "off"], default=None,
                         help="Mixture of Experts: split the experts over TP in the files (train with "
                              "--enable-expert-tensor-parallelism) or keep them whole (default: as the source)")
-    parser.add_argument("--no-optim", action="store_true", help="reshape: drop the optimizer states")
+    parser.add_argument("--no-optim", action="store_true",
+                        help="reshape, --to-megatron-deepspeed: drop the optimizer states")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
     parser.add_argument("--trim-vocab-padding", action="store_true",
@@ -61,9 +71,14 @@ def main(argv=None):
             convert.from_megatron_deepspeed(args.from_megatron_deepspeed, args.save, args.target_tensor_parallel_size,
                                             args.target_pipeline_model_parallel_size, args.load_iteration)
         elif not args.load:
-            parser.error("give --load (reshape or --to-hf), --from-hf or --from-megatron-deepspeed")
+            parser.error("give --load (reshape, --to-hf or --to-megatron-deepspeed), --from-hf or "
+                         "--from-megatron-deepspeed")
         elif args.to_hf:
             convert.to_hf(args.load, args.save, args.load_iteration, args.trim_vocab_padding)
+        elif args.to_megatron_deepspeed:
+            convert.to_megatron_deepspeed(args.load, args.save, args.target_tensor_parallel_size,
+                                          args.target_pipeline_model_parallel_size, args.target_data_parallel_size,
+                                          args.load_iteration, not args.no_optim)
         else:
             if args.target_tensor_parallel_size is None or args.target_pipeline_model_parallel_size is None:
                 parser.error("reshaping needs --target-tensor-parallel-size and --target-pipeline-model-parallel-size")

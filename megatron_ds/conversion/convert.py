@@ -1,5 +1,6 @@
 """What tools/convert_checkpoint.py does: reshape a checkpoint to another (TP, PP), export it to Hugging
-Face, import Hugging Face weights. Runs in one process on CPU; the whole model is held in memory."""
+Face, import Hugging Face weights, convert Megatron-DeepSpeed's checkpoints to ours and ours to its format. Runs in
+one process on CPU; the whole model is held in memory."""
 import json
 import os
 import shutil
@@ -301,6 +302,29 @@ def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None)
     _log(f"wrote {folder} (iteration {full.iteration}, {full.consumed_train_samples} samples consumed; weights, "
          f"{optimizer}, {schedule}) from Megatron-DeepSpeed's {path} (TP {source_tp} x PP {source_pp}); "
          f"{_training_hint(full, tp, pp)}")
+    return folder
+
+
+def to_megatron_deepspeed(load_dir, save_dir, tp=None, pp=None, dp=None, iteration=None, with_optimizer=True):
+    """One of our checkpoints (any of our layouts) written in Megatron-DeepSpeed's format, version 3.0 (weights, fp32
+    master weights and Adam moments in its ZeRO-1 files over dp ranks, iteration, data position, tokens, LR
+    schedule), at its own TP x PP x DP unless told another."""
+    full, path = load_full(load_dir, iteration, with_optimizer)
+    source_tp, source_pp = full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"]
+    tp, pp = tp or source_tp, pp or source_pp
+    dp = dp or full.args.get("data_parallel_size") or 1
+    _check_target(full.model, tp, pp)
+    _retarget(full, tp, pp)
+    folder = megatron_deepspeed.write_checkpoint(full, save_dir, tp, pp, dp, with_optimizer)
+    optimizer = (f"fp32 master weights and Adam moments (step {full.optimizer_step}) in ZeRO-1 files over DP {dp}"
+                 if full.optimizer is not None and with_optimizer else "no optimizer states")
+    schedule = "the LR schedule" if full.scheduler else "no LR schedule"
+    _log(f"wrote Megatron-DeepSpeed's {folder} (checkpoint version {megatron_deepspeed.VERSION_WRITTEN}, TP {tp} x PP "
+         f"{pp} x DP {dp}; iteration {full.iteration}, {full.consumed_train_samples} samples consumed; weights, "
+         f"{optimizer}, {schedule}) from {path} (TP {source_tp} x PP {source_pp}); in Megatron-DeepSpeed load it "
+         f"with --load {save_dir} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+         f"--make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']} on {tp * pp * dp} ranks and "
+         f"--no-load-rng (no RNG states are carried)")
     return folder
 
 

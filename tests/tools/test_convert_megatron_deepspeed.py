@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ds.checkpointing import files, state
+from megatron_ds.checkpointing import files, megatron_deepspeed, state
 from megatron_ds.checkpointing.megatron_deepspeed import qkv_in_our_order
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,12 +129,15 @@ def _module(named):
 
 
 def _layer_files(tag, named, rank, stage):
-    """PP > 1: one file per layer of the stage (the tied embedding: file 1 on the first, its copy L+3 on the last)."""
+    """PP > 1: one file per layer of the stage (the tied embedding: file 1 on the first; its copy on the last is a
+    forward_fn layer, which DeepSpeed's PipelineModule does not save)."""
     by_number = {}
     for name, value in named.items():
         number, key = name.split(".", 1)
         if number == "tied_modules":
-            number, key = (1 if stage == 0 else LAYERS + 3), key.removeprefix("embed.")
+            if stage != 0:
+                continue
+            number, key = 1, key.removeprefix("embed.")
         by_number.setdefault(int(number), {})[key] = value
     for number, content in by_number.items():
         torch.save(content, tag / f"layer_{number:02d}-model_{rank:02d}-model_states.pt")
@@ -253,6 +256,19 @@ def test_its_adam_states_lr_schedule_and_tokens_arrive_as_ours(tmp_path, tp, pp,
             assert torch.equal(full.optimizer[name][key], value), (key, name)
 
 
+def test_its_tied_embedding_reaches_the_last_stage_from_file_1(tmp_path):
+    """DeepSpeed writes no file for the last stage's tied copy (a forward_fn layer): a rank of another layout that
+    holds the last stage reads the embedding from file 1, as DeepSpeed loads it into both stages."""
+    weights = ours()
+    megatron_deepspeed_checkpoint(tmp_path / "mds", weights, 1, 2, moments=adam_states(weights))
+    path = str(tmp_path / "mds" / "global_step5")
+    assert not (tmp_path / "mds" / "global_step5" / f"layer_{LAYERS + 3:02d}-model_00-model_states.pt").exists()
+    names = [WORD, POSITION, "decoder.final_layernorm.weight", f"decoder.layers.{LAYERS - 1}.input_layernorm.bias"]
+    rank = state.read_resharded_rank_state(path, megatron_deepspeed.read_metadata(path), (2, 1, False), names, VOCAB)
+    assert torch.equal(rank.weights[WORD], weights[WORD].chunk(2)[1])
+    assert torch.equal(rank.weights[POSITION], weights[POSITION])
+
+
 def test_older_qkv_orders_are_read_or_refused_by_name():
     """Version 2.0: per head [q, k, v] (ours for one head per group); 1.0: per head the d rows interleaved
     (q0 k0 v0 q1 k1 v1 ...); grouped heads in either: not something Megatron-DeepSpeed wrote."""
@@ -288,22 +304,28 @@ def test_pretrain_goes_on_from_a_converted_checkpoint(tmp_path):
     assert f" iteration 6/{TRAIN_ITERS} | consumed samples: 96 |" in result.stdout
 
 
-@pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory):
-    """Iterations 6 and 7 of the same model, master weights, moments, step and schedule written directly in our
-    format (no Megatron-DeepSpeed file involved), continued at TP 1 x PP 1."""
-    from tests.launch import launch, losses
+def our_state():
+    """The model of ours() with adam_states' master weights and moments, STEP, the data position and OUR_SCHEDULE,
+    as our checkpoints hold them (FullState, fp32)."""
     weights = ours()
     moments = adam_states(weights)
     args = {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS,
             "ffn_hidden_size": FFN, "padded_vocab_size": VOCAB, "vocab_size": VOCAB, "max_position_embeddings":
             POSITIONS, "seq_length": POSITIONS, "normalization": "LayerNorm", "params_dtype": "float32",
-            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "make_vocab_size_divisible_by": 32}
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "make_vocab_size_divisible_by": 32,
+            "global_batch_size": BATCH, "train_iters": TRAIN_ITERS, "train_samples": None}
     optimizer = {name: {key: moments[key][name] for key in moments} for name in weights}
-    full = state.FullState(args=args, weights=weights, optimizer=optimizer, optimizer_step=STEP, iteration=ITERATION,
+    return state.FullState(args=args, weights=weights, optimizer=optimizer, optimizer_step=STEP, iteration=ITERATION,
                            consumed_train_samples=SAMPLES, consumed_train_tokens=TOKENS, scheduler=OUR_SCHEDULE)
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """Iterations 6 and 7 of the same model, master weights, moments, step and schedule written directly in our
+    format (no Megatron-DeepSpeed file involved), continued at TP 1 x PP 1."""
+    from tests.launch import launch, losses
     folder = tmp_path_factory.mktemp("reference")
-    state.write_sharded_checkpoint(full, str(folder), 1, 1)
+    state.write_sharded_checkpoint(our_state(), str(folder), 1, 1)
     result = launch(1, run_flags(folder))
     assert result.returncode == 0, result.stdout
     return losses(result.stdout)
@@ -351,3 +373,118 @@ def test_pretrain_loads_its_folder_directly(tmp_path, reference_losses, tp, pp, 
         continued = losses(result.stdout)
         for iteration, loss in reference_losses.items():
             assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued, reference_losses)
+
+
+# --- the way back: ours -> Megatron-DeepSpeed's format -> ours ---------------------------------------------
+
+def our_checkpoint(folder, tp, pp):
+    """our_state() written as our converter writes checkpoints, at TP tp x PP pp."""
+    full = our_state()
+    full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    state.write_sharded_checkpoint(full, str(folder), tp, pp)
+
+
+def to_megatron_deepspeed(source, target, *flags):
+    from megatron_ds.conversion import cli
+    return cli.main(["--to-megatron-deepspeed", "--load", str(source), "--save", str(target), *flags])
+
+
+def _tensors(tree):
+    """{dotted key: tensor} of a nested dict."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{inner}": tensor for inner, tensor in _tensors(value).items()})
+        elif isinstance(value, torch.Tensor):
+            flat[str(key)] = value
+    return flat
+
+
+def assert_written_as_its_layout(written, expected, tp, pp):
+    """Every model file of `written` (our writer) holds what `expected` (this file's builder of Megatron-DeepSpeed's
+    layout, QKV rows picked head by head) holds: names, nesting, QKV order, ZeRO parameter names in order."""
+    layer_files = sorted(path.name for path in expected.glob("layer_*"))
+    assert sorted(path.name for path in written.glob("layer_*")) == layer_files
+    for name in layer_files + [f"mp_rank_{mp_rank:02d}_model_states.pt" for mp_rank in range(tp * pp)]:
+        ours_, theirs = torch.load(written / name, weights_only=False), torch.load(expected / name, weights_only=False)
+        if name.startswith("mp_rank_"):
+            assert [list(group.items()) for group in ours_["param_shapes"]] == \
+                [list(group.items()) for group in theirs["param_shapes"]], name
+            assert (ours_["checkpoint_version"], ours_["iteration"], ours_["tokens"]) == (3.0, ITERATION, TOKENS)
+            assert {key: ours_["lr_scheduler"][key] for key in theirs["lr_scheduler"] if "wd" not in key} == \
+                {key: value for key, value in theirs["lr_scheduler"].items() if "wd" not in key}
+            ours_, theirs = ours_["module"] or {}, theirs["module"] or {}
+        ours_, theirs = _tensors(ours_), _tensors(theirs)
+        assert sorted(ours_) == sorted(theirs), name
+        for key, value in theirs.items():
+            assert torch.equal(ours_[key], value), (name, key)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1)], ids=["tp1pp1", "tp1pp2", "tp2pp1"])
+def test_ours_to_its_format_and_back_is_bitwise(tmp_path, tp, pp):
+    """Ours written in Megatron-DeepSpeed's format holds what its layout holds (against this file's independent
+    builder), and read back as ours gives every weight, master weight, moment, the step, iteration, consumed
+    samples, tokens and the LR schedule and its position bit for bit."""
+    our_checkpoint(tmp_path / "ours", tp, pp)
+    assert to_megatron_deepspeed(tmp_path / "ours", tmp_path / "mds") == 0
+    mds = tmp_path / "mds"
+    assert (mds / "latest").read_text().strip() == "global_step5"
+    assert (mds / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert not list(mds.glob("*.tmp*"))
+    original = our_state()
+    megatron_deepspeed_checkpoint(tmp_path / "expected", original.weights, tp, pp, moments=adam_states(ours()))
+    assert_written_as_its_layout(mds / "global_step5", tmp_path / "expected" / "global_step5", tp, pp)
+
+    from megatron_ds.conversion import cli
+    assert cli.main(["--from-megatron-deepspeed", str(mds), "--save", str(tmp_path / "back")]) == 0
+    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "back"))
+    back = state.read_full_state(str(tmp_path / "back" / tag), metadata)
+    assert (back.iteration, back.consumed_train_samples, back.consumed_train_tokens, back.scheduler) == \
+        (ITERATION, SAMPLES, TOKENS, OUR_SCHEDULE)
+    assert back.optimizer_step == STEP and sorted(back.weights) == sorted(original.weights)
+    for name, value in original.weights.items():
+        assert torch.equal(back.weights[name], value), name
+        for key in state.OPTIMIZER_KEYS:
+            assert torch.equal(back.optimizer[name][key], original.optimizer[name][key]), (name, key)
+
+
+def test_its_zero_files_partition_as_deepspeed_over_data_parallel_ranks(tmp_path):
+    """--target-data-parallel-size 2 at TP 2 x PP 2: each group's flat padded to a multiple of 2 x DP and cut in
+    two, the master weights saved without the padding; read back bitwise."""
+    our_checkpoint(tmp_path / "ours", 1, 1)
+    assert to_megatron_deepspeed(tmp_path / "ours", tmp_path / "mds", "--target-tensor-parallel-size", "2",
+                                 "--target-pipeline-model-parallel-size", "2", "--target-data-parallel-size", "2") == 0
+    tag = tmp_path / "mds" / "global_step5"
+    saved = [torch.load(tag / f"zero_pp_rank_{replica}_mp_rank_03_optim_states.pt", weights_only=False)
+             ["optimizer_state_dict"] for replica in range(2)]
+    shapes = torch.load(tag / "mp_rank_03_model_states.pt", weights_only=False)["param_shapes"]
+    for group, by_name in enumerate(shapes):
+        numel = sum(shape.numel() for shape in by_name.values())
+        partition = saved[0]["base_optimizer_state"]["state"][group]["exp_avg"].numel()
+        assert partition == -(-numel // 4) * 4 // 2
+        assert sum(part["single_partition_of_fp32_groups"][group].numel() for part in saved) == numel
+    metadata = megatron_deepspeed.read_metadata(str(tag))
+    back = state.read_full_state(str(tag), metadata)
+    original = our_state()
+    for name, value in original.weights.items():
+        assert torch.equal(back.weights[name], value), name
+        for key in state.OPTIMIZER_KEYS:
+            assert torch.equal(back.optimizer[name][key], original.optimizer[name][key]), (name, key)
+
+
+@pytest.mark.e2e
+def test_pretrain_goes_on_from_ours_written_in_its_format(tmp_path, reference_losses):
+    """Ours at TP 1 x PP 2 written in Megatron-DeepSpeed's format at TP 2 x PP 1 and loaded by pretrain.py: iterations
+    6 and 7 as continuing ours."""
+    from tests.launch import launch, losses
+    our_checkpoint(tmp_path / "ours", 1, 2)
+    assert to_megatron_deepspeed(tmp_path / "ours", tmp_path / "mds", "--target-tensor-parallel-size", "2",
+                                 "--target-pipeline-model-parallel-size", "1") == 0
+    result = launch(2, run_flags(tmp_path / "mds", 2, 1))
+    assert result.returncode == 0, result.stdout
+    assert "(Megatron-DeepSpeed checkpoint (version 3.0, TP 2 x PP 1 x DP 1)) via" in result.stdout
+    assert "optimizer states loaded" in result.stdout and "LR schedule the checkpoint's" in result.stdout
+    continued = losses(result.stdout)
+    assert sorted(continued) == sorted(reference_losses) == [6, 7]
+    for iteration, loss in reference_losses.items():
+        assert abs(continued[iteration] - loss) <= 1e-5, (iteration, continued, reference_losses)
