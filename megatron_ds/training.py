@@ -41,7 +41,7 @@ from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
 from megatron_ds.iteration_plan import plan_iteration
-from megatron_ds.metrics import MetricsLogger, logging_rank, loss_scale
+from megatron_ds.metrics import MetricsLogger, is_logging_rank, logging_rank, loss_scale
 from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.pipeline_timeline import pipeline_timeline
@@ -49,6 +49,7 @@ from megatron_ds.planning.cli import model_spec
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
+from megatron_ds.stragglers import StragglerDetector
 from megatron_ds.throughput import peak_tflops_per_device
 
 
@@ -168,6 +169,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     profiler = IterationProfiler(args.logging, dist.get_rank())
     timeline = pipeline_timeline(args, engine, progress.iteration + 1)
     compile_watch = CompileWatch(bool(compiled_ops(args.model)))
+    stragglers = _straggler_detector(args.logging)
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -184,7 +186,9 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         profiler.begin(iteration)
         timeline.begin(iteration, plan.micro_batches)
         compile_watch.before_iteration()
+        stragglers.begin()
         loss, moe_loss = run_global_batch(engine, train_iterator, plan.micro_batches, train=True, experts=experts)
+        stragglers.end()
         compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
         timeline.end()
@@ -192,6 +196,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.consumed_train_samples += plan.global_batch_size
         progress.consumed_train_tokens += plan.tokens
         logger.iteration(plan, loss, lr, engine, progress, moe_loss)
+        if iteration % args.logging.log_interval == 0:
+            stragglers.report(iteration, is_logging_rank(), logger.writers)
         _log_compile(compile_line)
         _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
         _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
@@ -206,6 +212,25 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+class _NoStragglerDetector:
+    def begin(self):
+        pass
+
+    def end(self):
+        pass
+
+    def report(self, iteration, printing, writers=None):
+        return []
+
+
+def _straggler_detector(config):
+    """--log-straggler's detector (megatron_ds/stragglers.py), else one that does nothing."""
+    if not config.log_straggler:
+        return _NoStragglerDetector()
+    return StragglerDetector(config.straggler_threshold, config.straggler_minmax_count, config.straggler_intervals,
+                             parallel_state.get_pipeline_model_parallel_rank())
 
 
 def begin_iteration(args, engine, plan):

@@ -32,7 +32,7 @@ def size_errors(args):
     return _positive_errors(
         args, required=("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                         "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
-                        "log_interval"),
+                        "log_interval", "straggler_minmax_count", "straggler_threshold", "straggler_intervals"),
         optional=("num_key_value_heads", "max_position_embeddings", "ffn_hidden_size", "kv_channels",
                   "micro_batch_size", "global_batch_size", "vocab_size", "train_iters", "train_samples",
                   "train_tokens", "lr_decay_samples", "lr_decay_tokens"))

@@ -110,6 +110,10 @@ class LoggingConfig:
     log_validation_ppl_to_tensorboard: bool
     log_world_size_to_tensorboard: bool
     timing_log_level: int
+    log_straggler: bool
+    straggler_minmax_count: int
+    straggler_threshold: float
+    straggler_intervals: int
     wandb_project: Optional[str]
     wandb_exp_name: Optional[str]
     wandb_save_dir: Optional[str]

@@ -224,6 +224,17 @@ def _add_logging_args(parser):
         group.add_argument(flag, action="store_true", help=f"write {text} to TensorBoard")
     group.add_argument("--log-params-norm", action="store_true", help="log the norm of the parameters")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zeros in the gradients")
+    group.add_argument("--log-straggler", action="store_true",
+                       help="every log interval, each rank's compute time per iteration (wall time less the waits "
+                            "in collectives and pipeline sends/receives): the slowest and fastest ranks, and a "
+                            "warning for a rank slower than its peers (megatron_ds/stragglers.py)")
+    group.add_argument("--straggler-minmax-count", type=int, default=1,
+                       help="how many of the slowest and fastest ranks --log-straggler prints")
+    group.add_argument("--straggler-threshold", type=float, default=1.2,
+                       help="--log-straggler names a rank whose compute time exceeds this x the median of its "
+                            "peers (the other ranks of its pipeline stage)")
+    group.add_argument("--straggler-intervals", type=int, default=2,
+                       help="... for this many log intervals in a row")
     group.add_argument("--timing-log-level", type=int, choices=range(0, 3), default=0,
                        help="0: iteration time only; 1: also forward/backward/optimizer; 2: also finer timers")
     group.add_argument("--wandb-project", default="", help="log to this Weights & Biases project (empty: off)")

@@ -1,0 +1,149 @@
+"""--log-straggler (Megatron-LM's flag): which ranks compute slower than their peers.
+
+Every rank measures, per iteration, its compute time: the iteration's wall time less the time it spent inside
+torch.distributed's blocking calls (a collective or a pipeline send/receive waits there for the slowest peer,
+so a straggler makes the others wait, not compute). Every log interval the ranks exchange their mean and the
+logging rank prints the --straggler-minmax-count slowest and fastest ranks, with host, pipeline stage and their
+ratio to the median of all ranks. A rank whose time is more than --straggler-threshold x the median of its peers
+(the other ranks of its pipeline stage, which run the same layers; all other ranks where the stage has no other)
+for --straggler-intervals log intervals in a row is named in a warning and in TensorBoard
+(straggler/rank-<r>-ratio); straggler/slowest-ratio is written every interval.
+
+A call with async_op=True counts until it returns and again in its handle's wait(). Measured on the host's clock:
+a device kernel still running when a call blocks counts as waiting.
+"""
+import functools
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+_BLOCKING_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                   "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "send",
+                   "recv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list", "gather_object")
+
+
+class CommunicationClock:
+    """Seconds this process has spent inside torch.distributed's blocking calls (outermost calls only: an
+    object collective runs tensor collectives inside)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._depth = 0
+
+    def install(self):
+        for name in _BLOCKING_CALLS:
+            function = getattr(dist, name, None)
+            if function is not None and not getattr(function, "timed_by_clock", False):
+                setattr(dist, name, self._timed(function))
+        return self
+
+    def _timed(self, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            result = self.measured(function, *args, **kwargs)
+            return _TimedWork(result, self) if kwargs.get("async_op") and result is not None else result
+        timed.timed_by_clock = True
+        return timed
+
+    def measured(self, function, *args, **kwargs):
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - start
+
+
+class _TimedWork:
+    """An async call's handle whose wait() the clock counts (DeepSpeed's ZeRO reductions wait this way)."""
+
+    def __init__(self, work, clock):
+        self._work, self._clock = work, clock
+
+    def wait(self, *args, **kwargs):
+        return self._clock.measured(self._work.wait, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@dataclass(frozen=True)
+class RankTime:
+    rank: int
+    host: str
+    stage: int
+    seconds: float   # compute per iteration, mean over the interval
+
+
+def peer_ratios(times):
+    """{rank: its time / the median of its peers' (the other ranks of its stage, else all other ranks)}."""
+    ratios = {}
+    for mine in times:
+        peers = [other.seconds for other in times if other.rank != mine.rank and other.stage == mine.stage]
+        peers = peers or [other.seconds for other in times if other.rank != mine.rank]
+        ratios[mine.rank] = mine.seconds / statistics.median(peers) if peers else 1.0
+    return ratios
+
+
+def extremes_line(times, count, first, last):
+    """The slowest and fastest `count` ranks against the median of all."""
+    median = statistics.median(time.seconds for time in times)
+    slowest = sorted(times, key=lambda time: (-time.seconds, time.rank))
+    fastest = sorted(times, key=lambda time: (time.seconds, time.rank))
+
+    def described(selection):
+        return ", ".join(f"rank {time.rank} ({time.host}, stage {time.stage}) {time.seconds * 1e3:.1f} ms "
+                         f"{time.seconds / median:.2f}x" for time in selection)
+    return (f"straggler check, iterations {first}-{last}: compute per iteration, median {median * 1e3:.1f} ms; "
+            f"slowest {described(slowest[:count])}; fastest {described(fastest[:count])}")
+
+
+class StragglerDetector:
+    """Every rank: begin() and end() around each training iteration, report() at each log interval (a
+    collective). The logging rank prints; every rank keeps the same counts."""
+
+    def __init__(self, threshold, minmax_count, intervals, stage, clock=None):
+        self.threshold, self.minmax_count, self.intervals = threshold, minmax_count, intervals
+        self.stage, self.host = stage, socket.gethostname()
+        self.clock = clock or CommunicationClock().install()
+        self.consecutive = {}   # rank: log intervals in a row above the threshold
+        self._reset(first=1)
+
+    def _reset(self, first):
+        self.compute, self.iterations, self.first = 0.0, 0, first
+
+    def begin(self):
+        self._start, self._waited = time.perf_counter(), self.clock.seconds
+
+    def end(self):
+        self.compute += (time.perf_counter() - self._start) - (self.clock.seconds - self._waited)
+        self.iterations += 1
+
+    def report(self, iteration, printing, writers=None):
+        """Exchange the interval's times; the lines to print (on the printing rank) and the scalars written."""
+        mine = RankTime(dist.get_rank(), self.host, self.stage, self.compute / max(1, self.iterations))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        lines = [extremes_line(everyone, self.minmax_count, self.first, iteration)]
+        ratios = peer_ratios(everyone)
+        scalars = {"straggler/slowest-ratio": max(ratios.values())}
+        for time_ in everyone:
+            slow = ratios[time_.rank] > self.threshold
+            self.consecutive[time_.rank] = self.consecutive.get(time_.rank, 0) + 1 if slow else 0
+            if self.consecutive[time_.rank] >= self.intervals:
+                lines.append(f"WARNING: straggler: rank {time_.rank} ({time_.host}, stage {time_.stage}) computed "
+                             f"{ratios[time_.rank]:.2f}x the median of its peers for {self.consecutive[time_.rank]} "
+                             f"log intervals in a row (--straggler-threshold {self.threshold:g})")
+                scalars[f"straggler/rank-{time_.rank}-ratio"] = ratios[time_.rank]
+        if printing:
+            for line in lines:
+                print(f"megatron_ds: {line}", flush=True)
+            if writers is not None:
+                writers.write(scalars, iteration)
+        self._reset(first=iteration + 1)
+        return lines

@@ -1,0 +1,132 @@
+"""--log-straggler on real ranks: one of 2 ranks (DP 2, a core each) slowed from outside (SIGSTOP / SIGCONT cycling,
+stopped 30% of the time: 1 / 0.7 = 1.43x its compute time) is named within three log intervals, with a ratio within
+15% of the slowdown applied (measured as the share it was really stopped); 4 ranks without a slowdown give no
+warning in 200 iterations. The report's arithmetic and the clock by hand."""
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from megatron_ds.stragglers import CommunicationClock, RankTime, extremes_line, peer_ratios
+from tests.distributed import free_port
+from tests.launch import BIN, REPO
+
+RANKS = 2  # a core each: with more ranks than cores the others take the stopped rank's core and the ratio shrinks
+# the test's own process and torchrun's agent share the 2 cores with the ranks: the slowed rank measures 1.28-1.34x
+# for 1.38-1.43x applied here, near the default 1.2 threshold; 1.15 keeps one dipping interval from resetting the
+# count
+LOOSER = ["--straggler-threshold", "1.15"]
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--vocab-size", "250",
+         "--eval-interval", "0", "--log-straggler"]
+WARNING = re.compile(r"WARNING: straggler: rank (\d) \(\S+, stage 0\) computed ([0-9.]+)x the median of its peers")
+
+
+def test_peers_are_the_other_ranks_of_the_stage_and_the_extremes_the_median_of_all():
+    times = [RankTime(0, "a", 0, 1.0), RankTime(1, "a", 0, 1.5), RankTime(2, "b", 0, 1.0),
+             RankTime(3, "b", 1, 2.0), RankTime(4, "c", 1, 1.0)]
+    ratios = peer_ratios(times)
+    assert ratios[1] == 1.5 and ratios[0] == pytest.approx(1 / 1.25) and ratios[3] == 2.0 and ratios[4] == 0.5
+    assert peer_ratios([RankTime(0, "a", 0, 3.0), RankTime(1, "a", 1, 1.0), RankTime(2, "a", 2, 2.0)])[0] == 2.0
+    line = extremes_line(times, 1, 11, 20)
+    assert line == ("straggler check, iterations 11-20: compute per iteration, median 1000.0 ms; slowest rank 3 (b, "
+                    "stage 1) 2000.0 ms 2.00x; fastest rank 0 (a, stage 0) 1000.0 ms 1.00x")
+
+
+def test_the_clock_counts_outermost_calls_and_the_waits_of_async_ones():
+    clock = CommunicationClock()
+    sleep = clock._timed(lambda seconds, async_op=False: time.sleep(seconds) if not async_op else _Handle(seconds))
+    nested = clock._timed(lambda: sleep(0.05))
+    nested()
+    assert 0.05 <= clock.seconds < 0.09  # counted once, not twice
+    handle = sleep(0.05, async_op=True)
+    assert clock.seconds < 0.09
+    handle.wait()
+    assert 0.10 <= clock.seconds < 0.15 and handle.seconds == 0.05
+
+
+class _Handle:
+    """What an async collective returns: wait() blocks until the peers are done."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+        return True
+
+
+def _launch(iterations, ranks, log_interval, extra=()):
+    command = [str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", str(free_port()), "pretrain.py",
+               *FLAGS, "--train-iters", str(iterations), "--log-interval", str(log_interval), *extra]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _rank_process(launcher_pid, rank):
+    for child in psutil.Process(launcher_pid).children():
+        if child.environ().get("RANK") == str(rank):
+            return child
+    raise AssertionError(f"no rank {rank} among the launcher's children")
+
+
+def _cycle(process, stopped_share, period, done, applied):
+    """Stop the process for stopped_share of every period until done is set; applied[0]: the share it really was
+    stopped (the sleeps overshoot)."""
+    stopped = running = 0.0
+    while not done.is_set() and process.is_running():
+        start = time.perf_counter()
+        try:
+            process.send_signal(signal.SIGSTOP)
+            time.sleep(period * stopped_share)
+            middle = time.perf_counter()
+            process.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:  # the run ended
+            return
+        time.sleep(period * (1 - stopped_share))
+        stopped, running = stopped + middle - start, running + time.perf_counter() - middle
+        applied[0] = stopped / (stopped + running)
+
+
+@pytest.mark.e2e
+def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
+    done, applied = threading.Event(), [None]
+    lines = []
+    with _launch(iterations=120, ranks=RANKS, log_interval=20, extra=LOOSER) as launch:
+        try:
+            for line in launch.stdout:
+                lines.append(line)
+                if "straggler check, iterations 1-20" in line:  # the first interval unslowed, warm-up included
+                    victim = _rank_process(launch.pid, RANKS - 1)
+                    threading.Thread(target=_cycle, args=(victim, 0.3, 0.02, done, applied),
+                                     daemon=True).start()
+            launch.wait(timeout=300)
+        finally:
+            done.set()
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert launch.returncode == 0, output[-4000:]
+    checks = re.findall(r"straggler check, iterations (\d+)-(\d+)", output)
+    warnings = WARNING.findall(output)
+    assert warnings, output[-4000:]
+    checks_before = len(re.findall(r"straggler check, iterations", output[:output.index("WARNING: straggler")]))
+    assert checks_before <= 1 + 3, [line for line in lines if "straggler" in line]  # before the slowdown, then <= 3
+    assert {rank for rank, _ in warnings} == {str(RANKS - 1)}, warnings
+    slowdown = 1 / (1 - applied[0])
+    assert abs(float(warnings[0][1]) / slowdown - 1) <= 0.15, (warnings, slowdown)
+
+
+@pytest.mark.e2e
+def test_no_warning_without_a_slowdown():
+    with _launch(iterations=200, ranks=4, log_interval=10) as launch:
+        output, _ = launch.communicate(timeout=400)
+    assert launch.returncode == 0, output[-4000:]
+    assert len(re.findall(r"straggler check, iterations", output)) == 20
+    assert "WARNING: straggler" not in output, [line for line in output.splitlines() if "straggler" in line]
