@@ -2,11 +2,12 @@
 
 Every rank measures, per iteration, its compute time: the iteration's wall time less the time it spent inside
 torch.distributed's blocking calls (a collective or a pipeline send/receive waits there for the slowest peer,
-so a straggler makes the others wait, not compute). Every log interval the ranks exchange their mean and the
+so a straggler makes the others wait, not compute). Every log interval the ranks exchange their median and the
 logging rank prints the --straggler-minmax-count slowest and fastest ranks, with host, pipeline stage and their
 ratio to the median of all ranks. A rank whose time is more than --straggler-threshold x the median of its peers
 (the other ranks of its pipeline stage, which run the same layers; all other ranks where the stage has no other)
-for --straggler-intervals log intervals in a row is named in a warning and in TensorBoard
+for --straggler-intervals log intervals in a row (the first interval, holding the start-up's one-off costs, not
+counted) is named in a warning and in TensorBoard
 (straggler/rank-<r>-ratio); straggler/slowest-ratio is written every interval.
 
 A call with async_op=True counts until it returns and again in its handle's wait(). Measured on the host's clock:
@@ -77,7 +78,7 @@ class RankTime:
     rank: int
     host: str
     stage: int
-    seconds: float   # compute per iteration, mean over the interval
+    seconds: float   # compute per iteration, the interval's median
 
 
 def peer_ratios(times):
@@ -115,25 +116,27 @@ class StragglerDetector:
         self._reset(first=1)
 
     def _reset(self, first):
-        self.compute, self.iterations, self.first = 0.0, 0, first
+        self.computed, self.first = [], first
 
     def begin(self):
         self._start, self._waited = time.perf_counter(), self.clock.seconds
 
     def end(self):
-        self.compute += (time.perf_counter() - self._start) - (self.clock.seconds - self._waited)
-        self.iterations += 1
+        self.computed.append((time.perf_counter() - self._start) - (self.clock.seconds - self._waited))
 
     def report(self, iteration, printing, writers=None):
-        """Exchange the interval's times; the lines to print (on the printing rank) and the scalars written."""
-        mine = RankTime(dist.get_rank(), self.host, self.stage, self.compute / max(1, self.iterations))
+        """Exchange the interval's times (each rank's median iteration: a one-off pause is not a straggler); the
+        lines to print (on the printing rank) and the scalars written. The first interval, which holds the
+        start-up's one-off costs, warns no one."""
+        mine = RankTime(dist.get_rank(), self.host, self.stage, statistics.median(self.computed or [0.0]))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         lines = [extremes_line(everyone, self.minmax_count, self.first, iteration)]
         ratios = peer_ratios(everyone)
         scalars = {"straggler/slowest-ratio": max(ratios.values())}
+        warming_up = self.first == 1
         for time_ in everyone:
-            slow = ratios[time_.rank] > self.threshold
+            slow = ratios[time_.rank] > self.threshold and not warming_up
             self.consecutive[time_.rank] = self.consecutive.get(time_.rank, 0) + 1 if slow else 0
             if self.consecutive[time_.rank] >= self.intervals:
                 lines.append(f"WARNING: straggler: rank {time_.rank} ({time_.host}, stage {time_.stage}) computed "
