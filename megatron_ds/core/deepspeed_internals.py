@@ -219,7 +219,7 @@ def _fp16_zero_stage_0_scaled(engine, loss):
 
 def mend_zero_stage_0(engine):
     """Make DeepSpeed 0.19.8's ZeRO-stage-0 engine train as its ZeRO-1 engine does, with tensor and pipeline
-    parallelism. Without ZeRO it goes wrong in three places, each mended here:
+    parallelism. Without ZeRO it goes wrong in four places, each mended here:
     - fp16: DeepSpeedEngine.backward scales the loss only for ZeRO optimizers, while fp16's ZeRO-0 optimizers
       divide the gradients by the loss scale in step(): updates loss-scale times too small, clipping never
       triggered, small gradients underflowing (DeepSpeed pull request 8393, open). Mended class-wide, because the
@@ -229,7 +229,9 @@ def mend_zero_stage_0(engine):
       nor tensor_model_parallel (TP ranks > 0 skip every gradient); and the norm it reports keeps the loss scale.
     - fp32: clip_fp32_gradients counts the replicated parameters on model-parallel rank 0 only, which with
       DeepSpeed's pipeline grid is the first stage's TP rank 0 (later stages' norms are left out), and the norm
-      it computes is never reported (get_global_grad_norm() is None).
+      it computes is never reported (get_global_grad_norm() is None). Not mended for MoE models, whose expert
+      norms DeepSpeed's clip_grad_norm_ averages over the data-parallel group (get_weight_norm sums over the
+      model-parallel one only).
     - fp16: both optimizers take an optimizer step with zero gradients when built (initialize_optimizer_states):
       AdamW's step count starts at 1 (its bias correction off by a step ever after) and its weight decay shrinks
       the fp32 master weights by lr x decay, away from the 16-bit ones.
@@ -240,7 +242,7 @@ def mend_zero_stage_0(engine):
         _scale_fp16_loss_at_zero_stage_0()
         _undo_the_initial_fp16_step(engine.optimizer)
         _mend_unfused_fp16_norm(engine.optimizer)
-    else:
+    elif not engine.has_moe_layers:
         engine.clip_fp32_gradients = lambda: _clip_fp32_gradients(engine)
 
 
