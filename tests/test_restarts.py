@@ -79,8 +79,10 @@ def _script(process):
 
 
 def torchrun(save, max_restarts=2):
+    """torchrun's agent looks at its workers every second (its default 0.1 s raced the watchdog's pidfd, which
+    names the dead rank in the notice the restart line reports)."""
     return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "--max-restarts",
-            str(max_restarts), "pretrain.py", *FLAGS, "--save", str(save)]
+            str(max_restarts), "--monitor-interval", "1", "pretrain.py", *FLAGS, "--save", str(save)]
 
 
 def assert_every_loss_is_the_straight_runs(output, straight):
