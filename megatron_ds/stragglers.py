@@ -93,13 +93,13 @@ def peer_ratios(times):
 
 def extremes_line(times, count, first, last):
     """The slowest and fastest `count` ranks against the median of all."""
-    median = statistics.median(time.seconds for time in times)
-    slowest = sorted(times, key=lambda time: (-time.seconds, time.rank))
-    fastest = sorted(times, key=lambda time: (time.seconds, time.rank))
+    median = statistics.median(entry.seconds for entry in times)
+    slowest = sorted(times, key=lambda entry: (-entry.seconds, entry.rank))
+    fastest = sorted(times, key=lambda entry: (entry.seconds, entry.rank))
 
     def described(selection):
-        return ", ".join(f"rank {time.rank} ({time.host}, stage {time.stage}) {time.seconds * 1e3:.1f} ms "
-                         f"{time.seconds / median:.2f}x" for time in selection)
+        return ", ".join(f"rank {entry.rank} ({entry.host}, stage {entry.stage}) {entry.seconds * 1e3:.1f} ms "
+                         f"{entry.seconds / median:.2f}x" for entry in selection)
     return (f"straggler check, iterations {first}-{last}: compute per iteration, median {median * 1e3:.1f} ms; "
             f"slowest {described(slowest[:count])}; fastest {described(fastest[:count])}")
 
@@ -135,14 +135,14 @@ class StragglerDetector:
         ratios = peer_ratios(everyone)
         scalars = {"straggler/slowest-ratio": max(ratios.values())}
         warming_up = self.first == 1
-        for time_ in everyone:
-            slow = ratios[time_.rank] > self.threshold and not warming_up
-            self.consecutive[time_.rank] = self.consecutive.get(time_.rank, 0) + 1 if slow else 0
-            if self.consecutive[time_.rank] >= self.intervals:
-                lines.append(f"WARNING: straggler: rank {time_.rank} ({time_.host}, stage {time_.stage}) computed "
-                             f"{ratios[time_.rank]:.2f}x the median of its peers for {self.consecutive[time_.rank]} "
+        for entry in everyone:
+            slow = ratios[entry.rank] > self.threshold and not warming_up
+            self.consecutive[entry.rank] = self.consecutive.get(entry.rank, 0) + 1 if slow else 0
+            if self.consecutive[entry.rank] >= self.intervals:
+                lines.append(f"WARNING: straggler: rank {entry.rank} ({entry.host}, stage {entry.stage}) computed "
+                             f"{ratios[entry.rank]:.2f}x the median of its peers for {self.consecutive[entry.rank]} "
                              f"log intervals in a row (--straggler-threshold {self.threshold:g})")
-                scalars[f"straggler/rank-{time_.rank}-ratio"] = ratios[time_.rank]
+                scalars[f"straggler/rank-{entry.rank}-ratio"] = ratios[entry.rank]
         if printing:
             for line in lines:
                 print(f"megatron_ds: {line}", flush=True)
