@@ -2,11 +2,14 @@
 log."""
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,3 +96,37 @@ def run_alone(program, flags, timeout=120):
 def losses(output):
     """{iteration: lm loss} from the iteration lines of a run's output."""
     return {int(it): float(loss) for it, loss in LOSS_LINE.findall(output)}
+
+
+def lines_within(process, timeout):
+    """The lines of process.stdout as they come, for at most timeout seconds in all: past it, the process's session is
+    killed (start it with start_new_session=True) and AssertionError raised with its last lines, so that a launch that
+    hangs fails its test instead of holding the suite until CI's limit."""
+    arrived = queue.Queue()
+
+    def read():
+        for line in process.stdout:
+            arrived.put(line)
+        arrived.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while True:
+        try:
+            line = arrived.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            kill_session(process)
+            raise AssertionError(f"no end to the output within {timeout} s; its last lines:\n"
+                                 f"{''.join(seen[-100:])}") from None
+        if line is None:
+            return
+        seen.append(line)
+        yield line
+
+
+def kill_session(process):
+    """SIGKILL the process's session (the launcher and every rank it started)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

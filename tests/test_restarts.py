@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.distributed import free_port
-from tests.launch import BIN, REPO, launch, losses
+from tests.launch import BIN, REPO, kill_session, launch, lines_within, losses
 from tests.layouts import COMMON
 
 pytestmark = pytest.mark.e2e  # launches several real processes
@@ -43,7 +43,7 @@ def run_with_kills(command, kills, timeout=400):
     with subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True) as process:
         try:
-            for line in process.stdout:
+            for line in lines_within(process, timeout):
                 lines.append(line)
                 armed = armed or line.startswith("megatron_ds: restart ")
                 reached = ITERATION.match(line)
@@ -51,10 +51,10 @@ def run_with_kills(command, kills, timeout=400):
                     _kill_a_rank(process.pid)
                     pending.pop(0)
                     armed = False
-            process.wait(timeout=timeout)
+            process.wait(timeout=60)
         finally:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_session(process)
     return process.returncode, "".join(lines)
 
 

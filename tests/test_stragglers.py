@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ds.stragglers import CommunicationClock, RankTime, extremes_line, peer_ratios
 from tests.distributed import free_port
-from tests.launch import BIN, REPO
+from tests.launch import BIN, REPO, kill_session, lines_within
 
 # a core each: with more ranks than cores the OS shares the cores unevenly, which looks like (and is) stragglers, and
 # the other ranks take a stopped rank's core, which shrinks its ratio
@@ -102,17 +102,17 @@ def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
     lines = []
     with _launch(iterations=120, ranks=RANKS, log_interval=20, extra=LOOSER) as launch:
         try:
-            for line in launch.stdout:
+            for line in lines_within(launch, 400):
                 lines.append(line)
                 if "straggler check, iterations 1-20" in line:  # the first interval unslowed, warm-up included
                     victim = _rank_process(launch.pid, RANKS - 1)
                     threading.Thread(target=_cycle, args=(victim, 0.3, 0.02, done, applied),
                                      daemon=True).start()
-            launch.wait(timeout=300)
+            launch.wait(timeout=60)
         finally:
             done.set()
             if launch.poll() is None:
-                os.killpg(launch.pid, signal.SIGKILL)
+                kill_session(launch)
     output = "".join(lines)
     assert launch.returncode == 0, output[-4000:]
     checks = re.findall(r"straggler check, iterations (\d+)-(\d+)", output)

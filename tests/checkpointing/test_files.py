@@ -9,7 +9,7 @@ from megatron_ds.checkpointing import files
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from tests.checkpoints import assert_previous_checkpoint_published, tiny_checkpoint
 from tests.fault_injection import pause_message
-from tests.launch import BIN, REPO
+from tests.launch import BIN, REPO, lines_within
 
 
 def test_damaged_or_incomplete_newest_checkpoint_names_the_last_good_one(tmp_path):
@@ -46,8 +46,9 @@ def _kill_writer_at(save_dir, phase):
     point = f"{phase}@4"
     code = (f"from tests.fault_injection import hold_save_at; hold_save_at({point!r}); "
             f"from tests.checkpoints import tiny_checkpoint; tiny_checkpoint({str(save_dir)!r}, 4)")
-    process = subprocess.Popen([str(BIN / "python"), "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    for line in process.stdout:
+    process = subprocess.Popen([str(BIN / "python"), "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    for line in lines_within(process, 120):
         if pause_message(point) in line:
             break
     process.kill()
