@@ -1,6 +1,8 @@
 """Training launches of one small model at a (tp, pp, dp) layout, shared (memoized) by the tests that compare
 layouts and memory savers: fp32, no dropout, one seed, per-iteration lm losses."""
 import re
+import time
+from pathlib import Path
 
 from megatron_ds.glue.runtime import available_cores
 from tests.launch import launch, losses
@@ -50,12 +52,16 @@ def _launch_layout(family, tp, pp, dp, extra):
     flags = COMMON + FAMILIES[family] + ["--tensor-model-parallel-size", str(tp),
                                          "--pipeline-model-parallel-size", str(pp),
                                          "--make-vocab-size-divisible-by", str(256 // tp), *extra]
+    started = time.time()
     result = launch(tp * pp * dp, flags)
     assert result.returncode == 0, result.stdout[-4000:]
     # TP over every rank of one host, a core each: DeepSpeed's shared-memory all-reduce (this CPU has its
     # avx512bw kernels)
     shared_memory = "go through DeepSpeed's shared-memory all-reduce" in result.stdout
     assert shared_memory == (tp == tp * pp * dp > 1 and tp <= available_cores()), result.stdout[-4000:]
+    left = [path.name for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")
+            if path.stat().st_mtime >= started]
+    assert not left, f"the launch left its shared-memory all-reduce segments in /dev/shm: {left}"
     trajectory = losses(result.stdout)
     assert sorted(trajectory) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
     return trajectory, {int(it): float(norm) for it, norm in GRAD_NORM.findall(result.stdout)}, result.stdout

@@ -10,6 +10,8 @@ core/. It imports DeepSpeed only inside the functions: importing it must not pic
 before glue/runtime.py's prepare_host() has run.
 """
 import contextlib
+import os
+from pathlib import Path
 
 SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
 
@@ -468,6 +470,20 @@ def shared_memory_all_reduce_level():
     import deepspeed.comm
     backend = deepspeed.comm.comm.cdb
     return 0 if backend.shm_comm_op is None else backend.shm_vector_kernel_level
+
+
+def unlink_shared_memory_segment():
+    """Remove this rank's file of deepspeed.comm's shared-memory all-reduce from /dev/shm. DeepSpeed never removes
+    it (0.19.8: shm.cpp names it deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, 69 MB, and
+    has no shm_unlink outside an error path): every launch left 69 MB per rank in RAM-backed /dev/shm until the
+    host ran out of memory. Call it once every rank has mapped every other's segment (a barrier after
+    init_distributed): the mappings outlive the name."""
+    import deepspeed.comm
+    if deepspeed.comm.comm.cdb.shm_comm_op is None:
+        return
+    name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", ""), str(deepspeed.comm.get_rank())])
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def skip_shared_memory_comm_build():

@@ -66,6 +66,9 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     if store_hosted_by_launcher():
         _init_process_group_of_this_launch(backend, timeout, launcher)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    if shared_memory:
+        dist.barrier()  # every rank has mapped every other's segment
+        deepspeed_internals.unlink_shared_memory_segment()
     return _use_shared_memory_all_reduce() if shared_memory else None
 
 
