@@ -27,7 +27,7 @@ from megatron_ds.compile_watch import CompileWatch
 from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_ops
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
-from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, will_evaluate
+from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, describe_samples, will_evaluate
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.ds_config import deepspeed_train_batch_size
@@ -49,6 +49,7 @@ from megatron_ds.planning.cli import model_spec
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
+from megatron_ds.rerun import RerunExit, ResultValidator, Validation
 from megatron_ds.stragglers import StragglerDetector
 from megatron_ds.throughput import peak_tflops_per_device
 
@@ -160,8 +161,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     progress = progress or TrainingProgress()
     curriculum = (SequenceLengthCurriculum(args.curriculum_learning_legacy, args.seq_length)
                   if args.curriculum_learning_legacy else None)
-    train_iterator = batch_iterator(datasets.get("train"), args.data, progress.consumed_train_samples, device(),
-                                    curriculum)
+    train_data = _TrainData(datasets.get("train"), args.data, curriculum)
+    train_data.start_at(progress.consumed_train_samples)
     valid_iterator = batch_iterator(datasets.get("valid"), args.data, progress.consumed_valid_samples, device())
     evaluating = will_evaluate(args.data)
     experts = moe_layers(engine.module) if args.moe else None
@@ -170,6 +171,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     timeline = pipeline_timeline(args, engine, progress.iteration + 1)
     compile_watch = CompileWatch(bool(compiled_ops(args.model)))
     stragglers = _straggler_detector(args.logging)
+    validator = ResultValidator(Validation.from_args(args), engine) if args.rerun_mode == "validate_results" else None
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -187,7 +189,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         timeline.begin(iteration, plan.micro_batches)
         compile_watch.before_iteration()
         stragglers.begin()
-        loss, moe_loss = run_global_batch(engine, train_iterator, plan.micro_batches, train=True, experts=experts)
+        loss, moe_loss = _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration)
         stragglers.end()
         compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
@@ -212,6 +214,35 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+class _TrainData:
+    """The training micro-batches from a global sample position, which a replay of an iteration (--rerun-mode
+    validate_results) sets back to the iteration's first sample."""
+
+    def __init__(self, dataset, data, curriculum):
+        self.dataset, self.data, self.curriculum, self.iterator = dataset, data, curriculum, None
+
+    def start_at(self, consumed_samples):
+        self.iterator = batch_iterator(self.dataset, self.data, consumed_samples, device(), self.curriculum)
+
+    def describe(self, first, count):
+        return describe_samples(self.dataset, first, count)
+
+
+def _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration):
+    """(lm loss, MoE loss) of the iteration's global batch, its optimizer step taken; through the validator
+    (megatron_ds/rerun.py) when there is one."""
+    def compute():
+        return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts)
+
+    if validator is None:
+        return compute()
+    first = progress.consumed_train_samples
+    loss, moe_loss, _ = validator.run_iteration(iteration, compute, rewind=lambda: train_data.start_at(first),
+                                                describe_batch=lambda: train_data.describe(first,
+                                                                                           plan.global_batch_size))
+    return loss, moe_loss
 
 
 class _NoStragglerDetector:
@@ -499,6 +530,12 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Att
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
         logger.close()
         return 1
+    except RerunExit as error:
+        checkpoints.wait_for_saves()  # a save already under way is of an earlier, validated iteration
+        if dist.get_rank() == 0:  # every rank decided the same, on the same values
+            print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)
+        logger.close()
+        return error.exit_code
     logger.close()
     return 0
 

@@ -159,9 +159,29 @@ def optimization_errors(args):
         errors.append("--fp16 and --bf16 are mutually exclusive; choose one")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    errors += _rerun_errors(args)
     if args.max_consecutive_skipped_steps < 0:
         errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got "
                       f"{args.max_consecutive_skipped_steps}")
+    return errors
+
+
+def _rerun_errors(args):
+    errors = []
+    if args.error_injection_rate < 0:
+        errors.append(f"--error-injection-rate must be >= 0 (0: never), got {args.error_injection_rate}")
+    if args.spiky_loss_factor <= 1:
+        errors.append(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
+    validating = args.rerun_mode == "validate_results"
+    for flag, given in (("--check-for-spiky-loss", args.check_for_spiky_loss),
+                        ("--skip-spiky-batches", args.skip_spiky_batches),
+                        ("--error-injection-rate", args.error_injection_rate)):
+        if given and not validating:
+            errors.append(f"{flag} needs --rerun-mode validate_results (got --rerun-mode {args.rerun_mode})")
+    if args.skip_spiky_batches and not args.check_for_spiky_loss:
+        errors.append("--skip-spiky-batches needs --check-for-spiky-loss")
+    if args.rerun_mode == "report_stats":
+        errors.append("--rerun-mode report_stats is not implemented yet; use disabled or validate_results")
     return errors
 
 
@@ -215,7 +235,11 @@ def _rampup_schedule_errors(args, layout):
 def zero_stage_errors(args):
     if args.zero_stage not in (0, 1, 2, 3):
         return [f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}"]
-    return [problem.message for problem in parallel_layout(args, args.zero_stage).zero_problems(model_shape(args))]
+    errors = [problem.message for problem in parallel_layout(args, args.zero_stage).zero_problems(model_shape(args))]
+    if args.rerun_mode == "validate_results" and args.zero_stage == 3:
+        errors.append("--rerun-mode validate_results does not support ZeRO stage 3 (its gradients cannot yet be "
+                      "dropped for the replay); use --zero-stage 0, 1 or 2")
+    return errors
 
 
 def deepspeed_activation_checkpointing_errors(args):

@@ -148,6 +148,20 @@ def _add_training_args(parser):
     group.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                        action="store_false", help="train on after a NaN/Inf loss or gradient norm (fp32 and bf16 "
                                                   "stop there by default, before any save; fp16 skips steps)")
+    group.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"], default="disabled",
+                       help="validate_results: an iteration whose loss fails validation (NaN/Inf, a spike) is "
+                            "computed again from the same state before its optimizer step, telling a transient "
+                            "device fault (exit 16) from the data's or the model's (exit 17) (megatron_ds/rerun.py)")
+    group.add_argument("--check-for-spiky-loss", action="store_true",
+                       help="with --rerun-mode validate_results: a loss above --spiky-loss-factor x the largest of "
+                            "the last 100 iterations fails validation")
+    group.add_argument("--spiky-loss-factor", type=float, default=10.0)
+    group.add_argument("--skip-spiky-batches", action="store_true",
+                       help="a spike that reproduces drops its global batch (no optimizer step) instead of exit 17")
+    group.add_argument("--error-injection-rate", type=int, default=0,
+                       help="fail every Nth result validation on purpose, for testing (0: never)")
+    group.add_argument("--error-injection-type", choices=["correct_result", "transient_error", "persistent_error"],
+                       default="transient_error")
     group.add_argument("--max-consecutive-skipped-steps", type=int, default=100,
                        help="stop once DeepSpeed skips more optimizer steps than this in a row (gradient overflow: "
                             "fp16 loss scaling, or ZeRO's overflow check); 0: no limit")

@@ -33,7 +33,8 @@ OWNED_NAMES = (
     "_send_tensor_meta", "has_bool_tensors", "scale_if_loss", "torch_autocast_z0_gradscaler",
     "_is_checkpoint_valid", "loss_scale_config", "custom_loss_scaler", "external_loss_scale",
     "_global_grad_norm", "clip_fp32_gradients", "ds_pipe_replicated", "fp32_groups_flat", "fp16_groups_flat",
-    "fp32_groups",
+    "fp32_groups", "_take_model_step", "_force_grad_boundary", "averaged_gradients", "all_grad_tensors",
+    "_release_preflattened_grad_buffers", "reset_cpu_buffers",
 )
 
 
@@ -462,6 +463,64 @@ def replace_checkpoint_engine(engine, writer):
     """Make the engine write its checkpoint files through `writer` (a CheckpointEngine): engine.checkpoint_engine,
     which save_checkpoint and load_checkpoint use and no public setter reaches (0.19.8)."""
     engine.checkpoint_engine = writer
+
+
+class DeferredOptimizerStep:
+    """Within `with DeferredOptimizerStep(engine) as step:` the optimizer step DeepSpeed takes at the end of a
+    global batch (the pipeline engine's OptimizerStep instruction, DeepSpeedEngine.step() at the accumulation
+    boundary; both call engine._take_model_step(lr_kwargs), 0.19.8) is held instead: afterwards step.apply()
+    takes it exactly as DeepSpeed would have, or step.discard() drops the global batch's gradients as
+    DeepSpeed drops an overflowed step's, leaving the engine as before the batch. Nothing reads the gradients
+    between the end of the schedule and the step, so holding it changes no number."""
+
+    def __init__(self, engine):
+        self.engine, self.held = engine, None
+
+    def __enter__(self):
+        self.engine._take_model_step = self._hold  # an instance attribute shadows the class's method
+        return self
+
+    def __exit__(self, *exception):
+        del self.engine._take_model_step
+
+    def _hold(self, lr_kwargs):
+        self.held = (lr_kwargs,)
+
+    def apply(self):
+        engine = self.engine
+        boundary = getattr(engine, "_force_grad_boundary", None)
+        if boundary is not None:  # the pipeline engine forces the boundary around its step
+            engine._force_grad_boundary = True
+        try:
+            type(engine)._take_model_step(engine, *self.held)
+        finally:
+            if boundary is not None:
+                engine._force_grad_boundary = False
+        self.held = None
+
+    def discard(self):
+        _discard_gradients(self.engine)
+        self.held = None
+
+
+def _discard_gradients(engine):
+    """What each optimizer does with an overflowed step's gradients (0.19.8): ZeRO 1/2 also drops its reduced
+    partitions; BF16_Optimizer's and the fp16 optimizers' zero_grad clear their 16-bit and fp32 gradients."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        optimizer.zero_grad(set_to_none=True)
+        optimizer._release_preflattened_grad_buffers()
+        if optimizer.cpu_offload:
+            optimizer.reset_cpu_buffers()
+        else:
+            for key in optimizer.averaged_gradients.keys():
+                optimizer.averaged_gradients[key] = None
+                optimizer.all_grad_tensors[key] = None
+    elif engine.bfloat16_enabled() or engine.fp16_enabled():
+        optimizer.zero_grad()
+    else:
+        engine.zero_grad()
 
 
 def shared_memory_all_reduce_level():

@@ -109,3 +109,6 @@ class BlendedDataset:
             raise IndexError(f"sample {idx} out of range for a blend of {self.size}")
         dataset = self.datasets[int(self.dataset_index[idx])]
         return dataset[int(self.dataset_sample_index[idx])]
+
+    def documents_of(self, idx):
+        return self.datasets[int(self.dataset_index[idx])].documents_of(int(self.dataset_sample_index[idx]))

@@ -219,3 +219,13 @@ def batch_iterator(dataset, data, consumed_samples, device, curriculum=None):
     if curriculum is None:
         return (model_batch(tokens, data, device) for tokens in samples)
     return (model_batch(tokens[:, :curriculum.length + 1], data, device) for tokens in samples)
+
+
+def describe_samples(dataset, first, count):
+    """Samples first .. first + count - 1 of a dataset and the documents they are cut from, for a message."""
+    documents = {}
+    for index in range(first, first + count):
+        for prefix, ids in dataset.documents_of(index).items():
+            documents.setdefault(prefix, []).extend(ids)
+    listed = "; ".join(f"{prefix} documents {sorted(set(ids))}" for prefix, ids in documents.items())
+    return f"samples {first}-{first + count - 1} ({listed})"

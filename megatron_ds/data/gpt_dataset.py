@@ -100,6 +100,12 @@ class GPTDataset:
         return np.concatenate(self._pieces(first_position, first_offset, last_position, last_offset)
                               ).astype(np.int64)
 
+    def documents_of(self, idx):
+        """{path prefix: [document ids]} of the documents sample idx is cut from."""
+        sample = int(self.shuffle_index[idx])
+        first, last = int(self.sample_index[sample][0]), int(self.sample_index[sample + 1][0])
+        return {self.path_prefix: [int(document) for document in self.document_index[first:last + 1]]}
+
     def _pieces(self, first_position, first_offset, last_position, last_offset):
         """The token runs of one sample: the end (last_position, last_offset) is inclusive."""
         document = self.document_index

@@ -17,6 +17,10 @@ class MockGPTDataset:
         self.split_offset = _SPLIT_OFFSETS[split]
         self.max_step = max_step
 
+    def documents_of(self, index):
+        """Each mock sample is its own document."""
+        return {"mock data": [index]}
+
     def __getitem__(self, index):
         """seq_length + 1 tokens: inputs are [:-1], labels [1:]."""
         rng = np.random.default_rng([self.seed, self.split_offset, index])

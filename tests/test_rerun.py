@@ -1,0 +1,75 @@
+"""--rerun-mode validate_results on real ranks (TP 2 x PP 2, dropout on): an error injected at iteration 6
+(--error-injection-rate 6) into the last rank's loss. transient_error: the replay differs, the ranks exit 16
+naming rank 3, nothing of iteration 6 is saved, and the next launch resumes from iteration 5 and gives the
+straight run's losses. persistent_error: the replay gives the same NaN, exit 17 naming the iteration and the
+global batch's samples and documents. correct_result: the replay reproduces the loss bitwise (same weights, data
+and random numbers) and training goes on with the straight run's losses."""
+import re
+
+import pytest
+
+from megatron_ds.arguments import ArgumentsError, parse_args
+from tests.launch import launch, losses
+from tests.layouts import COMMON
+
+FLAGS = [*COMMON, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--make-vocab-size-divisible-by", "128", "--rerun-mode", "validate_results"]
+FLAGS[FLAGS.index("--hidden-dropout") + 1] = "0.1"
+FLAGS[FLAGS.index("--attention-dropout") + 1] = "0.1"
+INJECT = ["--error-injection-rate", "6"]
+REAL_LAUNCHER = {}  # an environment of its own: torchrun itself, whose report gives each rank's exit status
+_straight = []
+
+
+def straight_losses():
+    if not _straight:
+        result = launch(4, FLAGS)
+        assert result.returncode == 0, result.stdout[-4000:]
+        _straight.append(losses(result.stdout))
+    return _straight[0]
+
+
+@pytest.mark.e2e
+def test_a_transient_error_exits_16_naming_the_rank_and_the_next_launch_repeats_the_straight_run(tmp_path):
+    save = ["--save", str(tmp_path), "--save-interval", "5"]
+    failed = launch(4, FLAGS + INJECT + ["--error-injection-type", "transient_error"] + save, env=REAL_LAUNCHER)
+    assert failed.returncode != 0 and "exitcode  : 16" in failed.stdout, failed.stdout[-4000:]
+    message = re.search(r"megatron_ds: error: iteration 6: .*", failed.stdout)
+    assert message and "the loss changed on rank(s) 3 (rank 3: nan, then " in message.group(0), failed.stdout[-4000:]
+    assert "exiting with 16" in message.group(0)
+    assert sorted(path.name for path in tmp_path.glob("global_step*")) == ["global_step5"]
+    resumed = launch(4, FLAGS + save)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    trajectory = losses(resumed.stdout)
+    assert sorted(trajectory) == list(range(6, 11)), resumed.stdout[-4000:]
+    assert trajectory == {it: loss for it, loss in straight_losses().items() if it > 5}
+
+
+@pytest.mark.e2e
+def test_a_persistent_error_exits_17_naming_the_iteration_and_its_samples():
+    result = launch(4, FLAGS + INJECT + ["--error-injection-type", "persistent_error"], env=REAL_LAUNCHER)
+    assert result.returncode != 0 and "exitcode  : 17" in result.stdout, result.stdout[-4000:]
+    assert ("iteration 6: the loss is nan, reproduced when computed again on the same ranks (loss nan both times): "
+            "the data's or the model's, not a device's. The global batch: samples 40-47 (mock data documents "
+            "[40, 41, 42, 43, 44, 45, 46, 47])") in result.stdout, result.stdout[-4000:]
+    assert not re.search(r"iteration\s+6/", result.stdout)  # the iteration is never logged as done
+
+
+@pytest.mark.e2e
+def test_a_false_alarm_is_computed_again_bitwise_and_training_goes_on():
+    result = launch(4, FLAGS + INJECT + ["--error-injection-type", "correct_result"])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "iteration 6: an injected false alarm (--error-injection-type correct_result); computed again" in result.stdout
+    assert losses(result.stdout) == straight_losses()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--check-for-spiky-loss"], "--check-for-spiky-loss needs --rerun-mode validate_results (got --rerun-mode "
+                                 "disabled)"),
+    (["--rerun-mode", "validate_results", "--skip-spiky-batches"], "--skip-spiky-batches needs --check-for-spiky-loss"),
+    (["--rerun-mode", "validate_results", "--error-injection-rate", "-1"], "--error-injection-rate must be >= 0"),
+    (["--rerun-mode", "validate_results", "--spiky-loss-factor", "1"], "--spiky-loss-factor must be > 1, got 1.0"),
+])
+def test_the_rerun_flags_are_checked_at_start_up(flags, message):
+    with pytest.raises(ArgumentsError, match=re.escape(message)):
+        parse_args(COMMON + flags)
