@@ -73,3 +73,19 @@ def test_a_false_alarm_is_computed_again_bitwise_and_training_goes_on():
 def test_the_rerun_flags_are_checked_at_start_up(flags, message):
     with pytest.raises(ArgumentsError, match=re.escape(message)):
         parse_args(COMMON + flags)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("precision_and_zero", [["--zero-stage", "2"], ["--zero-stage", "0", "--fp16"]],
+                         ids=["zero2-fp32", "zero0-fp16"])
+def test_the_replay_is_bitwise_without_a_pipeline(precision_and_zero):
+    """DeepSpeedEngine.step() (no pipeline engine) at DP 2: its ZeRO-2 partitions and fp16 optimizer's gradients
+    dropped for the replay as an overflow drops them."""
+    flags = [*COMMON, "--num-layers", "2", "--train-iters", "8", *precision_and_zero]
+    flags[flags.index("--hidden-dropout") + 1] = "0.1"
+    straight = launch(2, flags)
+    replayed = launch(2, flags + ["--rerun-mode", "validate_results", "--error-injection-rate", "4",
+                                  "--error-injection-type", "correct_result"])
+    assert straight.returncode == 0 and replayed.returncode == 0, straight.stdout[-3000:] + replayed.stdout[-3000:]
+    assert replayed.stdout.count("an injected false alarm") == 2  # iterations 4 and 8
+    assert losses(replayed.stdout) == losses(straight.stdout) and len(losses(straight.stdout)) == 8
