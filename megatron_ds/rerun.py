@@ -6,7 +6,8 @@ Every iteration's optimizer step is held until its loss has been validated (fini
 of the last SPIKE_WINDOW iterations). When a validation fails, the step is dropped and the iteration computed
 again from the same state: the same weights (the step was never taken), the same data (the iterator rebuilt at
 the iteration's first sample) and the same random numbers (every generator restored). Then
-- the replay differs: a transient fault; the ranks whose loss changed are named and the run exits with
+- the replay differs: a transient fault; the ranks that computed it are named (those whose stage output changed
+  at the earliest pipeline stage where any did, else those whose loss changed) and the run exits with
   EXIT_RESUME_ELSEWHERE (16) without saving the iteration: the next launch resumes from the last checkpoint;
 - the replay gives the same failing result: it is the data's or the model's; the run exits with
   EXIT_FAILED_VALIDATION (17) naming the iteration, the global batch's samples and documents and the loss, or with
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
+from megatron_ds.core import parallel_state
 from megatron_ds.core.deepspeed_internals import DeferredOptimizerStep
 from megatron_ds.glue.runtime import device, print_rank_0
 
@@ -68,6 +70,7 @@ class ResultValidator:
         self.validation, self.engine = validation, engine
         self.recent = []            # the losses of the last SPIKE_WINDOW accepted iterations
         self.validations = 0
+        self.outputs = _OutputFingerprint(engine.module)
 
     def run_iteration(self, iteration, compute, rewind, describe_batch):
         """compute(): (loss, extra) of one global batch, the loss equal on every rank; rewind(): put the data
@@ -77,8 +80,9 @@ class ResultValidator:
         self.validations += 1
         injected = self._injection()
         with DeferredOptimizerStep(self.engine) as step:
+            self.outputs.reset()
             loss, extra = compute()
-            first = self._seen(loss, injected, replay=False)
+            first, first_outputs = self._seen(loss, injected, replay=False), self.outputs.read()
             problem = self._agreed_problem(first, injected)
             if problem is None:
                 step.apply()
@@ -87,12 +91,13 @@ class ResultValidator:
             step.discard()
             restore_rng_state(rng)
             rewind()
+            self.outputs.reset()
             loss, extra = compute()
-            firsts, replays = _gather(first), _gather(self._seen(loss, injected, replay=True))
-            changed = [rank for rank, (a, b) in enumerate(zip(firsts, replays)) if _bits(a) != _bits(b)]
-            if changed:
+            ranks = _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True), self.outputs.read())
+            replays = [rank.replay_loss for rank in ranks]
+            if any(rank.changed for rank in ranks):
                 step.discard()
-                raise RerunExit(self._transient(iteration, problem, firsts, replays, changed), EXIT_RESUME_ELSEWHERE)
+                raise RerunExit(self._transient(iteration, problem, ranks), EXIT_RESUME_ELSEWHERE)
             still = next(filter(None, (self._problem(value, None) for value in replays)), None)
             if still is None:  # a false alarm: the check fired on a good result
                 print_rank_0(f"iteration {iteration}: {problem}; computed again: the same loss {loss!r}, which "
@@ -147,24 +152,83 @@ class ResultValidator:
         return None
 
     @staticmethod
-    def _transient(iteration, problem, firsts, replays, changed):
-        """The message for a result that did not reproduce, naming the ranks whose loss changed."""
-        values = "; ".join(f"rank {rank}: {firsts[rank]!r}, then {replays[rank]!r}" for rank in changed)
-        return (f"iteration {iteration}: {problem}; computed again from the same state, the loss changed on rank(s) "
-                f"{', '.join(map(str, changed))} ({values}): a transient fault of the device(s) of those rank(s). "
-                f"Not saved; exiting with {EXIT_RESUME_ELSEWHERE} so that the job is resumed from the last "
-                f"checkpoint (on other nodes where the scheduler can)")
+    def _transient(iteration, problem, ranks):
+        """The message for a result that did not reproduce, naming the ranks that computed it: those whose own output
+        changed at the earliest pipeline stage where any did (the later stages computed on what they received),
+        else those whose loss changed."""
+        moved = [rank for rank in ranks if rank.output_changed]
+        if moved:
+            stage = min(rank.stage for rank in moved)
+            culprits = [rank for rank in moved if rank.stage == stage]
+            how = (f"the output of pipeline stage {stage} changed on rank(s) {_numbers(culprits)} (the ranks "
+                   f"downstream of it computed on what they received)")
+        else:
+            culprits = [rank for rank in ranks if rank.loss_changed]
+            how = "the loss changed on rank(s) " + "; ".join(
+                f"{rank.number}: {rank.first_loss!r}, then {rank.replay_loss!r}" for rank in culprits)
+        return (f"iteration {iteration}: {problem}; computed again from the same state, {how}: a transient fault of "
+                f"the device(s) of rank(s) {_numbers(culprits)}. Not saved; exiting with {EXIT_RESUME_ELSEWHERE} so "
+                f"that the job is resumed from the last checkpoint (on other nodes where the scheduler can)")
 
     def _accept(self, loss):
         self.recent = (self.recent + [loss])[-SPIKE_WINDOW:]
 
 
-def _gather(value):
-    """Every rank's value, in rank order."""
-    local = torch.tensor([value], dtype=torch.float64, device=device())
+class _OutputFingerprint:
+    """The sum of everything this rank's model (its pipeline stage) outputs in an iteration, kept on the device (no
+    synchronization per micro-batch)."""
+
+    def __init__(self, module):
+        self.total = torch.zeros((), dtype=torch.float64, device=device())
+        module.register_forward_hook(self._add)
+
+    def _add(self, module, inputs, output):
+        tensor = output[0] if isinstance(output, (tuple, list)) else output
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            self.total += tensor.detach().sum(dtype=torch.float64)
+
+    def reset(self):
+        self.total.zero_()
+
+    def read(self):
+        return self.total.clone()
+
+
+@dataclass(frozen=True)
+class _RankResult:
+    number: int
+    stage: int
+    first_loss: float
+    replay_loss: float
+    first_output: float
+    replay_output: float
+
+    @property
+    def loss_changed(self):
+        return _bits(self.first_loss) != _bits(self.replay_loss)
+
+    @property
+    def output_changed(self):
+        return _bits(self.first_output) != _bits(self.replay_output)
+
+    @property
+    def changed(self):
+        return self.loss_changed or self.output_changed
+
+
+def _gather_ranks(first_loss, first_output, replay_loss, replay_output):
+    """Every rank's losses and output fingerprints of both computations, in rank order (one all-gather)."""
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    local = torch.stack([torch.tensor(float(value), dtype=torch.float64, device=device())
+                         for value in (stage, first_loss, replay_loss)] + [first_output, replay_output])
     values = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(values, local)
-    return [float(value.item()) for value in values]
+    return [_RankResult(number, int(row[0]), *(float(value) for value in row[1:].tolist()))
+            for number, row in enumerate(values)]
+
+
+def _numbers(ranks):
+    return ", ".join(str(rank.number) for rank in ranks)
 
 
 def _bits(value):

@@ -35,7 +35,8 @@ def test_a_transient_error_exits_16_naming_the_rank_and_the_next_launch_repeats_
     failed = launch(4, FLAGS + INJECT + ["--error-injection-type", "transient_error"] + save, env=REAL_LAUNCHER)
     assert failed.returncode != 0 and "exitcode  : 16" in failed.stdout, failed.stdout[-4000:]
     message = re.search(r"megatron_ds: error: iteration 6: .*", failed.stdout)
-    assert message and "the loss changed on rank(s) 3 (rank 3: nan, then " in message.group(0), failed.stdout[-4000:]
+    assert message and "the loss changed on rank(s) 3: nan, then " in message.group(0), failed.stdout[-4000:]
+    assert "a transient fault of the device(s) of rank(s) 3." in message.group(0)
     assert "exiting with 16" in message.group(0)
     assert sorted(path.name for path in tmp_path.glob("global_step*")) == ["global_step5"]
     resumed = launch(4, FLAGS + save)
@@ -89,3 +90,14 @@ def test_the_replay_is_bitwise_without_a_pipeline(precision_and_zero):
     assert straight.returncode == 0 and replayed.returncode == 0, straight.stdout[-3000:] + replayed.stdout[-3000:]
     assert replayed.stdout.count("an injected false alarm") == 2  # iterations 4 and 8
     assert losses(replayed.stdout) == losses(straight.stdout) and len(losses(straight.stdout)) == 8
+
+
+@pytest.mark.e2e
+def test_a_real_corruption_is_traced_to_the_rank_whose_output_changed_first():
+    """Rank 1 (stage 0, TP rank 1) computes a NaN output once at iteration 4: stage 1 and the loss inherit it,
+    the replay does not; the rank named is rank 1 alone, not the stage that received it."""
+    result = launch(4, FLAGS, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@4"))
+    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
+    assert ("iteration 4: the loss is nan; computed again from the same state, the output of pipeline stage 0 changed "
+            "on rank(s) 1 (the ranks downstream of it computed on what they received): a transient fault of the "
+            "device(s) of rank(s) 1.") in result.stdout, result.stdout[-4000:]

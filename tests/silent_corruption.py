@@ -1,0 +1,44 @@
+"""pretrain.py with one rank's model output made NaN once, in the first computation of an iteration: a silent
+data corruption of that rank's device that a replay does not repeat (the corrupted value flows on to the other
+stages and into the loss, as a real one would):
+
+    torchrun --nproc_per_node 4 -m tests.silent_corruption RANK@ITERATION <pretrain.py flags>
+"""
+import sys
+
+import torch.distributed as dist
+
+
+def corrupt_once(rank, iteration):
+    import megatron_ds.training as training
+    setup_engine, begin_iteration = training.setup_engine, training.begin_iteration
+    state = {"iteration": None, "done": False}
+
+    def corrupt(module, inputs, output):
+        if state["iteration"] != iteration or state["done"]:
+            return None
+        state["done"] = True
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        first = first * float("nan")
+        return (first, *output[1:]) if isinstance(output, (tuple, list)) else first
+
+    def setup_and_corrupt(*args, **kwargs):
+        engine = setup_engine(*args, **kwargs)
+        if dist.get_rank() == rank:
+            engine.module.register_forward_hook(corrupt)
+        return engine
+
+    def note_iteration(args, engine, plan):
+        state["iteration"] = plan.iteration
+        return begin_iteration(args, engine, plan)
+
+    training.setup_engine, training.begin_iteration = setup_and_corrupt, note_iteration
+
+
+if __name__ == "__main__":
+    from megatron_ds.glue.runtime import prepare_host
+    prepare_host()  # before DeepSpeed is imported, as pretrain.py
+    rank, _, at = sys.argv[1].partition("@")
+    corrupt_once(int(rank), int(at))
+    from megatron_ds.training import pretrain
+    sys.exit(pretrain(sys.argv[2:]))
