@@ -180,7 +180,7 @@ class _OutputFingerprint:
 
     def __init__(self, module):
         self.total = torch.zeros((), dtype=torch.float64, device=device())
-        module.register_forward_hook(self._add)
+        self.hook = module.register_forward_hook(self._add)
 
     def _add(self, module, inputs, output):
         tensor = output[0] if isinstance(output, (tuple, list)) else output
