@@ -1,10 +1,11 @@
 """--log-straggler on real ranks: one of 2 ranks (DP 2, a core each) slowed from outside (SIGSTOP / SIGCONT cycling,
-stopped 30% of the time: 1 / 0.7 = 1.43x its compute time) is named within three log intervals, with a ratio within
-15% of the slowdown applied (measured as the share it was really stopped); without a slowdown no warning in 200
-iterations. The report's arithmetic and the clock by hand."""
+stopped 30% of the time: 1 / 0.7 = 1.43x its compute time) is named within three log intervals, with a ratio (the
+median of its warnings) within 15% of the slowdown applied (measured as the share it was really stopped); without a
+slowdown no warning in 200 iterations. The report's arithmetic and the clock by hand."""
 import os
 import re
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -122,7 +123,10 @@ def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
     assert checks_before <= 1 + 3, [line for line in lines if "straggler" in line]  # before the slowdown, then <= 3
     assert {rank for rank, _ in warnings} == {str(RANKS - 1)}, warnings
     slowdown = 1 / (1 - applied[0])
-    assert abs(float(warnings[0][1]) / slowdown - 1) <= 0.15, (warnings, slowdown)
+    # the median of the warnings: the first slowed interval may straddle the start of the slowdown (seen: 1.17x then
+    # 1.25, 1.32, 1.25x for 1.40x applied in a CI run)
+    reported = statistics.median(float(ratio) for _, ratio in warnings)
+    assert abs(reported / slowdown - 1) <= 0.15, (warnings, slowdown)
 
 
 @pytest.mark.e2e
