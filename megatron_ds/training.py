@@ -227,6 +227,8 @@ class _TrainData:
         self.iterator = batch_iterator(self.dataset, self.data, consumed_samples, device(), self.curriculum)
 
     def describe(self, first, count):
+        if self.dataset is None:  # a middle pipeline stage reads no data
+            return f"samples {first}-{first + count - 1}"
         return describe_samples(self.dataset, first, count)
 
 

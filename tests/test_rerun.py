@@ -47,8 +47,11 @@ def test_a_transient_error_exits_16_naming_the_rank_and_the_next_launch_repeats_
 
 
 @pytest.mark.e2e
-def test_a_persistent_error_exits_17_naming_the_iteration_and_its_samples():
-    result = launch(4, FLAGS + INJECT + ["--error-injection-type", "persistent_error"], env=REAL_LAUNCHER)
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4"]],
+                         ids=["tp2-pp2", "tp1-pp4"])
+def test_a_persistent_error_exits_17_naming_the_iteration_and_its_samples(layout):
+    """At PP 4 the middle stages read no data: the message is rank 0's, which does."""
+    result = launch(4, FLAGS + layout + INJECT + ["--error-injection-type", "persistent_error"], env=REAL_LAUNCHER)
     assert result.returncode != 0 and "exitcode  : 17" in result.stdout, result.stdout[-4000:]
     assert ("iteration 6: the loss is nan, reproduced when computed again on the same ranks (loss nan both times): "
             "the data's or the model's, not a device's. The global batch: samples 40-47 (mock data documents "
