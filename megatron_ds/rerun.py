@@ -98,7 +98,8 @@ class ResultValidator:
             if any(rank.changed for rank in ranks):
                 step.discard()
                 raise RerunExit(self._transient(iteration, problem, ranks), EXIT_RESUME_ELSEWHERE)
-            still = next(filter(None, (self._problem(value, None) for value in replays)), None)
+            value, still = next(((value, reason) for value in replays if (reason := self._problem(value, None))),
+                                (loss, None))
             if still is None:  # a false alarm: the check fired on a good result
                 print_rank_0(f"iteration {iteration}: {problem}; computed again: the same loss {loss!r}, which "
                              f"passes the check: training on with it")
@@ -110,7 +111,6 @@ class ResultValidator:
                 print_rank_0(f"WARNING: iteration {iteration}: {still}, reproduced when computed again; "
                              f"--skip-spiky-batches: skipping the batch ({describe_batch()}), no optimizer step")
                 return loss, extra, True
-            value = next(value for value in replays if self._problem(value, None))
             raise RerunExit(f"iteration {iteration}: {still}, reproduced when computed again on the same ranks (loss "
                             f"{value!r} both times): the data's or the model's, not a device's. The global batch: "
                             f"{describe_batch()}. Not saved; the last checkpoint is from before",

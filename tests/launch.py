@@ -40,7 +40,7 @@ def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("p
         try:
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_session(process)
             output, _ = process.communicate()
             raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n"
                                  f"{output[-12000:]}") from None
