@@ -7,9 +7,10 @@ Not included: the straggler report's one object all-gather per log interval.
 
     python bench/fault_checks_overhead.py [--iterations 211 --rounds 5 --max-spread 0.05]
 
-Each round is a run of consecutive on/off pairs; a round's ratio is the median of its pairs' on / off ratios (a
-burst of host load that lands on one side of one pair moves a mean, not a median). The overhead printed is the
-median round's, with the spread of the rounds; above --max-spread it prints "unstable" instead.
+The iterations are the turns of bench/turns.py's method, inside one run: each round is a run of consecutive on/off
+pairs, a round's ratio is the median of its pairs' on / off ratios (a burst of host load that lands on one side of
+one pair moves a mean, not a median), and the median round's prints with the rounds' range; above --max-spread it
+prints "unstable" instead.
 """
 import argparse
 import os
@@ -20,6 +21,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.turns import Ratio  # noqa: E402
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--pipeline-model-parallel-size", "2",
          "--lr", "1e-4", "--mock-data", "--vocab-size", "1024", "--eval-interval", "0", "--log-interval", "100000",
@@ -70,14 +74,11 @@ def worker(flags):
     return training.pretrain(flags)
 
 
-def round_ratios(times, rounds):
-    """times: {iteration: (side, seconds)}; the pairs (odd on, next even off) after the warm-up, in rounds."""
-    pairs = [(times[i][1], times[i + 1][1]) for i in range(WARM_UP + 1, max(times), 2) if i + 1 in times]
-    size = len(pairs) // rounds
-    if size < 1:
-        raise SystemExit(f"{len(pairs)} on/off pairs cannot make {rounds} rounds: raise --iterations")
-    chunks = [pairs[n * size:(n + 1) * size] for n in range(rounds)]
-    return [statistics.median(on / off for on, off in chunk) for chunk in chunks]
+def on_off_pairs(times):
+    """times: {iteration: (side, seconds)}; ([on seconds], [off seconds]) of the pairs (odd on, next even off)
+    after the warm-up."""
+    starts = [i for i in range(WARM_UP + 1, max(times), 2) if i + 1 in times]
+    return [times[i][1] for i in starts], [times[i + 1][1] for i in starts]
 
 
 def main(argv=None):
@@ -90,22 +91,17 @@ def main(argv=None):
     if result.returncode:
         raise SystemExit(f"the training run failed:\n{result.stdout[-4000:]}")
     times = {int(it): (side, float(seconds)) for it, side, seconds in LINE.findall(result.stdout)}
-    ratios = round_ratios(times, args.rounds)
-    spread = max(ratios) - min(ratios)
-    on = statistics.median(seconds for side, seconds in times.values() if side == "on")
-    off = statistics.median(seconds for side, seconds in times.values() if side == "off")
-    print(f"step (median): checks on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms; PP 2 on 2 ranks, 8 micro-batches")
-    rounds = ", ".join(f"{ratio:.3f}" for ratio in ratios)
-    if spread > args.max_spread:
-        print(f"unstable: round ratios {rounds} spread {spread:.3f} > {args.max_spread}; rerun with more iterations")
-        return 1
-    print(f"on / off: {statistics.median(ratios):.3f} (rounds {rounds}; spread {spread:.3f}, {args.rounds} rounds "
-          f"of {(len(times) - WARM_UP) // 2 // args.rounds} pairs)")
-    return 0
+    on, off = on_off_pairs(times)
+    if len(on) < args.rounds:
+        raise SystemExit(f"{len(on)} on/off pairs cannot make {args.rounds} rounds: raise --iterations")
+    ratio = Ratio.of(on, off, args.rounds, warm_up=0)
+    print(f"step (median): checks on {statistics.median(on) * 1e3:.1f} ms, off {statistics.median(off) * 1e3:.1f} "
+          f"ms; PP 2 on 2 ranks, 8 micro-batches")
+    print(f"on / off: {ratio.text(args.max_spread, digits=3)}")
+    return 1 if ratio.spread > args.max_spread else 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        sys.path.insert(0, REPO)
         sys.exit(worker(sys.argv[2:]))
     sys.exit(main())

@@ -3,8 +3,8 @@
 # large GEMM). Finishes within ~10 minutes:
 #   1. the fused-op benchmarks with the Triton backend against the references (bench/ops.py);
 #   2. training MFU of a 1.3B LLaMA-style model on one GPU, beside a plain PyTorch loop and the Hugging Face
-#      model of the same shapes (bench/train_throughput.py; MFU against the GEMM rate measured in the same
-#      run), then the same model through pretrain.py with the datasheet peak (--peak-tflops 989),
+#      model of the same shapes (bench/train_throughput.py: the four processes - GEMM, pretrain.py, both loops -
+#      share the GPU, taking turns iteration by iteration; micro batch 2 so that all fit), then the same model through pretrain.py with the datasheet peak (--peak-tflops 989),
 #      profiling iterations 18-19 (the table of costliest kernels is in pretrain_llama_1b3.txt, the trace
 #      beside it).
 # Output goes to stdout and to $OUT (default bench-gpu-results/).
@@ -18,8 +18,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/
 timeout 150 "$PYTHON" bench/ops.py 2>&1 | tee "$OUT/ops.txt"
 
 LLAMA_1B3=(--family llama --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --num-key-value-heads 8
-           --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4 --vocab-size 32000 --iterations 12
-           --fusion-backend triton --baseline hf)
+           --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 2 --vocab-size 32000 --rounds 2
+           --rotations-per-round 4 --fusion-backend triton --baseline hf)
 timeout 300 "$PYTHON" bench/train_throughput.py "${LLAMA_1B3[@]}" 2>&1 | tee "$OUT/train_throughput.txt"
 
 timeout 150 torchrun --nproc_per_node 1 pretrain.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \

@@ -4,57 +4,64 @@
 
 The MoE replaces the MLP of every other layer by `--experts` experts of FFN width ffn / topk, so a token's
 active MLP parameters equal the dense model's (plus the router); experts are spread over all ranks (EP =
---ranks). Printed for each: tokens/s and model TFLOP/s per rank (the iteration line's figures, median over the
-iterations between the first two and the last two), and for the MoE the share of rank 0's time spent in the
-all-to-alls (torch.profiler over the last two iterations: dispatch and combine, forward and backward).
+--ranks). Printed for each: tokens/s and model TFLOP/s per rank (median iteration), the MoE's tokens/s over the
+dense model's, and the share of the MoE's rank 0 time spent in the all-to-alls (torch.profiler over two iterations
+after the timed ones: dispatch and combine, forward and backward).
+
+Method (bench/turns.py): both launches start together and take turns iteration by iteration, so that a slowdown of
+this shared host falls on both alike; the ratio is taken within each rotation, a round's is the median of its
+rotations', and the median of --rounds rounds prints with their range, or "unstable" beyond --max-spread.
 """
 import argparse
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? tokens per second: (\S+) \| TFLOP/s per device: (\S+) \|")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.turns import Ratio, rounds_of, run_in_turns  # noqa: E402
+from megatron_ds.glue.runtime import free_port  # noqa: E402
+
+LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
+                  r"(\S+) \|")
+WARM_UP = 2  # rotations left out: the first iterations pay one-off costs
 
 
-def _flags(args):
+def _flags(args, iterations):
     return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
             "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
-            str(args.micro_batch_size * args.ranks), "--train-iters", str(args.iterations), "--lr", "1e-3",
+            str(args.micro_batch_size * args.ranks), "--train-iters", str(iterations), "--lr", "1e-3",
             "--mock-data", "--vocab-size", str(args.vocab_size), "--log-interval", "1", "--eval-interval", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+def timed_iterations(args):
+    return WARM_UP + args.rounds * args.rotations_per_round
+
+
 def _moe_flags(args, profile_dir):
-    last = args.iterations + 1
+    """The MoE launch runs two more iterations than the dense one, profiled after the timed ones."""
+    last = timed_iterations(args) + 3  # --profile-step-end is exclusive
     return ["--ffn-hidden-size", str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts),
             "--topk", str(args.topk), "--moe-expert-parallel-size", str(args.ranks), "--moe-min-capacity", "0",
             "--profile", "--use-pytorch-profiler", "--profile-step-start", str(last - 2), "--profile-step-end",
             str(last), "--profile-dir", str(profile_dir)]
 
 
-def _launch(args, flags):
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(args.ranks), "pretrain.py",
-               *_flags(args), *flags]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if result.returncode:
-        raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result.stdout
+def _command(args, flags, iterations):
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(args.ranks), "--master_port",
+            str(free_port()), "bench/turns.py", *_flags(args, iterations), *flags]
 
 
-def _median_rates(output, iterations):
-    """(tokens/s, TFLOP/s per rank): medians over the iterations after the first two (warm-up) and before the
-    last two (profiled in the MoE run, left out of both for a like-for-like ratio)."""
-    rows = [(int(i), float(tokens), float(tflops)) for i, tokens, tflops in LINE.findall(output)]
-    steady = [row for row in rows if 2 < row[0] <= iterations - 2] or rows
-    return statistics.median(r[1] for r in steady), statistics.median(r[2] for r in steady)
+def _teraflop_per_rank(output):
+    """Model TFLOP of one iteration per rank, from the iteration line (its rate times its time)."""
+    rate, milliseconds = map(float, LINE.search(output).groups())
+    return rate * milliseconds / 1000
 
 
 def _all_to_all_share(profile_dir):
@@ -79,20 +86,29 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--iterations", type=int, default=10, help="at least 5: 2 warm-up, 2 profiled")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rotations-per-round", type=int, default=4)
+    parser.add_argument("--max-spread", type=float, default=0.05)
     args = parser.parse_args(argv)
-    dense = _launch(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)])
-    dense_tokens, dense_tflops = _median_rates(dense, args.iterations)
-    with tempfile.TemporaryDirectory() as profile_dir:
-        moe_tokens, moe_tflops = _median_rates(_launch(args, _moe_flags(args, profile_dir)), args.iterations)
+    tokens = args.micro_batch_size * args.ranks * args.seq_length
+    with tempfile.TemporaryDirectory() as folder:
+        profile_dir = os.path.join(folder, "profile")
+        dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], timed_iterations(args))
+        moe = _command(args, _moe_flags(args, profile_dir), timed_iterations(args) + 2)
+        seconds, outputs = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
+                                        {**os.environ, "OMP_NUM_THREADS": "1"})
         share = _all_to_all_share(profile_dir)
+    timed = {name: statistics.median(turns[WARM_UP:timed_iterations(args)]) for name, turns in seconds.items()}
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "
-          f"{args.micro_batch_size} per rank")
-    print(f"dense  (FFN {args.ffn_hidden_size}): {dense_tokens:,.0f} tokens/s, {dense_tflops:.4f} TFLOP/s per rank")
-    print(f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, top-{args.topk}, every 2nd "
-          f"layer, EP {args.ranks}): {moe_tokens:,.0f} tokens/s, {moe_tflops:.4f} TFLOP/s per rank")
-    print(f"MoE / dense tokens/s: {moe_tokens / dense_tokens:.2f}; all-to-all share of rank 0's time: "
-          f"{100 * share:.1f}%")
+          f"{args.micro_batch_size} per rank; both launches in turns, iteration by iteration: {WARM_UP} warm-up "
+          f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
+    for name, label in (("dense", f"dense  (FFN {args.ffn_hidden_size})"),
+                        ("moe", f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, "
+                                f"top-{args.topk}, every 2nd layer, EP {args.ranks})")):
+        print(f"{label}: {tokens / timed[name]:,.0f} tokens/s, "
+              f"{_teraflop_per_rank(outputs[name]) / timed[name]:.4f} TFLOP/s per rank")
+    ratio = Ratio.of(seconds["dense"], seconds["moe"], args.rounds, WARM_UP).text(args.max_spread)
+    print(f"MoE / dense tokens/s: {ratio}; all-to-all share of the MoE's rank 0 time: {100 * share:.1f}%")
 
 
 if __name__ == "__main__":

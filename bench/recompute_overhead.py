@@ -1,13 +1,16 @@
 """Step time (forward + backward) of a GPT layer stack with no recompute, selective and full recompute,
 as ratios measured in one run (the paper: selective costs a few percent, full about a third).
 
-    python bench/recompute_overhead.py [--hidden-size 512 --seq-length 512 --num-layers 4 --repeats 5]
+    python bench/recompute_overhead.py [--hidden-size 512 --seq-length 512 --num-layers 4 --rounds 5]
+
+Method (bench/turns.py's alternate): the three stacks are built once and take turns step by step, the ratio to no
+recompute taken within each rotation; a round's is the median of its rotations', and the median of the rounds
+prints with their range, or "unstable" when they lie more than --max-spread apart.
 """
 import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -15,15 +18,18 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
+from bench.turns import Ratio, alternate, rounds_of  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
 from megatron_ds.glue.runtime import device, free_port  # noqa: E402
 
 MODES = {"none": None, "selective": "selective", "full": "full"}
+WARM_UP = 1  # rotations left out: the first step pays one-off costs
 
 
-def step_seconds(args, granularity):
+def step_function(args, granularity):
+    """One forward and backward of a fresh layer stack at the recompute granularity."""
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                num_attention_heads=args.num_attention_heads, hidden_dropout=0.1,
                                attention_dropout=0.1, attention_backend="local", params_dtype=torch.bfloat16,
@@ -31,15 +37,12 @@ def step_seconds(args, granularity):
     layers = torch.nn.Sequential(*(TransformerLayer(config, n + 1) for n in range(args.num_layers))).to(device())
     hidden = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size, dtype=torch.bfloat16,
                          device=device(), requires_grad=True)
-    times = []
-    for repeat in range(args.repeats + 1):
-        start = time.perf_counter()
-        layers(hidden).float().sum().backward()
-        if device().type == "cuda":
-            torch.cuda.synchronize()
-        if repeat:  # the first is warm-up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return lambda: layers(hidden).float().sum().backward()
+
+
+def _synchronize():
+    if device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(argv=None):
@@ -49,17 +52,22 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rotations-per-round", type=int, default=4)
+    parser.add_argument("--max-spread", type=float, default=0.05)
     args = parser.parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
-    seconds = {mode: step_seconds(args, granularity) for mode, granularity in MODES.items()}
+    steps = {mode: step_function(args, granularity) for mode, granularity in MODES.items()}
+    seconds = alternate(steps, WARM_UP + args.rounds * args.rotations_per_round, _synchronize)
     print(f"{args.num_layers} layers, h={args.hidden_size}, a={args.num_attention_heads}, s={args.seq_length}, "
-          f"b={args.micro_batch_size}, bf16, local attention, {device().type}; median of {args.repeats} steps")
-    for mode, value in seconds.items():
-        print(f"  {mode:<10} {value * 1000:9.1f} ms   x{value / seconds['none']:.3f} of no recompute")
+          f"b={args.micro_batch_size}, bf16, local attention, {device().type}; the stacks in turns, step by step: "
+          f"{WARM_UP} warm-up rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
+    for mode, turns in seconds.items():
+        ratio = Ratio.of(turns, seconds["none"], args.rounds, WARM_UP).text(args.max_spread)
+        print(f"  {mode:<10} {statistics.median(turns[WARM_UP:]) * 1000:9.1f} ms   vs no recompute: {ratio}")
     dist.destroy_process_group()
     return 0
 

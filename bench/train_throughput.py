@@ -3,9 +3,9 @@ same model written as a plain single-process PyTorch loop (and, with --baseline 
 transformers model in the same loop), all measured in one run.
 
     python bench/train_throughput.py                       # GPT-2-style, ~44M parameters, seq 512, bf16
-    python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --iterations 30
+    python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --rounds 10
     python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
-    python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2, in every round
+    python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2
 
 --family gpt2 is GPT-2's layout (LayerNorm, GELU MLP, learned absolute positions, biases, tied
 embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, untied embeddings, GQA with
@@ -15,21 +15,27 @@ embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, unti
     # LLaMA-style: h 512, 8 layers, 8 heads / 4 kv heads, FFN 1408, s 512, b 4, V 8192, no dropout
     python bench/train_throughput.py --family llama --hidden-size 512 --num-layers 8 --num-attention-heads 8 \
         --num-key-value-heads 4 --ffn-hidden-size 1408 --seq-length 512 --micro-batch-size 4 --vocab-size 8192 \
-        --iterations 10 --baseline hf
+        --baseline hf
     # GPT-2-style: h 640, 8 layers, 10 heads, s 512, b 4, V 8192, dropout 0.1 / 0.1
     python bench/train_throughput.py --family gpt2 --hidden-size 640 --num-layers 8 --num-attention-heads 10 \
         --seq-length 512 --micro-batch-size 4 --vocab-size 8192 --hidden-dropout 0.1 --attention-dropout 0.1 \
-        --iterations 10 --baseline hf --layouts 1x1 2x1
+        --baseline hf --layouts 1x1 2x1
 
 MFU here is model FLOP/s over the measured rate of a large matmul in the same dtype (not the datasheet
 peak). The loops use fp32 master weights with bf16 compute (autocast), scaled_dot_product_attention
 (attn_implementation="sdpa" for transformers) and torch's fused AdamW (what pretrain.py steps with where
 apex is absent). The HF models are built from their configs (GPT2LMHeadModel, LlamaForCausalLM), randomly
 initialised; nothing is downloaded. LlamaForCausalLM has no hidden dropout, so --family llama --baseline
-hf needs --hidden-dropout 0. Times are medians over the iterations after two warm-up ones, and the
-figures printed are medians over --rounds alternations of all of them. With dropout, every round also runs
-pretrain.py without it, and the dropout's cost in tokens/s prints; other --layouts print their tokens/s over
-TP=PP=1's.
+hf needs --hidden-dropout 0. With dropout, pretrain.py also runs without it, and the dropout's cost in
+tokens/s prints; other --layouts print their tokens/s over TP=PP=1's.
+
+Method (bench/turns.py): every side - the GEMM rate, pretrain.py at each layout (and without dropout), each loop -
+is a process of its own, all started together, taking turns iteration by iteration (a GEMM turn is
+--gemm-repeats matmuls), so that a slowdown of this shared host falls on every side alike and MFU divides by the
+GEMM rate of the same minutes. A ratio is taken between the two sides' iterations of one rotation, a round's is
+the median of its --rotations-per-round rotations', and the median of --rounds rounds prints with their range, or
+"unstable" when the rounds lie more than --max-spread apart. Each side's time is its turn's: one iteration
+(forward, backward, gradient clipping, optimizer step), pretrain.py's logging and the loops' nothing outside it.
 """
 import argparse
 import os
@@ -38,7 +44,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
@@ -46,25 +51,16 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.turns import Ratio, rounds_of, run_in_turns  # noqa: E402
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
+from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 WARMUP_ITERATIONS = 2
 NORM_EPSILON = 1e-5  # pretrain.py's --norm-epsilon default
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
-ENGINE, PLAIN, HF = "pretrain.py", "plain loop", "HF loop"
+ENGINE, PLAIN, HF, GEMM = "pretrain.py", "plain loop", "HF loop", "gemm"
 NO_DROPOUT = "pretrain.py without dropout"
-
-
-def gemm_tflops(dtype, device, size=2048, repeats=10):
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    torch.matmul(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.matmul(a, b)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def transformer_config(args):
@@ -214,28 +210,49 @@ class HFModel(torch.nn.Module):
         return self.model(input_ids=ids).logits
 
 
-# Timing.
+# The sides, each a process stepping in turns (bench/turns.py).
 
-def loop_seconds(model_class, args, device):
-    """Median seconds per training iteration of model_class(args) in a plain loop, and its parameter count."""
+def run_gemm_side(args, device, turn):
+    """Each turn: --gemm-repeats square bf16 matmuls of --gemm-size (the rate is the turn's time's)."""
+    a, b = (torch.randn(args.gemm_size, args.gemm_size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    torch.matmul(a, b)
+    for _ in range(total_rotations(args)):
+        with turn.taken():
+            for _ in range(args.gemm_repeats):
+                torch.matmul(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+
+def run_loop_side(model_class, args, device, turn):
+    """Each turn: one training iteration of model_class(args) in a plain loop; prints its parameter count."""
     torch.manual_seed(0)
     model = model_class(args).to(device).train()
+    print(f"parameters {sum(p.numel() for p in model.parameters())}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), device=device)
-    times = []
-    for step in range(args.iterations):
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
-        F.cross_entropy(logits.float().view(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= WARMUP_ITERATIONS:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), sum(p.numel() for p in model.parameters())
+    for _ in range(total_rotations(args)):
+        with turn.taken():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(ids[:, :-1])
+            F.cross_entropy(logits.float().view(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+
+def run_side(args):
+    from bench.turns import Turn
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    turn = Turn.from_environment()
+    if args.side == GEMM:
+        run_gemm_side(args, device, turn)
+    else:
+        run_loop_side({"plain": PlainModel, "hf": HFModel}[args.side], args, device, turn)
+    turn.finish()
+    return 0
 
 
 def model_flags(args):
@@ -249,31 +266,21 @@ def model_flags(args):
     return flags
 
 
-def engine_seconds(args, peak, profile=False, layout=(1, 1)):
-    """Median seconds per iteration of pretrain.py at layout (TP, PP) on TP x PP local ranks (DP = 1) after
-    two warm-up iterations, the profile table (with profile) and the parameter count of stage 0. PP > 1 runs
-    --pipeline-micro-batches micro-batches per iteration."""
+def engine_flags(args, layout, iterations):
     tp, pp = layout
     micro_batches = micro_batches_per_iteration(args, pp)
-    flags = model_flags(args) + [
+    return [str(flag) for flag in model_flags(args) + [
         "--micro-batch-size", args.micro_batch_size, "--global-batch-size", args.micro_batch_size * micro_batches,
-        "--train-iters", args.iterations, "--bf16", "--mock-data", "--log-interval", "1", "--eval-interval", "0",
-        "--fusion-backend", args.fusion_backend, "--peak-tflops", f"{peak:.6f}",
-        "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
-    if profile:
-        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", args.iterations - 1,
-                  "--profile-step-end", args.iterations + 1, "--profile-dir", args.profile_dir]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "pretrain.py",
-               *map(str, flags)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    times = [float(ms) / 1000 for ms in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)]
-    parameters = engine_parameters(result.stdout)
-    if not profile:
-        return statistics.median(times[WARMUP_ITERATIONS:]), "", parameters
-    table = result.stdout[result.stdout.find("megatron_ds [rank 0]: profile"):]
-    return statistics.median(times[WARMUP_ITERATIONS:-2]), table.split("\n iteration ")[0], parameters
+        "--train-iters", iterations, "--bf16", "--mock-data", "--log-interval", "1", "--eval-interval", "0",
+        "--fusion-backend", args.fusion_backend, "--tensor-model-parallel-size", tp,
+        "--pipeline-model-parallel-size", pp]]
+
+
+def engine_command(args, layout):
+    """pretrain.py at layout (TP, PP) on TP x PP local ranks (DP 1), each iteration a turn; PP > 1 runs
+    --pipeline-micro-batches micro-batches per iteration."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(layout[0] * layout[1]),
+            "--master_port", str(free_port()), "bench/turns.py", *engine_flags(args, layout, total_rotations(args))]
 
 
 def engine_parameters(stdout):
@@ -286,39 +293,61 @@ def micro_batches_per_iteration(args, pp):
 
 
 def baselines(args):
-    """{name: model class} of the loops that pretrain.py is compared with."""
-    return {PLAIN: PlainModel, **({HF: HFModel} if args.baseline == "hf" else {})}
+    """{name: --side value} of the loops that pretrain.py is compared with."""
+    return {PLAIN: "plain", **({HF: "hf"} if args.baseline == "hf" else {})}
 
 
 def layout_name(tp, pp):
     return f"pretrain.py TP={tp} PP={pp}"
 
 
-def measure_rounds(args, device):
-    """GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other --layouts and (with dropout)
-    without dropout, alternated --rounds times so that the machine's noise falls on all alike. Returns
-    per-round {"gemm": TFLOP/s, name: seconds per iteration}, {name: parameter count} and the profile table
-    (first round, with --profile)."""
-    rounds, parameters, profile = [], {}, ""
-    for index in range(args.rounds):
-        gemm = gemm_tflops(torch.bfloat16, device, args.gemm_size)
-        engine, table, parameters[ENGINE] = engine_seconds(args, gemm, profile=args.profile and index == 0)
-        round_ = {"gemm": gemm, ENGINE: engine}
-        for name, model_class in baselines(args).items():
-            round_[name], parameters[name] = loop_seconds(model_class, args, device)
-        for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
-            round_[layout_name(tp, pp)] = engine_seconds(args, gemm, layout=(tp, pp))[0]
-        if args.hidden_dropout or args.attention_dropout:
-            without = argparse.Namespace(**{**vars(args), "hidden_dropout": 0.0, "attention_dropout": 0.0})
-            round_[NO_DROPOUT] = engine_seconds(without, gemm)[0]
-        rounds.append(round_)
-        profile = profile or table
-        times = ", ".join(f"{name} {round_[name] * 1000:.1f} ms/iter" for name in round_ if name != "gemm")
-        print(f"  round {index + 1}: GEMM {gemm:.3f} TFLOP/s, {times}", flush=True)
-    return rounds, parameters, profile
+def total_rotations(args):
+    return WARMUP_ITERATIONS + args.rounds * args.rotations_per_round
 
 
-def describe(args, parameters, peak, device):
+def sides(args):
+    """{name: (command, processes)}: the GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other
+    --layouts and (with dropout) without dropout."""
+    side = [sys.executable, os.path.abspath(__file__), *args.argv, "--side"]
+    result = {GEMM: (side + [GEMM], 1), ENGINE: (engine_command(args, (1, 1)), 1)}
+    result.update({name: (side + [value], 1) for name, value in baselines(args).items()})
+    for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
+        result[layout_name(tp, pp)] = (engine_command(args, (tp, pp)), tp * pp)
+    if args.hidden_dropout or args.attention_dropout:
+        without = argparse.Namespace(**{**vars(args), "hidden_dropout": 0.0, "attention_dropout": 0.0})
+        result[NO_DROPOUT] = (engine_command(without, (1, 1)), 1)
+    return result
+
+
+def measure(args):
+    """Every side in turns: ({name: [seconds per turn]}, {name: parameter count})."""
+    with tempfile.TemporaryDirectory() as folder:
+        seconds, outputs = run_in_turns(sides(args), folder)
+    parameters = {ENGINE: engine_parameters(outputs[ENGINE])}
+    parameters.update({name: int(re.search(r"^parameters (\d+)$", outputs[name], re.M)[1]) for name in baselines(args)})
+    return seconds, parameters
+
+
+def profile_table(args):
+    """Where pretrain.py's time goes: a separate launch (not timed) profiling its last two iterations."""
+    iterations = WARMUP_ITERATIONS + 3
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+               str(free_port()), "pretrain.py", *engine_flags(args, (1, 1), iterations), "--profile",
+               "--use-pytorch-profiler", "--profile-step-start", str(iterations - 1), "--profile-step-end",
+               str(iterations + 1), "--profile-dir", args.profile_dir]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"pretrain.py failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    table = result.stdout[result.stdout.find("megatron_ds [rank 0]: profile"):]
+    return table.split("\n iteration ")[0]
+
+
+def gemm_rates(args, seconds):
+    """TFLOP/s of each measured GEMM turn."""
+    return [2 * args.gemm_size ** 3 * args.gemm_repeats / turn / 1e12 for turn in seconds[GEMM][WARMUP_ITERATIONS:]]
+
+
+def describe(args, parameters, gemm, device):
     counts = set(parameters.values())
     counted = (f"{counts.pop():,}" if len(counts) == 1
                else ", ".join(f"{name} {count:,}" for name, count in parameters.items()))
@@ -328,27 +357,61 @@ def describe(args, parameters, peak, device):
     return (f"{'LLaMA' if args.family == 'llama' else 'GPT-2'}-style model, {counted} parameters: "
             f"{args.num_layers} layers, h={args.hidden_size}, {heads}, ffn={args.ffn_hidden_size}, "
             f"s={args.seq_length}, b={args.micro_batch_size}, V={args.vocab_size}, dropout hidden "
-            f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type} "
-            f"({torch.get_num_threads()} threads); best measured bf16 GEMM rate {peak:.3f} TFLOP/s; "
-            f"medians of {args.rounds} rounds")
+            f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type}; bf16 GEMM "
+            f"(n {args.gemm_size}) {statistics.median(gemm):.3f} TFLOP/s (turns {min(gemm):.3f}-{max(gemm):.3f}); "
+            f"every side in turns, iteration by iteration: {WARMUP_ITERATIONS} warm-up rotations, then "
+            f"{rounds_of(args.rounds, args.rotations_per_round)}")
 
 
-def report(args, rounds, parameters, peak, device):
-    """Each run's median ms/iter, tokens/s, TFLOP/s and MFU, then pretrain.py's tokens/s over each loop's."""
+def report(args, seconds, parameters, device):
+    """Each run's median ms/iter, tokens/s, TFLOP/s and MFU against the GEMM turns of the same rotations, then
+    pretrain.py's tokens/s over each loop's."""
     flops = model_flops_per_sample(args) * args.micro_batch_size
     tokens = args.micro_batch_size * args.seq_length
-    seconds = {name: statistics.median(round_[name] for round_ in rounds) for name in (ENGINE, *baselines(args))}
+    gemm = statistics.median(gemm_rates(args, seconds))
     labels = {ENGINE: "pretrain.py (DeepSpeed, TP=PP=1)", PLAIN: "plain PyTorch loop",
               HF: f"HF transformers loop ({hf_class_name(args)})"}
-    print(describe(args, parameters, peak, device))
+    print(describe(args, parameters, gemm_rates(args, seconds), device))
     if len(set(parameters.values())) > 1:
         print("  warning: the parameter counts differ: the models are not the same shape")
-    for name, time_ in seconds.items():
+    for name in (ENGINE, *baselines(args)):
+        time_ = statistics.median(seconds[name][WARMUP_ITERATIONS:])
         tflops = flops / time_ / 1e12
         print(f"  {labels[name]:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  "
-              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / peak:5.1f}%")
-    for name in (name for name in seconds if name != ENGINE):
-        print(f"  pretrain.py / {name} tokens/s: {_ratio_text(*_seconds_ratio(rounds, name, ENGINE))}")
+              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / gemm:5.1f}%")
+    for name in baselines(args):
+        print(f"  pretrain.py / {name} tokens/s: {ratio(args, seconds[name], seconds[ENGINE])}")
+
+
+def ratio(args, numerator, denominator):
+    return Ratio.of(numerator, denominator, args.rounds, WARMUP_ITERATIONS).text(args.max_spread)
+
+
+def report_other_layouts(args, seconds, gemm):
+    """pretrain.py at each --layouts TPxPP other than 1x1; TFLOP/s and GEMM share are for all ranks together,
+    against the one-device GEMM rate (on a CPU the ranks share its cores)."""
+    flops_per_micro_batch = model_flops_per_sample(args) * args.micro_batch_size
+    tokens_per_micro_batch = args.micro_batch_size * args.seq_length
+    for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
+        micro_batches = micro_batches_per_iteration(args, pp)
+        turns = seconds[layout_name(tp, pp)]
+        time_ = statistics.median(turns[WARMUP_ITERATIONS:])
+        tflops = flops_per_micro_batch * micro_batches / time_ / 1e12
+        print(f"  {layout_name(tp, pp)} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
+              f"{time_ * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / time_:9.1f} tokens/s  "
+              f"{tflops:.3f} TFLOP/s  of one device's GEMM rate {100 * tflops / gemm:5.1f}%")
+        per_micro_batch = [micro_batches * turn for turn in seconds[ENGINE]]
+        print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: {ratio(args, per_micro_batch, turns)}")
+
+
+def report_dropout_cost(args, seconds):
+    """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
+    if NO_DROPOUT not in seconds:
+        return
+    with_over_without = Ratio.of(seconds[NO_DROPOUT], seconds[ENGINE], args.rounds, WARMUP_ITERATIONS)
+    cost = f": dropout costs {100 * (1 - with_over_without.median):.1f}%" if with_over_without.spread <= \
+        args.max_spread else ""
+    print(f"  pretrain.py with dropout / without tokens/s: {with_over_without.text(args.max_spread)}{cost}")
 
 
 def parse_args(argv):
@@ -365,34 +428,40 @@ def parse_args(argv):
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--hidden-dropout", type=float, default=0.0)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
-    parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--fusion-backend", default="auto")
     parser.add_argument("--baseline", choices=("plain", "hf"), default="plain",
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
                              "transformers model of the same shapes in the same loop")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of GEMM, pretrain.py and the loops")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds a ratio is printed over (its spread)")
+    parser.add_argument("--rotations-per-round", type=int, default=4,
+                        help="rotations (one iteration of every side) per round; a round's ratio is their median")
+    parser.add_argument("--max-spread", type=float, default=0.05,
+                        help="a ratio whose rounds lie further apart prints as unstable")
     parser.add_argument("--gemm-size", type=int, default=2048,
                         help="the square bf16 matmul the GEMM rate is measured on (a CPU without bf16 matmul "
                              "instructions takes seconds for each at 2048)")
+    parser.add_argument("--gemm-repeats", type=int, default=10, help="matmuls in each GEMM turn")
     parser.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1)],
                         help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the loops), "
                              "e.g. 1x1 2x1 1x2")
     parser.add_argument("--pipeline-micro-batches", type=int, default=4, help="micro-batches per iteration at PP > 1")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile pretrain.py's last two iterations (excluded from the timing) and print "
-                             "where the time goes")
+                        help="also profile two iterations of pretrain.py in a launch of its own after the turns "
+                             "(not timed) and print where the time goes")
     parser.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(), "megatron_ds_profile"),
                         help="where the Chrome trace goes")
+    parser.add_argument("--side", choices=(GEMM, "plain", "hf"), help=argparse.SUPPRESS)  # a side's own process
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     check_args(parser, args)
     return args
 
 
 def check_args(parser, args):
     """Fills in the defaults that depend on the family and refuses what the runs could not compare."""
-    needed = WARMUP_ITERATIONS + 1 + (2 if args.profile else 0)
-    if args.iterations < needed:
-        parser.error(f"--iterations {args.iterations}: need at least {needed}")
+    for flag in ("rounds", "rotations_per_round", "gemm_repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.family == "gpt2" and args.num_key_value_heads not in (None, args.num_attention_heads):
         parser.error("--num-key-value-heads: GQA is for --family llama")
     if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
@@ -407,51 +476,16 @@ def check_args(parser, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.side:
+        return run_side(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rounds, parameters, profile = measure_rounds(args, device)
-    peak = max(round_["gemm"] for round_ in rounds)  # noise only slows a GEMM down
-    report(args, rounds, parameters, peak, device)
-    if profile:
-        print(profile)
-    report_other_layouts(args, rounds, peak)
-    report_dropout_cost(rounds)
+    seconds, parameters = measure(args)
+    report(args, seconds, parameters, device)
+    if args.profile:
+        print(profile_table(args))
+    report_other_layouts(args, seconds, statistics.median(gemm_rates(args, seconds)))
+    report_dropout_cost(args, seconds)
     return 0
-
-
-def _seconds_ratio(rounds, numerator, denominator, scale=1.0):
-    """scale x numerator's seconds over denominator's: of the medians, then the lowest and highest round's."""
-    per_round = sorted(scale * round_[numerator] / round_[denominator] for round_ in rounds)
-    median = scale * statistics.median(r[numerator] for r in rounds) / statistics.median(r[denominator] for r in rounds)
-    return median, per_round[0], per_round[-1]
-
-
-def _ratio_text(median, lowest, highest):
-    return f"{median:.3f} (per round {lowest:.3f}-{highest:.3f})"
-
-
-def report_other_layouts(args, rounds, peak):
-    """pretrain.py at each --layouts TPxPP other than 1x1; TFLOP/s and GEMM share are for all ranks together,
-    against the one-device GEMM rate (on a CPU the ranks share its cores)."""
-    flops_per_micro_batch = model_flops_per_sample(args) * args.micro_batch_size
-    tokens_per_micro_batch = args.micro_batch_size * args.seq_length
-    for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
-        micro_batches = micro_batches_per_iteration(args, pp)
-        seconds = statistics.median(round_[layout_name(tp, pp)] for round_ in rounds)
-        tflops = flops_per_micro_batch * micro_batches / seconds / 1e12
-        print(f"  {layout_name(tp, pp)} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
-              f"{seconds * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / seconds:9.1f} tokens/s  "
-              f"{tflops:.3f} TFLOP/s  of one device's GEMM rate {100 * tflops / peak:5.1f}%")
-        ratio = _seconds_ratio(rounds, ENGINE, layout_name(tp, pp), scale=micro_batches)
-        print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: {_ratio_text(*ratio)}")
-
-
-def report_dropout_cost(rounds):
-    """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
-    if NO_DROPOUT not in rounds[0]:
-        return
-    ratio = _seconds_ratio(rounds, NO_DROPOUT, ENGINE)
-    print(f"  pretrain.py with dropout / without tokens/s: {_ratio_text(*ratio)}: dropout costs "
-          f"{100 * (1 - ratio[0]):.1f}%")
 
 
 def layout(text):

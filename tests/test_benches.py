@@ -20,24 +20,25 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     with it."""
     command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf",
                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
-               "--seq-length", "32", "--vocab-size", "256", "--attention-dropout", "0.1", "--iterations", "5",
-               "--rounds", "1", "--gemm-size", "256", "--profile", "--profile-dir", str(tmp_path), "--layouts", "1x1",
-               "2x1"]
+               "--seq-length", "32", "--vocab-size", "256", "--attention-dropout", "0.1", "--rounds", "1",
+               "--rotations-per-round", "2", "--gemm-size", "256", "--profile", "--profile-dir", str(tmp_path),
+               "--layouts", "1x1", "2x1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
-    for expected in ("round 1: GEMM", "LLaMA-style model", "4 heads / 2 kv", "dropout hidden 0 / attention 0.1",
-                     "pretrain.py (DeepSpeed, TP=PP=1)", "plain PyTorch loop",
+    for expected in ("bf16 GEMM (n 256)", "then 1 round of 2", "LLaMA-style model", "4 heads / 2 kv",
+                     "dropout hidden 0 / attention 0.1", "pretrain.py (DeepSpeed, TP=PP=1)", "plain PyTorch loop",
                      "HF transformers loop (LlamaForCausalLM)", "MFU vs GEMM", "profile of iterations 4-5", "aten::mm",
                      "pretrain.py TP=2 PP=1 (2 ranks, 1 micro-batches/iter)"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     assert "parameter counts differ" not in out, out
-    ratios = dict(re.findall(r"pretrain\.py / (plain loop|HF loop) tokens/s: ([0-9.]+) \(per round", out))
+    ratios = dict(re.findall(r"pretrain\.py / (plain loop|HF loop) tokens/s: ([0-9.]+)x \(rounds [0-9.-]+, 1 round "
+                             r"of 2\)", out))
     assert sorted(ratios) == ["HF loop", "plain loop"] and all(float(r) > 0 for r in ratios.values()), out
-    tensor_parallel = re.search(r"pretrain\.py TP=2 PP=1 / TP=1 PP=1 tokens/s: ([0-9.]+) \(per round", out)
-    dropout = re.search(r"pretrain\.py with dropout / without tokens/s: ([0-9.]+) \(per round [0-9.]+-[0-9.]+\): "
-                        r"dropout costs -?[0-9.]+%", out)
+    tensor_parallel = re.search(r"pretrain\.py TP=2 PP=1 / TP=1 PP=1 tokens/s: ([0-9.]+)x \(rounds", out)
+    dropout = re.search(r"pretrain\.py with dropout / without tokens/s: ([0-9.]+)x \(rounds [0-9.]+-[0-9.]+, 1 round "
+                        r"of 2\): dropout costs -?[0-9.]+%", out)
     assert tensor_parallel and float(tensor_parallel[1]) > 0 and dropout and float(dropout[1]) > 0, out
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
@@ -45,14 +46,15 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
 def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
     command = [sys.executable, "bench/moe.py", "--ranks", "2", "--experts", "4", "--num-layers", "2",
                "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",
-               "--iterations", "5"]
+               "--rounds", "1", "--rotations-per-round", "2"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for expected in ("dense  (FFN 64):", "MoE    (4 experts of FFN 32, top-2, every 2nd layer, EP 2):",
-                     "MoE / dense tokens/s:", "all-to-all share of rank 0's time:"):
+                     "MoE / dense tokens/s:", "all-to-all share of the MoE's rank 0 time:"):
         assert expected in result.stdout, f"{expected!r} missing from:\n{result.stdout}"
-    share = float(result.stdout.split("all-to-all share of rank 0's time: ")[1].split("%")[0])
+    assert re.search(r"MoE / dense tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)", result.stdout)
+    share = float(result.stdout.split("all-to-all share of the MoE's rank 0 time: ")[1].split("%")[0])
     assert share > 0  # the profiler saw the all-to-alls
 
 
@@ -98,20 +100,18 @@ def test_reshard_memory_bench_prints_the_checkpoint_the_share_and_the_load_s_ext
 
 
 def test_pipeline_schedules_bench_prints_every_schedule_with_the_planners_bubble():
-    """One round at m = 4: every schedule runs (step time, the ratio to 1F1B, both stages' idle shares and the
-    busiest stage's, the measured bubble) beside the planner's bubble."""
+    """One round at m = 4, the schedules' launches in turns (bench/turns.py): every schedule runs (step time, the
+    ratio to 1F1B, both stages' idle shares and the busiest stage's, the measured bubble) beside the planner's
+    bubble."""
     command = [sys.executable, "bench/pipeline_schedules.py", "--micro-batches", "4", "--rounds", "1",
-               "--hidden-size", "32", "--seq-length", "16", "--num-layers", "4"]
+               "--rotations-per-round", "2", "--hidden-size", "32", "--seq-length", "16", "--num-layers", "4"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.strip().startswith("4 ")}
     assert sorted(rows) == ["1f1b", "dualpipev", "interleaved", "zbh1"], result.stdout
     shares = r"\s+[0-9.]+%\s+[0-9.]+%\s+[0-9.]+%\s+"   # idle stage 0, idle stage 1, measured bubble
-    assert re.search(r"1\.00x \(1\.00-1\.00\)" + shares + r"20\.0%", rows["1f1b"]), rows["1f1b"]
-    row = r"[0-9.]+x \([0-9.]+-[0-9.]+\)" + shares
-    assert re.search(row + r"7\.7%", rows["zbh1"]), rows["zbh1"]
-    dualpipev = rows["dualpipev"]
-    assert re.search(row + r"4\.0%", dualpipev), dualpipev
-    interleaved = rows["interleaved"]
-    assert re.search(row + r"11\.1%", interleaved), interleaved
+    assert re.search(r"1\.00x \(rounds 1\.00-1\.00, 1 round of 2\)" + shares + r"20\.0%", rows["1f1b"]), rows["1f1b"]
+    row = r"[0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)" + shares
+    for schedule, planned in (("zbh1", "7.7%"), ("dualpipev", "4.0%"), ("interleaved", "11.1%")):
+        assert re.search(row + re.escape(planned), rows[schedule]), rows[schedule]

@@ -1,0 +1,289 @@
+"""Turn taking: the measurement method of the benches that print a ratio. The sides compared (whole training
+launches, or a loop in one process) start together and take turns step by step: in each rotation every side
+still running takes one step, all of its processes at once, while the other sides wait. Each step has the whole
+machine while it runs, and a slowdown of this shared host, which moves by 2x within minutes, falls on the steps
+of every side alike instead of on whichever side ran during it.
+
+Why turns rather than running the sides concurrently, each pinned to its own core: a pipeline or a TP 2 side
+needs both cores of this host for one step.
+
+The coordinator (TurnTaking, in the bench's process) times each turn from its "go" to the last process's
+"done"; ratios are taken between sides' steps of the same rotation, a round's ratio is the median of its
+rotations' (a burst of load on one step moves a mean, not a median), and a figure prints only when the rounds
+agree within the bench's stated spread (Ratio.text). A side's processes that finish hold their exit until every
+side has finished, so no exit runs beside another side's step. Start-up is not gated: the first turn is given
+once every process of every side has asked for one.
+
+run_in_turns starts each side's command and runs the coordinator; alternate() is the same method for sides
+that are functions in one process. A process of a side:
+`turn = Turn.from_environment()`, then `with turn.taken(): step()` per step and
+`turn.finish()` at the end. `python bench/turns.py <pretrain.py flags>` is pretrain.py with each iteration a turn
+(the rank script of a launch; TurnTaking.environment(side) is the environment to launch it with).
+"""
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ADDRESS, SIDE = "BENCH_TURNS_ADDRESS", "BENCH_TURNS_SIDE"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class SideFailed(RuntimeError):
+    """A side's process closed its connection (it died, or ended without finish())."""
+
+
+class _Connection:
+    """One process of a side, line by line over a local socket."""
+
+    def __init__(self, sock):
+        self.sock, self.buffer = sock, b""
+
+    def send(self, word):
+        self.sock.sendall(word.encode() + b"\n")
+
+    def receive(self, alive):
+        """The next line; alive() is called every second while waiting (raises if a launch died)."""
+        while b"\n" not in self.buffer:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                alive()
+                continue
+            if not data:
+                raise EOFError
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
+class TurnTaking:
+    """The coordinator. sides: {name: number of processes that take each of its turns}."""
+
+    def __init__(self, sides, start_up_timeout=900):
+        self.sides, self.start_up_timeout = dict(sides), start_up_timeout
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.turns = {name: [] for name in self.sides}  # seconds of each turn, in order
+
+    def environment(self, side):
+        host, port = self.listener.getsockname()
+        return {ADDRESS: f"{host}:{port}", SIDE: side}
+
+    def run(self, alive=lambda: None):
+        """Give turns until every side has finished; returns {side: [seconds per turn]}."""
+        connections = self._connect(alive)
+        waiting = {name: [connection.receive(alive) for connection in members] for name, members in
+                   connections.items()}  # every process's first request, before any turn is given
+        running = list(self.sides)
+        while running:
+            for name in list(running):
+                requests = waiting.pop(name, None) or [self._receive(name, c, alive) for c in connections[name]]
+                if set(requests) == {"finished"}:
+                    running.remove(name)
+                elif set(requests) == {"ready"}:
+                    self.turns[name].append(self._turn(name, connections[name], alive))
+                else:
+                    raise SideFailed(f"side {name}'s processes disagree about their next step: {requests}")
+        for members in connections.values():
+            for connection in members:
+                connection.send("go")
+        self.listener.close()
+        return self.turns
+
+    def _connect(self, alive):
+        connections = {name: [] for name in self.sides}
+        deadline = time.monotonic() + self.start_up_timeout
+        self.listener.settimeout(1.0)
+        while sum(map(len, connections.values())) < sum(self.sides.values()):
+            if time.monotonic() > deadline:
+                raise SideFailed(f"not every side's processes connected within {self.start_up_timeout} s: "
+                                 f"{ {name: len(members) for name, members in connections.items()} } of {self.sides}")
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                alive()
+                continue
+            sock.settimeout(1.0)
+            connection = _Connection(sock)
+            name = connection.receive(alive)
+            if name not in connections:
+                raise SideFailed(f"a process connected as side {name!r}, which is not one of {list(self.sides)}")
+            connections[name].append(connection)
+        return connections
+
+    def _receive(self, name, connection, alive):
+        try:
+            return connection.receive(alive)
+        except (EOFError, OSError) as error:
+            raise SideFailed(f"a process of side {name} closed its connection ({type(error).__name__})") from error
+
+    def _turn(self, name, members, alive):
+        start = time.perf_counter()
+        for connection in members:
+            connection.send("go")
+        replies = [self._receive(name, connection, alive) for connection in members]
+        if set(replies) != {"done"}:
+            raise SideFailed(f"side {name} answered its turn with {replies}")
+        return time.perf_counter() - start
+
+
+def run_in_turns(sides, folder, environment=None):
+    """sides: {name: (command, number of processes)}. Starts every side's command (from the repository, with its
+    turn's environment over `environment`, its output to a file in folder), gives turns until all have finished and
+    returns ({name: [seconds per turn]}, {name: output}). A side that fails stops everything, with its output."""
+    turns = TurnTaking({name: processes for name, (_, processes) in sides.items()})
+    files = {name: os.path.join(folder, f"side{index}.txt") for index, name in enumerate(sides)}
+    launches = {name: _start(command, files[name], {**(environment or os.environ), **turns.environment(name)})
+                for name, (command, _) in sides.items()}
+
+    def alive():
+        for name, process in launches.items():
+            if process.poll() is not None:
+                raise SideFailed(f"{name} exited with status {process.returncode}:\n{_read(files[name])[-3000:]}")
+    try:
+        seconds = turns.run(alive)
+        for process in launches.values():
+            process.wait(timeout=300)
+    finally:
+        for process in launches.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    failed = [name for name, process in launches.items() if process.returncode != 0]
+    if failed:
+        raise SideFailed(f"{failed[0]} exited with status {launches[failed[0]].returncode}:\n"
+                         f"{_read(files[failed[0]])[-3000:]}")
+    return seconds, {name: _read(path) for name, path in files.items()}
+
+
+def _start(command, path, environment):
+    with open(path, "w") as output:
+        return subprocess.Popen(command, cwd=REPO, env=environment, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _read(path):
+    with open(path) as output:
+        return output.read()
+
+
+class Turn:
+    """One process's end: its steps wait for their turn."""
+
+    def __init__(self, address, side):
+        host, port = address.rsplit(":", 1)
+        self.connection = _Connection(socket.create_connection((host, int(port))))
+        self.connection.send(side)
+
+    @classmethod
+    def from_environment(cls):
+        """The turn of this process's side, or None when no bench coordinates it."""
+        return cls(os.environ[ADDRESS], os.environ[SIDE]) if ADDRESS in os.environ else None
+
+    @contextlib.contextmanager
+    def taken(self):
+        self._ask("ready")
+        yield
+        self.connection.send("done")
+
+    def finish(self):
+        """Ends this process's steps; returns once every side has finished."""
+        self._ask("finished")
+
+    def _ask(self, request):
+        self.connection.send(request)
+        reply = self.connection.receive(lambda: None)
+        if reply != "go":
+            raise RuntimeError(f"the turn coordinator answered {reply!r} to {request!r}")
+
+
+@dataclass
+class Ratio:
+    """A ratio of two sides' step times measured in turns: one figure per round (the median of its rotations')."""
+    rounds: list
+    rotations_per_round: int
+
+    @classmethod
+    def of(cls, numerator, denominator, rounds, warm_up):
+        """numerator, denominator: seconds per turn of two sides (their i-th turns share a rotation); the first
+        warm_up rotations are left out and the rest make `rounds` rounds."""
+        pairs = list(zip(numerator, denominator))[warm_up:]
+        size = len(pairs) // rounds
+        if size < 1:
+            raise ValueError(f"{len(pairs)} rotations after the {warm_up} warm-up ones cannot make {rounds} rounds")
+        return cls([statistics.median(a / b for a, b in pairs[n * size:(n + 1) * size]) for n in range(rounds)],
+                   size)
+
+    @property
+    def median(self):
+        return statistics.median(self.rounds)
+
+    @property
+    def spread(self):
+        return max(self.rounds) - min(self.rounds)
+
+    def text(self, max_spread, digits=2):
+        """'1.02x (rounds 0.99-1.04, 5 rounds of 6)', or 'unstable: ...' with the rounds it would take when the
+        rounds spread by more than max_spread."""
+        span = f"{min(self.rounds):.{digits}f}-{max(self.rounds):.{digits}f}"
+        if self.spread > max_spread:
+            return (f"unstable: rounds {span} > {max_spread:.2f} apart; about {self.rounds_needed(max_spread)} "
+                    f"rounds needed")
+        return (f"{self.median:.{digits}f}x (rounds {span}, "
+                f"{rounds_of(len(self.rounds), self.rotations_per_round)})")
+
+    def rounds_needed(self, max_spread):
+        """Rounds for the median's standard error to fall under a quarter of max_spread (normal approximation)."""
+        deviation = statistics.stdev(self.rounds) if len(self.rounds) > 1 else 0.0
+        return max(len(self.rounds) + 1, int((4 * deviation / max_spread) ** 2) + 1)
+
+
+def alternate(steps, rotations, synchronize=lambda: None):
+    """Turns within one process: steps is {name: function taking one step}; each rotation calls every function
+    once, the order rotated by one from each rotation to the next. Returns {name: [seconds per call]}."""
+    names, seconds = list(steps), {name: [] for name in steps}
+    for rotation in range(rotations):
+        shift = rotation % len(names)
+        for name in names[shift:] + names[:shift]:
+            synchronize()
+            start = time.perf_counter()
+            steps[name]()
+            synchronize()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def rounds_of(rounds, rotations):
+    return f"{rounds} round{'s' if rounds > 1 else ''} of {rotations}"
+
+
+def pretrain_in_turns(argv):
+    """pretrain.py, each training iteration (its global batch and optimizer step) one turn of this side."""
+    from megatron_ds.glue.runtime import prepare_host
+    prepare_host()
+    import torch
+
+    import megatron_ds.training as training
+    turn = Turn.from_environment()
+    train_global_batch = training._train_global_batch
+
+    def in_turn(*args, **kwargs):
+        with turn.taken():
+            result = train_global_batch(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the iteration's kernels run in its own turn
+            return result
+
+    training._train_global_batch = in_turn
+    status = training.pretrain(argv)
+    turn.finish()
+    return status
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    sys.exit(pretrain_in_turns(sys.argv[1:]))

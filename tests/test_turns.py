@@ -1,0 +1,86 @@
+"""bench/turns.py, the benches' measurement method, with real processes on a local socket: sides take turns step
+by step (no two sides' steps overlap, every process of a side steps in the same turn), a side that finishes early
+holds its exit until the last side's last step, a side whose process dies is named; the in-process alternation;
+the round ratios and their "unstable" verdict."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bench.turns import Ratio, SideFailed, TurnTaking, alternate
+from tests.launch import REPO
+
+SIDE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[3])
+    from bench.turns import Turn
+    turn = Turn.from_environment()
+    with open(sys.argv[2], "w") as log:
+        for step in range(int(sys.argv[1])):
+            with turn.taken():
+                start = time.monotonic()
+                time.sleep(0.005)
+                log.write(f"{start} {time.monotonic()}\\n")
+        turn.finish()
+        log.write(f"exit {time.monotonic()}\\n")
+""")
+
+
+def _start(turns, side, steps, log):
+    return subprocess.Popen([sys.executable, "-c", SIDE, str(steps), str(log), str(REPO)],
+                            env={**os.environ, **turns.environment(side)})
+
+
+def _steps(log):
+    lines = log.read_text().splitlines()
+    return [tuple(map(float, line.split())) for line in lines[:-1]], float(lines[-1].split()[1])
+
+
+def test_sides_step_in_turns_and_the_early_finisher_waits_for_the_last(tmp_path):
+    turns = TurnTaking({"a": 1, "b": 2})
+    processes = {("a", 0): _start(turns, "a", 3, tmp_path / "a0"),
+                 ("b", 0): _start(turns, "b", 6, tmp_path / "b0"), ("b", 1): _start(turns, "b", 6, tmp_path / "b1")}
+    seconds = turns.run()
+    assert all(process.wait(timeout=60) == 0 for process in processes.values())
+    assert [len(seconds["a"]), len(seconds["b"])] == [3, 6]
+    logs = {key: _steps(tmp_path / f"{key[0]}{key[1]}") for key in processes}
+    a_steps, a_exit = logs["a", 0]
+    b_steps = [logs["b", 0][0], logs["b", 1][0]]
+    for start, end in a_steps:  # no step of b overlaps a step of a
+        assert all(b_end <= start or b_start >= end for steps in b_steps for b_start, b_end in steps)
+    for (start0, end0), (start1, end1) in zip(*b_steps):  # both processes of b step in the same turn
+        assert start0 < end1 and start1 < end0
+    assert a_exit >= max(end for steps in b_steps for _, end in steps)
+    assert all(turn >= 0.005 for turn in seconds["a"] + seconds["b"])
+
+
+def test_a_side_whose_process_dies_is_named(tmp_path):
+    turns = TurnTaking({"steady": 1, "dying": 1})
+    steady = _start(turns, "steady", 4, tmp_path / "steady")
+    dies_in_its_turn = ("import os, socket; host, port = os.environ['BENCH_TURNS_ADDRESS'].split(':'); "
+                        "s = socket.create_connection((host, int(port))); s.sendall(b'dying\\nready\\n'); s.recv(10); "
+                        "os._exit(3)")
+    dying = subprocess.Popen([sys.executable, "-c", dies_in_its_turn], env={**os.environ, **turns.environment("dying")})
+    with pytest.raises(SideFailed, match="a process of side dying closed its connection"):
+        turns.run()
+    assert dying.wait(timeout=60) == 3
+    steady.kill()
+
+
+def test_round_ratios_are_medians_of_their_rotations_and_a_wide_spread_is_unstable():
+    numerator = [9.0, 9.0] + [1.1, 1.1, 5.0] + [1.2, 0.1, 1.2]
+    ratio = Ratio.of(numerator, [1.0] * 8, rounds=2, warm_up=2)
+    assert ratio.rounds == [1.1, 1.2] and ratio.rotations_per_round == 3
+    assert ratio.text(max_spread=0.15) == "1.15x (rounds 1.10-1.20, 2 rounds of 3)"
+    assert ratio.text(max_spread=0.05).startswith("unstable: rounds 1.10-1.20 > 0.05 apart; about ")
+    with pytest.raises(ValueError, match="1 rotations after the 2 warm-up ones cannot make 2 rounds"):
+        Ratio.of([1.0] * 3, [1.0] * 3, rounds=2, warm_up=2)
+
+
+def test_alternate_calls_every_step_once_per_rotation_in_a_rotated_order():
+    calls = []
+    seconds = alternate({name: (lambda name=name: calls.append(name)) for name in "abc"}, rotations=4)
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert [len(seconds[name]) for name in "abc"] == [4, 4, 4]
