@@ -23,12 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
                   r"(\S+) \|")
-WARM_UP = 2  # rotations left out: the first iterations pay one-off costs
 
 
 def _flags(args, iterations):
@@ -87,7 +86,7 @@ def main(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=4)
+    parser.add_argument("--rotations-per-round", type=int, default=8)
     parser.add_argument("--max-spread", type=float, default=0.05)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length

@@ -3,7 +3,7 @@ micro-batches per iteration; per (m, schedule) the step time and its ratio to 1F
 share of the pipeline (--pipeline-timeline) and the planner's bubble (core/pipeline_schedules.py's simulation,
 equal stages, its split_micro_batch).
 
-    python bench/pipeline_schedules.py                          # m = 4 8 16, 5 rounds of 4 rotations
+    python bench/pipeline_schedules.py                          # m = 4 8 16, 5 rounds of 12 rotations
     python bench/pipeline_schedules.py --micro-batches 8 --rounds 5 --hidden-size 512
 
 Method (bench/turns.py): per m, one launch of every schedule, all started together, taking turns iteration by
@@ -12,7 +12,7 @@ taken within each rotation (the iterations closest in time), a round's is the me
 median over rounds is printed with the rounds' range. A ratio whose rounds spread by more than --max-spread
 (default 5%) prints as "unstable", with the number of rounds it would take.
 
-Idle shares are the timeline's (its iterations 2-4): 1 - a stage's compute / the whole pipeline's span. The
+Idle shares are the timeline's over the timed iterations: 1 - a stage's compute / the whole pipeline's span. The
 planner's bubble is the busiest rank's idle share of its simulated makespan (1 - max busy / makespan), so the
 measured figure to set beside it is the busiest stage's, the lowest idle share ("measured bubble"); the other
 stage also waits for what the stages' imbalance costs it (the last stage holds the head and the loss), which no
@@ -31,20 +31,19 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 IDLE = re.compile(r"idle share of the pipeline per stage: (.*?); the planner")
-WARM_UP = 2  # rotations left out: the first iterations pay one-off costs
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=4)
+    parser.add_argument("--rotations-per-round", type=int, default=12)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=256)
@@ -69,7 +68,8 @@ def command(args, schedule, micro_batches, folder):
              "--train-iters", str(WARM_UP + args.rounds * args.rotations_per_round), "--lr", "1e-4",
              "--log-interval", "1", "--eval-interval", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule, "--pipeline-timeline",
-             os.path.join(folder, f"{schedule}{micro_batches}")]
+             os.path.join(folder, f"{schedule}{micro_batches}"), "--pipeline-timeline-iterations", str(WARM_UP + 1),
+             str(WARM_UP + args.rounds * args.rotations_per_round + 1)]
     if schedule == "interleaved":
         flags += ["--num-virtual-stages-per-pipeline-rank", "2"]
     return [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",

@@ -53,7 +53,7 @@ def main(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=4)
+    parser.add_argument("--rotations-per-round", type=int, default=8)
     parser.add_argument("--max-spread", type=float, default=0.05)
     args = parser.parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -51,11 +51,10 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
-WARMUP_ITERATIONS = 2
 NORM_EPSILON = 1e-5  # pretrain.py's --norm-epsilon default
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
@@ -302,7 +301,7 @@ def layout_name(tp, pp):
 
 
 def total_rotations(args):
-    return WARMUP_ITERATIONS + args.rounds * args.rotations_per_round
+    return WARM_UP + args.rounds * args.rotations_per_round
 
 
 def sides(args):
@@ -330,7 +329,7 @@ def measure(args):
 
 def profile_table(args):
     """Where pretrain.py's time goes: a separate launch (not timed) profiling its last two iterations."""
-    iterations = WARMUP_ITERATIONS + 3
+    iterations = 5  # two warm-up, one more, two profiled
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                str(free_port()), "pretrain.py", *engine_flags(args, (1, 1), iterations), "--profile",
                "--use-pytorch-profiler", "--profile-step-start", str(iterations - 1), "--profile-step-end",
@@ -344,7 +343,7 @@ def profile_table(args):
 
 def gemm_rates(args, seconds):
     """TFLOP/s of each measured GEMM turn."""
-    return [2 * args.gemm_size ** 3 * args.gemm_repeats / turn / 1e12 for turn in seconds[GEMM][WARMUP_ITERATIONS:]]
+    return [2 * args.gemm_size ** 3 * args.gemm_repeats / turn / 1e12 for turn in seconds[GEMM][WARM_UP:]]
 
 
 def describe(args, parameters, gemm, device):
@@ -359,7 +358,7 @@ def describe(args, parameters, gemm, device):
             f"s={args.seq_length}, b={args.micro_batch_size}, V={args.vocab_size}, dropout hidden "
             f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type}; bf16 GEMM "
             f"(n {args.gemm_size}) {statistics.median(gemm):.3f} TFLOP/s (turns {min(gemm):.3f}-{max(gemm):.3f}); "
-            f"every side in turns, iteration by iteration: {WARMUP_ITERATIONS} warm-up rotations, then "
+            f"every side in turns, iteration by iteration: {WARM_UP} warm-up rotations, then "
             f"{rounds_of(args.rounds, args.rotations_per_round)}")
 
 
@@ -375,7 +374,7 @@ def report(args, seconds, parameters, device):
     if len(set(parameters.values())) > 1:
         print("  warning: the parameter counts differ: the models are not the same shape")
     for name in (ENGINE, *baselines(args)):
-        time_ = statistics.median(seconds[name][WARMUP_ITERATIONS:])
+        time_ = statistics.median(seconds[name][WARM_UP:])
         tflops = flops / time_ / 1e12
         print(f"  {labels[name]:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  "
               f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / gemm:5.1f}%")
@@ -384,7 +383,7 @@ def report(args, seconds, parameters, device):
 
 
 def ratio(args, numerator, denominator):
-    return Ratio.of(numerator, denominator, args.rounds, WARMUP_ITERATIONS).text(args.max_spread)
+    return Ratio.of(numerator, denominator, args.rounds, WARM_UP).text(args.max_spread)
 
 
 def report_other_layouts(args, seconds, gemm):
@@ -395,7 +394,7 @@ def report_other_layouts(args, seconds, gemm):
     for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
         micro_batches = micro_batches_per_iteration(args, pp)
         turns = seconds[layout_name(tp, pp)]
-        time_ = statistics.median(turns[WARMUP_ITERATIONS:])
+        time_ = statistics.median(turns[WARM_UP:])
         tflops = flops_per_micro_batch * micro_batches / time_ / 1e12
         print(f"  {layout_name(tp, pp)} ({tp * pp} ranks, {micro_batches} micro-batches/iter) "
               f"{time_ * 1000:9.1f} ms/iter  {tokens_per_micro_batch * micro_batches / time_:9.1f} tokens/s  "
@@ -408,7 +407,7 @@ def report_dropout_cost(args, seconds):
     """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
     if NO_DROPOUT not in seconds:
         return
-    with_over_without = Ratio.of(seconds[NO_DROPOUT], seconds[ENGINE], args.rounds, WARMUP_ITERATIONS)
+    with_over_without = Ratio.of(seconds[NO_DROPOUT], seconds[ENGINE], args.rounds, WARM_UP)
     cost = f": dropout costs {100 * (1 - with_over_without.median):.1f}%" if with_over_without.spread <= \
         args.max_spread else ""
     print(f"  pretrain.py with dropout / without tokens/s: {with_over_without.text(args.max_spread)}{cost}")
@@ -433,7 +432,7 @@ def parse_args(argv):
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
                              "transformers model of the same shapes in the same loop")
     parser.add_argument("--rounds", type=int, default=5, help="rounds a ratio is printed over (its spread)")
-    parser.add_argument("--rotations-per-round", type=int, default=4,
+    parser.add_argument("--rotations-per-round", type=int, default=8,
                         help="rotations (one iteration of every side) per round; a round's ratio is their median")
     parser.add_argument("--max-spread", type=float, default=0.05,
                         help="a ratio whose rounds lie further apart prints as unstable")

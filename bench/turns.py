@@ -31,6 +31,9 @@ import time
 from dataclasses import dataclass
 
 ADDRESS, SIDE = "BENCH_TURNS_ADDRESS", "BENCH_TURNS_SIDE"
+# rotations a bench leaves out: training launches here ran their first iterations up to 50% slower (one-off costs,
+# torch.compile's worker processes starting beside them), settled by the sixth
+WARM_UP = 6
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -138,8 +141,10 @@ def run_in_turns(sides, folder, environment=None):
     returns ({name: [seconds per turn]}, {name: output}). A side that fails stops everything, with its output."""
     turns = TurnTaking({name: processes for name, (_, processes) in sides.items()})
     files = {name: os.path.join(folder, f"side{index}.txt") for index, name in enumerate(sides)}
-    launches = {name: _start(command, files[name], {**(environment or os.environ), **turns.environment(name)})
-                for name, (command, _) in sides.items()}
+    environment = environment or os.environ
+    launches = {name: _start(command, files[name], {**environment, **_threads(environment, processes),
+                                                    **turns.environment(name)})
+                for name, (command, processes) in sides.items()}
 
     def alive():
         for name, process in launches.items():
@@ -158,6 +163,14 @@ def run_in_turns(sides, folder, environment=None):
         raise SideFailed(f"{failed[0]} exited with status {launches[failed[0]].returncode}:\n"
                          f"{_read(files[failed[0]])[-3000:]}")
     return seconds, {name: _read(path) for name, path in files.items()}
+
+
+def _threads(environment, processes):
+    """A side has the machine during its turn: its processes share the cores (OMP_NUM_THREADS cores / processes)
+    unless the environment sets a thread count. Two ranks of 2 threads each on 2 cores ran a TP 2 step 6x slower."""
+    if environment.get("OMP_NUM_THREADS"):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // processes))}
 
 
 def _start(command, path, environment):

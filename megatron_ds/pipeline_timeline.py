@@ -33,7 +33,10 @@ RECORDED_AFTER_WARMUP = 3
 
 
 def recorded_iterations(logging, first_iteration, last_iteration):
-    """The iterations a timeline records: the --profile window, else the three after the first of this run."""
+    """The iterations a timeline records: --pipeline-timeline-iterations, else the --profile window, else the three
+    after the first of this run."""
+    if logging.pipeline_timeline_iterations:
+        return range(*logging.pipeline_timeline_iterations)
     if logging.profile:
         return range(logging.profile_step_start, logging.profile_step_end)
     return range(first_iteration + 1, min(first_iteration + 1 + RECORDED_AFTER_WARMUP, last_iteration + 1))

@@ -16,18 +16,23 @@ import torch
 TABLE_ROWS = 25
 
 
+def window_errors(named, end_named, start, end, train_iters):
+    """Problems with a window of iterations start .. end - 1 (named: its flags and values; end_named: its end's)."""
+    if not 1 <= start < end:
+        return [f"{named}: need 1 <= start < end (iterations start .. end - 1 are recorded)"]
+    if train_iters is not None and end > train_iters + 1:
+        return [f"{end_named} is past --train-iters {train_iters}: the window would never close (use at most "
+                f"{train_iters + 1})"]
+    return []
+
+
 def profile_errors(args):
     """Problems with the --profile flags, found before any process group exists."""
     if not args.profile:
         return []
     start, end = args.profile_step_start, args.profile_step_end
-    errors = []
-    if not 1 <= start < end:
-        errors.append(f"--profile-step-start {start} and --profile-step-end {end}: need 1 <= start < end "
-                      f"(iterations start .. end - 1 are recorded)")
-    elif args.train_iters is not None and end > args.train_iters + 1:
-        errors.append(f"--profile-step-end {end} is past --train-iters {args.train_iters}: the window would "
-                      f"never close (use at most {args.train_iters + 1})")
+    errors = window_errors(f"--profile-step-start {start} and --profile-step-end {end}", f"--profile-step-end {end}",
+                           start, end, args.train_iters)
     outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
     if outside:
         errors.append(f"--profile-ranks {outside} outside the world of {args.world_size} ranks")

@@ -1,6 +1,6 @@
 """--pipeline-timeline: the idle share is 1 - compute / the span of the iteration's pipeline instructions over all
-ranks; the
-recorded iterations; refused at PP 1. A training run with it (its traces, summary and plot):
+ranks; the recorded iterations (--pipeline-timeline-iterations, the --profile window, or three after the first);
+refused at PP 1, and a window it cannot record refused by name. A training run with it (its traces, summary and plot):
 tests/test_pipeline_schedules_training.py."""
 import types
 
@@ -25,12 +25,30 @@ def test_idle_share_counts_the_waits_over_the_whole_pipelines_span():
     assert shares == {0: [pytest.approx(1 - 6.0 / 10.0)], 1: [pytest.approx(1 - 3.0 / 10.0)]}
 
 
-def test_recorded_iterations_are_the_profile_window_or_three_after_the_first():
-    plain = types.SimpleNamespace(profile=False)
+def test_recorded_iterations_are_the_given_ones_the_profile_window_or_three_after_the_first():
+    plain = types.SimpleNamespace(profile=False, pipeline_timeline_iterations=None)
     assert recorded_iterations(plain, 1, 10) == range(2, 5)
     assert recorded_iterations(plain, 7, 8) == range(8, 9)     # a resumed run near its end records what is left
-    window = types.SimpleNamespace(profile=True, profile_step_start=4, profile_step_end=6)
+    window = types.SimpleNamespace(profile=True, profile_step_start=4, profile_step_end=6,
+                                   pipeline_timeline_iterations=None)
     assert recorded_iterations(window, 1, 10) == range(4, 6)
+    given = types.SimpleNamespace(**{**vars(window), "pipeline_timeline_iterations": (7, 10)})
+    assert recorded_iterations(given, 1, 10) == range(7, 10)
+    parsed = parse_args(FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-timeline", "tl",
+                                 "--pipeline-timeline-iterations", "3", "6"], world_size=2)
+    assert recorded_iterations(parsed.logging, 1, 5) == range(3, 6)
+
+
+@pytest.mark.parametrize("window, message", [
+    (["3", "3"], "--pipeline-timeline-iterations 3 3: need 1 <= start < end"),
+    (["2", "7"], "--pipeline-timeline-iterations 2 7: its end is past --train-iters 5: the window would never close "
+                 "(use at most 6)")])
+def test_a_window_it_cannot_record_is_refused(window, message):
+    flags = FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-timeline-iterations", *window]
+    with pytest.raises(ArgumentsError, match=r"--pipeline-timeline-iterations [0-9 ]+ needs --pipeline-timeline DIR"):
+        parse_args(flags, world_size=2)
+    with pytest.raises(ArgumentsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(flags + ["--pipeline-timeline", "tl"], world_size=2)
 
 
 def test_refused_without_a_pipeline():

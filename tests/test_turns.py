@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from bench.turns import Ratio, SideFailed, TurnTaking, alternate
+from bench.turns import Ratio, SideFailed, TurnTaking, alternate, run_in_turns
 from tests.launch import REPO
 
 SIDE = textwrap.dedent("""
@@ -84,3 +84,17 @@ def test_alternate_calls_every_step_once_per_rotation_in_a_rotated_order():
     seconds = alternate({name: (lambda name=name: calls.append(name)) for name in "abc"}, rotations=4)
     assert calls == list("abc" "bca" "cab" "abc")
     assert [len(seconds[name]) for name in "abc"] == [4, 4, 4]
+
+
+def test_a_sides_processes_share_the_cores_unless_the_environment_sets_the_threads(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text("import os, sys; sys.path.insert(0, sys.argv[1]); from bench.turns import Turn; "
+                      "turn = Turn.from_environment(); print(os.environ['OMP_NUM_THREADS']); turn.finish()")
+    one = f"'{sys.executable}' {script} {REPO}"
+    sides = {"one": (["bash", "-c", one], 1), "two": (["bash", "-c", f"{one} & {one}; wait"], 2)}
+    cores = len(os.sched_getaffinity(0))
+    unset = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    _, outputs = run_in_turns(sides, tmp_path, unset)
+    assert outputs["one"].split() == [str(cores)] and outputs["two"].split() == [str(max(1, cores // 2))] * 2
+    _, outputs = run_in_turns(sides, tmp_path, {**unset, "OMP_NUM_THREADS": "3"})
+    assert outputs["two"].split() == ["3", "3"]

@@ -15,7 +15,7 @@ from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
 from megatron_ds.glue.ds_config import ACTIVATION_CHECKPOINTING_KEYS
-from megatron_ds.profiling import profile_errors
+from megatron_ds.profiling import profile_errors, window_errors
 
 
 def _flag(name):
@@ -456,7 +456,14 @@ def fp16_supported():
 
 def pipeline_timeline_errors(args):
     """--pipeline-timeline records the pipeline schedule's instructions (megatron_ds/pipeline_timeline.py)."""
+    errors = []
     if args.pipeline_timeline and args.pipeline_model_parallel_size < 2:
-        return [f"--pipeline-timeline {args.pipeline_timeline} records the pipeline schedule's instructions: it "
-                f"needs --pipeline-model-parallel-size 2 or more (it is {args.pipeline_model_parallel_size})"]
-    return []
+        errors.append(f"--pipeline-timeline {args.pipeline_timeline} records the pipeline schedule's instructions: "
+                      f"it needs --pipeline-model-parallel-size 2 or more (it is {args.pipeline_model_parallel_size})")
+    if args.pipeline_timeline_iterations:
+        start, end = args.pipeline_timeline_iterations
+        if not args.pipeline_timeline:
+            errors.append(f"--pipeline-timeline-iterations {start} {end} needs --pipeline-timeline DIR")
+        named = f"--pipeline-timeline-iterations {start} {end}"
+        errors += window_errors(named, f"{named}: its end", start, end, args.train_iters)
+    return errors

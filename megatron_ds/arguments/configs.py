@@ -123,6 +123,7 @@ class LoggingConfig:
     profile_step_end: int
     profile_ranks: Tuple[int, ...]
     profile_dir: Optional[str]
+    pipeline_timeline_iterations: Optional[Tuple[int, int]]
     train_iters: int               # the facts the iteration line reports, and W&B's default folder (--save)
     world_size: int
     zero_stage: int

@@ -271,8 +271,12 @@ def _add_logging_args(parser):
                        help="where traces go (default: --tensorboard-dir, else the working directory)")
     group.add_argument("--pipeline-timeline", metavar="DIR", default=None,
                        help="PP > 1: each rank's pipeline instructions with their times as a Chrome trace in DIR, "
-                            "for the --profile window or the three iterations after the first; each stage's idle "
-                            "share printed at the end (megatron_ds/pipeline_timeline.py)")
+                            "for --pipeline-timeline-iterations, else the --profile window, else the three "
+                            "iterations after the first; each stage's idle share printed at the end "
+                            "(megatron_ds/pipeline_timeline.py)")
+    group.add_argument("--pipeline-timeline-iterations", type=int, nargs=2, metavar=("START", "END"), default=None,
+                       help="the iterations --pipeline-timeline records: START .. END - 1 (as --profile-step-start "
+                            "and --profile-step-end count them)")
 
 
 def _add_data_args(parser):
