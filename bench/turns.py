@@ -80,7 +80,7 @@ class TurnTaking:
     def run(self, alive=lambda: None):
         """Give turns until every side has finished; returns {side: [seconds per turn]}."""
         connections = self._connect(alive)
-        waiting = {name: [connection.receive(alive) for connection in members] for name, members in
+        waiting = {name: [self._receive(name, connection, alive) for connection in members] for name, members in
                    connections.items()}  # every process's first request, before any turn is given
         running = list(self.sides)
         while running:
