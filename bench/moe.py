@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
@@ -39,13 +39,9 @@ def _flags(args, iterations):
             "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def timed_iterations(args):
-    return WARM_UP + args.rounds * args.rotations_per_round
-
-
 def _moe_flags(args, profile_dir):
     """The MoE launch runs two more iterations than the dense one, profiled after the timed ones."""
-    last = timed_iterations(args) + 3  # --profile-step-end is exclusive
+    last = total_rotations(args) + 3  # --profile-step-end is exclusive
     return ["--ffn-hidden-size", str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts),
             "--topk", str(args.topk), "--moe-expert-parallel-size", str(args.ranks), "--moe-min-capacity", "0",
             "--profile", "--use-pytorch-profiler", "--profile-step-start", str(last - 2), "--profile-step-end",
@@ -85,19 +81,17 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=8)
-    parser.add_argument("--max-spread", type=float, default=0.05)
+    add_arguments(parser, rotations_per_round=8)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length
     with tempfile.TemporaryDirectory() as folder:
         profile_dir = os.path.join(folder, "profile")
-        dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], timed_iterations(args))
-        moe = _command(args, _moe_flags(args, profile_dir), timed_iterations(args) + 2)
+        dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], total_rotations(args))
+        moe = _command(args, _moe_flags(args, profile_dir), total_rotations(args) + 2)
         seconds, outputs = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
                                         {**os.environ, "OMP_NUM_THREADS": "1"})
         share = _all_to_all_share(profile_dir)
-    timed = {name: statistics.median(turns[WARM_UP:timed_iterations(args)]) for name, turns in seconds.items()}
+    timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "
           f"{args.micro_batch_size} per rank; both launches in turns, iteration by iteration: {WARM_UP} warm-up "
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")

@@ -31,7 +31,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
@@ -42,13 +42,11 @@ IDLE = re.compile(r"idle share of the pipeline per stage: (.*?); the planner")
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=12)
+    add_arguments(parser, rotations_per_round=12)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--max-spread", type=float, default=0.05)
     return parser.parse_args(argv)
 
 
@@ -65,11 +63,11 @@ def command(args, schedule, micro_batches, folder):
     flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
              "4", "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
              "--global-batch-size", str(args.micro_batch_size * micro_batches), "--mock-data", "--vocab-size", "1024",
-             "--train-iters", str(WARM_UP + args.rounds * args.rotations_per_round), "--lr", "1e-4",
+             "--train-iters", str(total_rotations(args)), "--lr", "1e-4",
              "--log-interval", "1", "--eval-interval", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule, "--pipeline-timeline",
              os.path.join(folder, f"{schedule}{micro_batches}"), "--pipeline-timeline-iterations", str(WARM_UP + 1),
-             str(WARM_UP + args.rounds * args.rotations_per_round + 1)]
+             str(total_rotations(args) + 1)]
     if schedule == "interleaved":
         flags += ["--num-virtual-stages-per-pipeline-rank", "2"]
     return [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
-from bench.turns import Ratio, alternate, rounds_of  # noqa: E402
+from bench.turns import Ratio, add_arguments, alternate, rounds_of, total_rotations  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
@@ -52,16 +52,14 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotations-per-round", type=int, default=8)
-    parser.add_argument("--max-spread", type=float, default=0.05)
+    add_arguments(parser, rotations_per_round=8)
     args = parser.parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     steps = {mode: step_function(args, granularity) for mode, granularity in MODES.items()}
-    seconds = alternate(steps, WARM_UP + args.rounds * args.rotations_per_round, _synchronize)
+    seconds = alternate(steps, total_rotations(args, WARM_UP), _synchronize)
     print(f"{args.num_layers} layers, h={args.hidden_size}, a={args.num_attention_heads}, s={args.seq_length}, "
           f"b={args.micro_batch_size}, bf16, local attention, {device().type}; the stacks in turns, step by step: "
           f"{WARM_UP} warm-up rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import WARM_UP, Ratio, rounds_of, run_in_turns  # noqa: E402
+from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
@@ -300,10 +300,6 @@ def layout_name(tp, pp):
     return f"pretrain.py TP={tp} PP={pp}"
 
 
-def total_rotations(args):
-    return WARM_UP + args.rounds * args.rotations_per_round
-
-
 def sides(args):
     """{name: (command, processes)}: the GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other
     --layouts and (with dropout) without dropout."""
@@ -431,11 +427,7 @@ def parse_args(argv):
     parser.add_argument("--baseline", choices=("plain", "hf"), default="plain",
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
                              "transformers model of the same shapes in the same loop")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds a ratio is printed over (its spread)")
-    parser.add_argument("--rotations-per-round", type=int, default=8,
-                        help="rotations (one iteration of every side) per round; a round's ratio is their median")
-    parser.add_argument("--max-spread", type=float, default=0.05,
-                        help="a ratio whose rounds lie further apart prints as unstable")
+    add_arguments(parser, rotations_per_round=8)
     parser.add_argument("--gemm-size", type=int, default=2048,
                         help="the square bf16 matmul the GEMM rate is measured on (a CPU without bf16 matmul "
                              "instructions takes seconds for each at 2048)")

@@ -270,6 +270,20 @@ def alternate(steps, rotations, synchronize=lambda: None):
     return seconds
 
 
+def add_arguments(parser, rotations_per_round):
+    """The flags of every bench measured in turns: --rounds, --rotations-per-round, --max-spread."""
+    parser.add_argument("--rounds", type=int, default=5, help="rounds a ratio is printed over (its spread)")
+    parser.add_argument("--rotations-per-round", type=int, default=rotations_per_round,
+                        help="rotations (one step of every side) per round; a round's ratio is their median")
+    parser.add_argument("--max-spread", type=float, default=0.05,
+                        help="a ratio whose rounds lie further apart prints as unstable")
+
+
+def total_rotations(args, warm_up=WARM_UP):
+    """Steps each side takes: the warm-up, then --rounds x --rotations-per-round."""
+    return warm_up + args.rounds * args.rotations_per_round
+
+
 def rounds_of(rounds, rotations):
     return f"{rounds} round{'s' if rounds > 1 else ''} of {rotations}"
 
