@@ -20,9 +20,10 @@ Activations, bytes per transformer layer and micro-batch, counted from the layer
 counts its GPT-2 layer (Korthikanti et al. 2022, docs/formulas.md): s sequence, b micro batch, h hidden, a heads,
 g query groups (key/value heads), d head dim, F FFN hidden, t TP, U Ulysses SP, w bytes per activation (2, or 4
 for fp32). Per token, outside the TP regions (s/U tokens, s/(tU) with SP): both norms' inputs, the QKV and fc1
-inputs, 4wh, and with hidden dropout the two 1-byte masks, 2h. Inside them (s/U tokens, every term / t): the
-MLP (GeLU: its input and output, 2wF; SwiGLU: fc1's 2F output and the product, 3wF), attention's output
-(the projection's input, w a d), q, k and v, and the attention kernel's own:
+inputs, 4wh, and with hidden dropout the two 1-byte masks, 2h (what bias-dropout-add's reference keeps; its
+Triton and compiled kernels keep only the mask's seed, so there this is 2h too many). Inside them (s/U tokens,
+every term / t): the MLP (GeLU: its input and output, 2wF; SwiGLU: fc1's 2F output and the product, 3wF),
+attention's output (the projection's input, w a d), q, k and v, and the attention kernel's own:
 - q, k, v: where q is a view of the QKV output (multi-head, or one query group per TP rank, where k and v are
   stride-0 expansions of it) and attention keeps what it is given (sdpa's kernels; selective recompute's
   checkpoint; the local path's matmuls for multi-head, whose reshapes stay views), that output stays whole,

@@ -13,11 +13,11 @@ Ops (all backends of an op share its signature):
     bias_dropout_add(x, bias, residual, p, training)
     swiglu(x)
     cross_entropy(logits, target, chunk_rows=None)
-    flash_attention(query, key, value, dropout_p, seed) (causal; seed from flash_attention.draw_seed)
+    flash_attention(query, key, value, dropout_p, seed) (causal; seed from counter_hash.draw_seed)
 
 The references compute in fp32 yet save for backward only what the fused kernels save (inputs or outputs
-in their own dtype, 1-byte dropout masks). Every dropout, fused or not, draws its mask with
-dropout.dropout_keep_mask, except flash_attention's, a hash of one seed drawn per call (flash_attention.py).
+in their own dtype, 1-byte dropout masks). Every dropout, fused or not, keeps what the counter hash of one seed
+drawn per call keeps (counter_hash.py, dropout.py); the fused kernels hash the mask where they use it and save the seed.
 """
 from megatron_ds.core.fusions.backends import (BACKENDS, FLAG, FusedOp, auto_order, get_fused_op, is_available,
                                                registered_ops, select_backend, unavailable_reason)

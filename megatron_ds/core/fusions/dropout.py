@@ -1,20 +1,36 @@
 """The one dropout mask of the model: every dropout (embedding, attention probabilities, bias-dropout-add in
-every backend) draws its keep-mask with `dropout_keep_mask`, in PyTorch, before any kernel runs. So for a
-given generator state the pattern does not depend on --fusion-backend, and activation recompute (which
-restores the generator and TP RNG tracker states) replays it.
+every backend, flash attention) keeps an element where the counter hash (counter_hash.py) of one seed, drawn
+per call from the current generator, and the element's index says so. So for a given generator state the
+pattern does not depend on --fusion-backend, activation recompute (which restores the generator and TP RNG
+tracker states) replays it, and a kernel can make the mask where it uses it, from the seed alone.
 
-The draw is `bernoulli_` straight into a bool tensor: 1 byte per element, what backward keeps. `rand >= p`
-would first materialize a 4-byte uniform per element (on CUDA, for attention dropout, twice the bytes of
-the bf16 probabilities it masks). On a CPU, bernoulli_ costs up to twice as much as rand >= p per element.
+A tensor's element index is (row, column) of the tensor viewed as [numel / last dim, last dim]. `bernoulli_`
+drew one random number per element instead, which cost ~100 ms of a CPU iteration that hashes in a few ms
+compiled; in plain PyTorch (`dropout_keep_mask`) the hash costs about 2.5 bernoulli_ draws per element.
 """
 import torch
 
+from megatron_ds.core.fusions.counter_hash import draw_seed, drop_threshold, keep_mask
+
+
+def element_rows_and_columns(x):
+    """(rows, columns) of x viewed as a matrix over its last dimension (a 0-d tensor is 1 x 1)."""
+    columns = x.shape[-1] if x.dim() else 1
+    return (x.numel() // columns if columns else 0), columns
+
+
+def tensor_keep_mask(x, seed, threshold: int):
+    """Bool keep-mask shaped like x from the counter hash of seed and each element's (row, column)."""
+    rows, columns = element_rows_and_columns(x)
+    return keep_mask(seed, torch.arange(rows, device=x.device), torch.arange(columns, device=x.device),
+                     threshold).view(x.shape)
+
 
 def dropout_keep_mask(x, p: float):
-    """Bool keep-mask shaped like x (True = keep, probability 1 - p) from the current device's generator."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+    """Bool keep-mask shaped like x (True = keep, probability 1 - p), from a seed drawn from the current
+    device's generator."""
+    threshold = drop_threshold(p)
+    return tensor_keep_mask(x, draw_seed(x.device), threshold)
 
 
 class _MaskedScale(torch.autograd.Function):

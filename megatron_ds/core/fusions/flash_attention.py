@@ -7,16 +7,9 @@ fp32 log-sum-exp per query row; backward recomputes the probabilities block by b
 query is [b, heads, sq, d]; key and value [b, groups, sk, d], where groups divides heads (grouped-query
 attention: the heads of a group share its key and value, never expanded to every head).
 
-The dropout mask is not drawn element by element from a generator: it is a counter-based hash of
-(seed, row, key) where row = (batch * heads + head) * s + query. `seed` is a 0-d int64 tensor in
-[0, 2**32) drawn once per call from the device's generator (`draw_seed`), so activation recompute and
-the TP RNG tracker replay it as they replay any draw, every backend (reference, compile, triton) computes
-the same mask bit for bit, and nothing but the seed is kept for backward. A key is dropped when
-hash < p * 2**32: the keep rate is 1 - p to within 2**-32.
-
-The hash is murmur3's 32-bit finaliser applied twice: fmix32(fmix32(row ^ seed) + key * 0x9E3779B9).
-PyTorch has no wrapping 32-bit multiply, so the reference multiplies in int64 by 16-bit halves (exact);
-the Triton kernel multiplies uint32 values, which wrap.
+The dropout mask is the model's counter hash (counter_hash.py) of (seed, row, key), where
+row = (batch * heads + head) * s + query and `seed` is drawn once per call (`draw_seed`): every backend
+(reference, compile, triton) computes the same mask bit for bit, and nothing but the seed is kept for backward.
 
 Matmuls run in the input dtype (fp32 accumulation), softmax and its statistics in fp32, as scaled dot
 product attention's math path does.
@@ -29,45 +22,11 @@ import math
 
 import torch
 
-from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl, triton
+from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
+from megatron_ds.core.fusions.counter_hash import device_function, drop_threshold, keep_mask, keep_tile
 
 BLOCK_QUERIES = 128
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-_FMIX_1, _FMIX_2 = 0x85EBCA6B, 0xC2B2AE35
-
-
-def draw_seed(device) -> torch.Tensor:
-    """A 0-d int64 tensor in [0, 2**32) from device's generator (no host sync on CUDA)."""
-    return torch.empty((), dtype=torch.int64, device=device).random_(0, 2 ** 32)
-
-
-def drop_threshold(p: float) -> int:
-    """Hash values below this are dropped."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    return min(int(round(p * 2 ** 32)), _M32)
-
-
-def _mul32(x, constant: int):
-    """x * constant mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
-    low, high = x & 0xFFFF, x >> 16
-    return (low * constant + (((high * constant) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(x):
-    x = x ^ (x >> 16)
-    x = _mul32(x, _FMIX_1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, _FMIX_2)
-    return x ^ (x >> 16)
-
-
-def keep_mask(seed, rows, keys, threshold: int):
-    """[len(rows), len(keys)] bool: True where the (row, key) pair is kept. rows and keys are int64 index vectors."""
-    row_hash = _fmix32(rows ^ seed)
-    return _fmix32((row_hash[:, None] + keys[None, :] * _GOLDEN) & _M32) >= threshold
 
 
 def _block_probabilities(q, k, positions, sq, sk, lse=None):
@@ -247,47 +206,20 @@ def _per_query_head(query, key, value):
     return key, value
 
 
-def _device_function(fn):
-    """A function the kernels call. Unlike a kernel it is jitted at import, in the mode triton was imported in
-    (as triton jits its own tl functions); without triton it stays plain Python and is never called."""
-    return fn if triton is None else triton.jit(fn)
-
-
-# the hash's constants as the kernels read them: a compiled kernel reads module globals only as constexprs
-_GOLDEN_K, _FMIX_1_K, _FMIX_2_K = (tl.constexpr(value) for value in (_GOLDEN, _FMIX_1, _FMIX_2))
-
-
-@_device_function
-def _fmix32_u32(x):
-    x ^= x >> 16
-    x *= _FMIX_1_K
-    x ^= x >> 13
-    x *= _FMIX_2_K
-    return x ^ (x >> 16)
-
-
-@_device_function
-def _keep_tile(SEED, rows, keys, threshold):
-    """keep_mask of a tile in uint32 arithmetic, which wraps as the hash needs: [len(rows), len(keys)] bool."""
-    seed = tl.load(SEED).to(tl.uint32)
-    row_hash = _fmix32_u32(rows.to(tl.uint32) ^ seed)
-    return _fmix32_u32(row_hash[:, None] + keys.to(tl.uint32)[None, :] * _GOLDEN_K) >= threshold
-
-
-@_device_function
+@device_function
 def _load_tile(ptr, rows, n_rows, channels, d):
     """Rows of a contiguous [n_rows, d] matrix, zero outside it."""
     inside = (rows < n_rows)[:, None] & (channels < d)[None, :]
     return tl.load(ptr + rows[:, None] * d + channels[None, :], mask=inside, other=0.0)
 
 
-@_device_function
+@device_function
 def _store_tile(ptr, value, rows, n_rows, channels, d):
     inside = (rows < n_rows)[:, None] & (channels < d)[None, :]
     tl.store(ptr + rows[:, None] * d + channels[None, :], value.to(ptr.dtype.element_ty), mask=inside)
 
 
-@_device_function
+@device_function
 def _dot(a, b, UPCAST: tl.constexpr):
     """a @ b accumulated in fp32; fp32 inputs multiply in full precision ("ieee", not tf32), as torch.matmul's
     default. UPCAST (the interpreter): its tl.dot multiplies bf16 bit patterns as integers (triton-lang/triton#11584),
@@ -299,7 +231,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@_device_function
+@device_function
 def _scores(q, k, queries, keys, sq, sk, scale, UPCAST: tl.constexpr):
     """Scaled fp32 scores of a tile, -inf past sk and in a query's causal future."""
     scores = _dot(q, tl.trans(k), UPCAST) * scale
@@ -307,7 +239,7 @@ def _scores(q, k, queries, keys, sq, sk, scale, UPCAST: tl.constexpr):
     return tl.where(visible, scores, float("-inf"))
 
 
-@_device_function
+@device_function
 def _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED, threshold, keep_scale,
                     DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
     """The recomputed probabilities after dropout, and the scores' gradient dS, of one [queries, keys] tile."""
@@ -315,7 +247,7 @@ def _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale,
     grad_probs = _dot(do, tl.trans(v), UPCAST)
     dropped = probs
     if DROPOUT:
-        keep = _keep_tile(SEED, rows, keys, threshold)
+        keep = keep_tile(SEED, rows, keys, threshold)
         dropped = tl.where(keep, probs * keep_scale, 0.0)
         grad_probs = tl.where(keep, grad_probs * keep_scale, 0.0)
     return dropped, probs * (grad_probs - delta[:, None]) * scale
@@ -344,7 +276,7 @@ def _attention_forward(Q, K, V, OUT, LSE, SEED, sq, sk, d, scale, threshold, kee
         probs = tl.exp(scores - new_max[:, None])
         row_sum = row_sum * correction + tl.sum(probs, axis=1)
         if DROPOUT:  # after the sum: the softmax normalises over every key, dropped or not
-            probs = tl.where(_keep_tile(SEED, rows, keys, threshold), probs * keep_scale, 0.0)
+            probs = tl.where(keep_tile(SEED, rows, keys, threshold), probs * keep_scale, 0.0)
         acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, UPCAST)
         row_max = new_max
     _store_tile(OUT + head * sq * d, acc / row_sum[:, None], queries, sq, channels, d)

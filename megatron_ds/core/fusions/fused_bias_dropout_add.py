@@ -1,31 +1,35 @@
 """residual + dropout(x + bias): bias optional, output in the promoted dtype of x and residual; the reference
 runs PyTorch's kernels in that dtype, the compiled and triton paths compute in fp32.
 
-Every backend takes its keep-mask from dropout.dropout_keep_mask, drawn in PyTorch before it runs: the
-same mask for the same generator state whatever the backend, replayed by activation recompute and the TP
-RNG tracker. The mask (bool, 1 byte per element) is all any backend saves for backward.
-Not training, or p == 0: residual + x + bias, no mask.
+Every backend keeps the elements the model's one dropout mask keeps (dropout.py: the counter hash of a seed
+drawn per call and the element's index), so the mask is the same for the same generator state whatever the
+backend, and activation recompute and the TP RNG tracker replay it. The reference saves that mask (bool, 1 byte
+per element) for backward; the compiled path makes it inside its graph from the seed; the Triton kernels make it
+in registers in forward and again in backward, and keep only the seed.
+Not training, or p == 0: residual + x + bias, no mask and no draw.
 """
 import torch
 
 from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, row_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
-from megatron_ds.core.fusions.dropout import dropout, dropout_keep_mask
+from megatron_ds.core.fusions.counter_hash import draw_seed, drop_threshold, keep_tile
+from megatron_ds.core.fusions.dropout import dropout, tensor_keep_mask
 
 
-def _bda_math(x, bias, residual, keep, scale: float):
-    """residual + keep * (x + bias) * scale in fp32, in the promoted dtype; keep None means no dropout."""
+def _bda_math(x, bias, residual, seed, threshold: int, scale: float):
+    """residual + keep * (x + bias) * scale in fp32, in the promoted dtype; seed None means no dropout."""
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     y = x.float() if bias is None else x.float() + bias.float()
-    if keep is not None:
-        y = torch.where(keep, y * scale, 0.0)
+    if seed is not None:
+        y = torch.where(tensor_keep_mask(x, seed, threshold), y * scale, 0.0)
     return (residual.float() + y).to(out_dtype)
 
 
 def _dropout_args(x, p, training):
+    """(seed, threshold, keep scale) of one call; seed None without dropout."""
     if training and p > 0.0:
-        return dropout_keep_mask(x, p), 1.0 / (1.0 - p)
-    return None, 1.0
+        return draw_seed(x.device), drop_threshold(p), 1.0 / (1.0 - p)
+    return None, 0, 1.0
 
 
 def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
@@ -35,14 +39,42 @@ def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
     return residual + dropout(x, p, training)
 
 
+def _bda_input_grad(grad_output, seed, threshold: int, scale: float, x_dtype: torch.dtype, with_bias: bool):
+    """(dx, db or None) of _bda_math: the mask hashed again from the seed."""
+    dx = torch.where(tensor_keep_mask(grad_output, seed, threshold), grad_output.float() * scale, 0.0)
+    db = dx.reshape(-1, dx.size(-1)).sum(0) if with_bias else None
+    return dx.to(x_dtype), db
+
+
+class _CompiledBiasDropoutAdd(torch.autograd.Function):
+    """Forward and backward each one compiled graph run without autograd, so that neither stores the mask: on a
+    CPU, inductor writing the hashed mask out as bool costs 4x the fused forward that uses it in place."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, seed, threshold, scale):
+        ctx.save_for_backward(seed)
+        ctx.threshold, ctx.scale, ctx.x_dtype = threshold, scale, x.dtype
+        ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
+        return compiled(_bda_math)(x, bias, residual, seed, threshold, scale)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (seed,) = ctx.saved_tensors
+        with_bias = ctx.bias_dtype is not None
+        dx, db = compiled(_bda_input_grad)(grad_output, seed, ctx.threshold, ctx.scale, ctx.x_dtype, with_bias)
+        return dx, db.to(ctx.bias_dtype) if with_bias else None, grad_output.to(ctx.residual_dtype), None, None, None
+
+
 def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
-    """torch.compile of the reference math (the mask is drawn outside the compiled graph)."""
-    keep, scale = _dropout_args(x, p, training)
-    return compiled(_bda_math)(x, bias, residual, keep, scale)
+    """torch.compile of the reference math, the mask hashed inside the compiled graphs (forward and backward)."""
+    seed, threshold, scale = _dropout_args(x, p, training)
+    if seed is None:
+        return compiled(_bda_math)(x, bias, residual, None, 0, 1.0)
+    return _CompiledBiasDropoutAdd.apply(x, bias, residual, seed, threshold, scale)
 
 
 @kernel
-def _bda_forward(X, B, R, KEEP, OUT, rows, n, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+def _bda_forward(X, B, R, SEED, OUT, rows, n, threshold, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,16 +84,16 @@ def _bda_forward(X, B, R, KEEP, OUT, rows, n, scale, HAS_BIAS: tl.constexpr, HAS
     if HAS_BIAS:
         y += tl.load(B + c, mask=c < n, other=0.0).to(tl.float32)[None, :]
     if HAS_MASK:
-        keep = tl.load(KEEP + offsets, mask=inside, other=0)
-        y = tl.where(keep != 0, y * scale, 0.0)
+        y = tl.where(keep_tile(SEED, r, c, threshold), y * scale, 0.0)
     y += tl.load(R + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=inside)
 
 
 @kernel
-def _bda_backward(DY, KEEP, DX, DB_PARTIAL, rows, n, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx = dy * keep * scale; program (i, j) also sums its rows' dx into a db partial for column block j."""
+def _bda_backward(DY, SEED, DX, DB_PARTIAL, rows, n, threshold, scale, HAS_BIAS: tl.constexpr,
+                  HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx = dy * keep * scale, the mask hashed again from the seed; program (i, j) also sums its rows' dx into a
+    db partial for column block j."""
     pid_m = tl.program_id(0)
     programs_m = tl.num_programs(0)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,8 +105,7 @@ def _bda_backward(DY, KEEP, DX, DB_PARTIAL, rows, n, scale, HAS_BIAS: tl.constex
         offsets = r[:, None] * n + c[None, :]
         dx = tl.load(DY + offsets, mask=inside, other=0.0).to(tl.float32)
         if HAS_MASK:
-            keep = tl.load(KEEP + offsets, mask=inside, other=0)
-            dx = tl.where(keep != 0, dx * scale, 0.0)
+            dx = tl.where(keep_tile(SEED, r, c, threshold), dx * scale, 0.0)
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=inside)
         if HAS_BIAS:
             db += tl.sum(tl.where(inside, dx, 0.0), axis=0)
@@ -84,29 +115,28 @@ def _bda_backward(DY, KEEP, DX, DB_PARTIAL, rows, n, scale, HAS_BIAS: tl.constex
 
 class _BiasDropoutAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, residual, keep, scale):
-        check_device(x, bias, residual, op="bias_dropout_add")
+    def forward(ctx, x, bias, residual, seed, threshold, scale):
+        check_device(x, bias, residual, seed, op="bias_dropout_add")
         if residual.shape != x.shape:
             raise ValueError(f"bias_dropout_add: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
         n = x.size(-1)
         x2d = x.reshape(-1, n).contiguous()
         rows = x2d.size(0)
         out = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-        keep2d = keep.reshape(rows, n).contiguous() if keep is not None else None
         block_m, block_n = elementwise_tiles(n)
         if x2d.numel():
             _bda_forward[(cdiv(rows, block_m), cdiv(n, block_n))](
                 x2d, bias if bias is not None else x2d, residual.reshape(rows, n).contiguous(),
-                keep2d.view(torch.uint8) if keep is not None else x2d, out, rows, n, float(scale),
-                HAS_BIAS=bias is not None, HAS_MASK=keep is not None, BLOCK_M=block_m, BLOCK_N=block_n)
-        ctx.save_for_backward(keep2d)
-        ctx.scale, ctx.shape, ctx.x_dtype = float(scale), x.shape, x.dtype
+                seed if seed is not None else x2d, out, rows, n, threshold, float(scale),
+                HAS_BIAS=bias is not None, HAS_MASK=seed is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+        ctx.save_for_backward(seed)
+        ctx.threshold, ctx.scale, ctx.shape, ctx.x_dtype = threshold, float(scale), x.shape, x.dtype
         ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        (keep2d,) = ctx.saved_tensors
+        (seed,) = ctx.saved_tensors
         n = ctx.shape[-1]
         dy = grad_output.reshape(-1, n).contiguous()
         rows = dy.size(0)
@@ -117,18 +147,17 @@ class _BiasDropoutAdd(torch.autograd.Function):
         db_partial = torch.zeros(programs, n, dtype=torch.float32, device=dy.device) if has_bias else dx
         if dy.numel():
             _bda_backward[(programs, cdiv(n, block_n))](
-                dy, keep2d.view(torch.uint8) if keep2d is not None else dy, dx, db_partial, rows, n, ctx.scale,
-                HAS_BIAS=has_bias, HAS_MASK=keep2d is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+                dy, seed if seed is not None else dy, dx, db_partial, rows, n, ctx.threshold, ctx.scale,
+                HAS_BIAS=has_bias, HAS_MASK=seed is not None, BLOCK_M=block_m, BLOCK_N=block_n)
         db = db_partial.sum(0).to(ctx.bias_dtype) if has_bias else None
-        return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None
+        return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None, None
 
 
 def bias_dropout_add_triton(x, bias, residual, p: float, training: bool):
-    """Triton kernels, forward and backward; the saved activation is the 1-byte keep-mask alone."""
-    keep, scale = _dropout_args(x, p, training)
-    return _BiasDropoutAdd.apply(x, bias, residual, keep, scale)
+    """Triton kernels, forward and backward; the mask is hashed in both, only the seed is saved."""
+    return _BiasDropoutAdd.apply(x, bias, residual, *_dropout_args(x, p, training))
 
 
 OPS = (FusedOp("bias_dropout_add",
                {"reference": bias_dropout_add_reference, "triton": bias_dropout_add_triton,
-                "compile": bias_dropout_add_compile}),)
+                "compile": bias_dropout_add_compile}, faster_compiled_on_cpu=True),)

@@ -13,8 +13,9 @@ from torch._subclasses.fake_tensor import is_fake
 from deepspeed.sequence.layer import DistributedAttention
 
 from megatron_ds.core.fusions import scale_mask_softmax_reference
+from megatron_ds.core.fusions.counter_hash import draw_seed
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.fusions.flash_attention import draw_seed, flash_attention_footprint
+from megatron_ds.core.fusions.flash_attention import flash_attention_footprint
 from megatron_ds.core.parallel_state import (get_sequence_parallel_group, get_sequence_parallel_rank,
                                              get_sequence_parallel_world_size, get_tensor_model_parallel_world_size)
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide

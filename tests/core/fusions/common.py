@@ -33,3 +33,16 @@ def assert_matches(fn, reference, inputs, dtype=None, tolerances=None):
         assert got.dtype == want.dtype, f"{name} dtype {got.dtype} != reference {want.dtype}"
         assert got.shape == want.shape, f"{name} shape {tuple(got.shape)} != reference {tuple(want.shape)}"
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+def saved_tensors(fn, *args):
+    """The tensors autograd saves for backward while running fn(*args)."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(*args)
+    return saved

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ds.core import fusions
 from megatron_ds.core.transformer.rotary import RotaryEmbedding
-from tests.core.fusions.common import assert_matches, leaf
+from tests.core.fusions.common import assert_matches, leaf, saved_tensors
 from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,6 +64,8 @@ def test_bias_dropout_add(dtype):
 
     assert_matches(seeded(fusions.bias_dropout_add_compile), seeded(fusions.bias_dropout_add_reference),
                    [x, bias, residual])
+    saved = saved_tensors(fusions.bias_dropout_add_compile, x, bias, residual, 0.3, True)
+    assert [(t.dtype, t.dim()) for t in saved] == [(torch.int64, 0)]  # the seed: backward hashes the mask again
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.core.fusions import counter_hash
 from megatron_ds.core.fusions import flash_attention as fa
 from megatron_ds.core.tensor_parallel.random import checkpoint
 from tests.core.fusions.common import assert_matches, leaf
@@ -18,13 +19,13 @@ def _qkv(b, heads, sq, sk, d, dtype=torch.float32):
 
 def _mask(b, heads, sq, sk, seed, p):
     rows = torch.arange(b * heads * sq)
-    return fa.keep_mask(seed, rows, torch.arange(sk), fa.drop_threshold(p)).view(b, heads, sq, sk)
+    return counter_hash.keep_mask(seed, rows, torch.arange(sk), counter_hash.drop_threshold(p)).view(b, heads, sq, sk)
 
 
 def test_keep_mask_is_the_murmur_hash_of_seed_row_and_key():
-    seed, threshold = 0xDEADBEEF, fa.drop_threshold(0.3)
+    seed, threshold = 0xDEADBEEF, counter_hash.drop_threshold(0.3)
     rows, keys = torch.tensor([0, 1, 77, 2 ** 31 - 1]), torch.tensor([0, 5, 4095, 2 ** 20])
-    mask = fa.keep_mask(torch.tensor(seed), rows, keys, threshold)
+    mask = counter_hash.keep_mask(torch.tensor(seed), rows, keys, threshold)
     expected = [[fmix32((fmix32(row ^ seed) + key * 0x9E3779B9) & 0xFFFFFFFF) >= threshold for key in keys.tolist()]
                 for row in rows.tolist()]
     assert mask.tolist() == expected
@@ -72,7 +73,7 @@ def test_recompute_replays_the_mask_through_the_seed_draw():
     query, key, value = _qkv(1, 2, 64, 64, 8)
 
     def attention(q, k, v):
-        return fa.flash_attention_reference(q, k, v, 0.5, fa.draw_seed(q.device))
+        return fa.flash_attention_reference(q, k, v, 0.5, counter_hash.draw_seed(q.device))
 
     torch.manual_seed(3)
     direct = torch.autograd.grad(attention(query, key, value).sum(), (query, key, value))
@@ -89,4 +90,4 @@ def test_bad_shapes_and_probabilities_are_refused():
     with pytest.raises(ValueError, match=r"sq <= sk; got \(1, 1, 8, 4\), \(1, 1, 4, 4\)"):
         fa.flash_attention_reference(query, key, value, 0.0, torch.tensor(0))
     with pytest.raises(ValueError, match="dropout probability must be in \\[0, 1\\), got 1.0"):
-        fa.drop_threshold(1.0)
+        counter_hash.drop_threshold(1.0)

@@ -10,8 +10,8 @@ import torch
 
 from megatron_ds.core import fusions
 from megatron_ds.core.fusions._triton import TRITON_IMPORT_ERROR, interpreter_problem
-from megatron_ds.core.fusions.flash_attention import (drop_threshold, flash_attention_reference,
-                                                     flash_attention_triton, keep_mask)
+from megatron_ds.core.fusions.counter_hash import drop_threshold, keep_mask
+from megatron_ds.core.fusions.flash_attention import flash_attention_reference, flash_attention_triton
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 from tests.core.fusions.common import assert_matches, leaf
 from tests.core.fusions.oracles import textbook_vocab_parallel_cross_entropy

@@ -38,11 +38,12 @@ def test_auto_on_cpu_for_a_narrow_model_and_reference_run_the_registry_reference
 def test_auto_on_cpu_compiles_a_wide_model_s_ops_and_its_attention():
     llama = dict(normalization="RMSNorm", gated_linear_unit=True, position_embedding_type="rope")
     config = _config("auto", hidden_size=CPU_COMPILE_MIN_HIDDEN, **llama)
-    assert compiled_ops(config) == ["rms_norm", "rotary_pos_emb", "swiglu", "cross_entropy", "flash_attention"]
+    assert compiled_ops(config) == ["rms_norm", "rotary_pos_emb", "swiglu", "bias_dropout_add", "cross_entropy",
+                                    "flash_attention"]
     assert describe_fused_ops(config) == ("rms_norm=compile rotary_pos_emb=compile swiglu=compile bias_dropout_add="
-                                          "reference cross_entropy=compile core_attention=flash_attention/compile")
+                                          "compile cross_entropy=compile core_attention=flash_attention/compile")
     gpt2_local = _config("auto", hidden_size=CPU_COMPILE_MIN_HIDDEN, attention_backend="local")
-    assert compiled_ops(gpt2_local) == ["scale_mask_softmax", "cross_entropy"]
+    assert compiled_ops(gpt2_local) == ["scale_mask_softmax", "bias_dropout_add", "cross_entropy"]
     assert describe_fused_ops(gpt2_local).endswith("core_attention=local")
 
 

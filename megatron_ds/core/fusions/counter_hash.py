@@ -1,0 +1,90 @@
+"""The counter-based hash every dropout mask of the model comes from: a keep bit per (seed, row, column), no
+random draw per element.
+
+    seed = draw_seed(device)                          # one draw from the device's generator per dropout call
+    keep = keep_mask(seed, rows, columns, drop_threshold(p))   # [len(rows), len(columns)] bool
+
+`seed` is a 0-d int64 tensor in [0, 2**32), so activation recompute and the TP RNG tracker replay it as they
+replay any draw, and a kernel can regenerate any element's bit from its index (nothing but the seed is kept for
+backward). An element is dropped when its hash < p * 2**32: the keep rate is 1 - p to within 2**-32.
+
+The hash is murmur3's 32-bit finaliser applied twice: fmix32(fmix32(row ^ seed) + column * 0x9E3779B9).
+PyTorch has no wrapping 32-bit multiply, so `keep_mask` multiplies int64 values by the constant's 16-bit
+halves (exact); `keep_tile`, for Triton kernels, multiplies uint32 values, which wrap.
+"""
+import torch
+
+from megatron_ds.core.fusions._triton import tl, triton
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_FMIX_1, _FMIX_2 = 0x85EBCA6B, 0xC2B2AE35
+
+
+def draw_seed(device) -> torch.Tensor:
+    """A 0-d int64 tensor in [0, 2**32) from device's generator (no host sync on CUDA)."""
+    return torch.empty((), dtype=torch.int64, device=device).random_(0, 2 ** 32)
+
+
+def drop_threshold(p: float) -> int:
+    """Hash values below this are dropped."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return min(int(round(p * 2 ** 32)), _M32)
+
+
+def _mul32_(x, constant: int):
+    """x *= constant mod 2**32, in place, for int64 x in [0, 2**32): each product stays below 2**48."""
+    high = x * (constant >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    x *= constant & 0xFFFF
+    x += high
+    x &= _M32
+    return x
+
+
+def _fmix32_(x):
+    """murmur3's finaliser, in place (x is overwritten: it must be a temporary)."""
+    x ^= x >> 16
+    _mul32_(x, _FMIX_1)
+    x ^= x >> 13
+    _mul32_(x, _FMIX_2)
+    x ^= x >> 16
+    return x
+
+
+def keep_mask(seed, rows, columns, threshold: int):
+    """[len(rows), len(columns)] bool: True where the (row, column) element is kept. rows and columns are int64
+    index vectors."""
+    row_hash = _fmix32_(rows ^ seed)
+    mixed = row_hash[:, None] + ((columns * _GOLDEN) & _M32)[None, :]
+    mixed &= _M32
+    return _fmix32_(mixed) >= threshold
+
+
+def device_function(fn):
+    """A function kernels call. Unlike a kernel it is jitted at import, in the mode triton was imported in
+    (as triton jits its own tl functions); without triton it stays plain Python and is never called."""
+    return fn if triton is None else triton.jit(fn)
+
+
+# the hash's constants as the kernels read them: a compiled kernel reads module globals only as constexprs
+_GOLDEN_K, _FMIX_1_K, _FMIX_2_K = (tl.constexpr(value) for value in (_GOLDEN, _FMIX_1, _FMIX_2))
+
+
+@device_function
+def _fmix32_u32(x):
+    x ^= x >> 16
+    x *= _FMIX_1_K
+    x ^= x >> 13
+    x *= _FMIX_2_K
+    return x ^ (x >> 16)
+
+
+@device_function
+def keep_tile(SEED, rows, columns, threshold):
+    """keep_mask of a tile in uint32 arithmetic, which wraps as the hash needs: [len(rows), len(columns)] bool."""
+    seed = tl.load(SEED).to(tl.uint32)
+    row_hash = _fmix32_u32(rows.to(tl.uint32) ^ seed)
+    return _fmix32_u32(row_hash[:, None] + columns.to(tl.uint32)[None, :] * _GOLDEN_K) >= threshold
