@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
+from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
+                         sequential, total_rotations)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
@@ -89,11 +90,11 @@ def main(argv=None):
         dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], total_rotations(args))
         moe = _command(args, _moe_flags(args, profile_dir), total_rotations(args) + 2)
         seconds, outputs = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
-                                        {**os.environ, "OMP_NUM_THREADS": "1"})
+                                        {**os.environ, "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
     timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "
-          f"{args.micro_batch_size} per rank; both launches in turns, iteration by iteration: {WARM_UP} warm-up "
+          f"{args.micro_batch_size} per rank; both launches {method_words(args)}: {WARM_UP} warm-up "
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     for name, label in (("dense", f"dense  (FFN {args.ffn_hidden_size})"),
                         ("moe", f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, "

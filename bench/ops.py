@@ -1,16 +1,21 @@
 """Fused ops: each available backend against the plain-PyTorch reference (what the model runs unfused).
 
-Time of forward + backward (median of --repeats after --warmup calls) and memory, in one run:
+Time of forward + backward and memory, in one run:
 
     python bench/ops.py [--device cpu|cuda] [--dtype bf16|fp32] [--size small|large] [--ops swiglu ...]
-                        [--backends reference compile triton apex] [--repeats N] [--warmup N]
+                        [--backends reference compile triton apex] [--rounds N] [--rotations-per-round N]
                         [--clock wall|process] [--threads N]
 
 On a shared CPU host: OMP_WAIT_POLICY=PASSIVE python bench/ops.py --clock process --threads 1
 
+Method (bench/turns.py's alternate): an op's backends take turns call by call (forward + backward), so that a
+slowdown of the host falls on every backend alike; each backend's time over the reference's is taken within a
+rotation, a round's is the median of its rotations', and the median of the rounds prints with their range, or
+"unstable" when they lie more than --max-spread apart. `first s` is the first call (compile time for compile),
+outside the turns; `fwd ms` and `fwd+bwd ms` are medians over the timed calls.
 Memory: bytes of the tensors autograd saves for backward (unique storages, via saved_tensors_hooks), on
 every device; on CUDA also the peak of max_memory_allocated over forward + backward above what was allocated
-before. Ratios are fused / reference (< 1 is better). `first s` is the first call (compile time for compile).
+before. Memory ratios are fused / reference (< 1 is better).
 Triton is timed on CUDA only (its CPU interpreter checks numerics, it is not a kernel).
 """
 import argparse
@@ -27,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.turns import (Ratio, add_arguments, alternate, method_words, rounds_of, sequential,  # noqa: E402
+                         total_rotations)
 from megatron_ds.core import fusions  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
@@ -124,30 +131,40 @@ def peak_bytes(case, fn, device):
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def timing(case, fn, device, warmup, repeats, clock=time.perf_counter):
-    """(first call seconds, median forward ms, median forward + backward ms)."""
-    inputs = case.inputs()
-    began = time.perf_counter()
-    outputs = _outputs(case.call(fn, inputs))
-    grads = [torch.randn_like(out) for out in outputs]
-    torch.autograd.backward(outputs, grads)
-    _sync(device)
-    first = time.perf_counter() - began
-    forward, step = [], []
-    for index in range(warmup + repeats):
+WARM_UP_CALLS = 3
+
+
+class Timed:
+    """One backend of an op as a turn: its first call (timed apart), then forward + backward per step, the forward's
+    time kept too."""
+
+    def __init__(self, case, fn, device, clock):
+        self.case, self.fn, self.device, self.clock = case, fn, device, clock
+        self.inputs = case.inputs()
+        began = time.perf_counter()
+        outputs = _outputs(case.call(fn, self.inputs))
+        self.grads = [torch.randn_like(out) for out in outputs]
+        torch.autograd.backward(outputs, self.grads)
         _sync(device)
-        began = clock()
-        outputs = _outputs(case.call(fn, inputs))
-        _sync(device)
-        middle = clock()
-        torch.autograd.backward(outputs, grads)
-        _sync(device)
-        if index >= warmup:
-            forward.append((middle - began) * 1e3)
-            step.append((clock() - began) * 1e3)
-        for tensor in inputs.values():
+        self.first = time.perf_counter() - began
+        self.forward = []
+
+    def step(self):
+        began = self.clock()
+        outputs = _outputs(self.case.call(self.fn, self.inputs))
+        _sync(self.device)
+        self.forward.append(self.clock() - began)
+        torch.autograd.backward(outputs, self.grads)
+        for tensor in self.inputs.values():
             tensor.grad = None
-    return first, statistics.median(forward), statistics.median(step)
+
+
+def measure_op(case, backends, device, args, clock):
+    """{backend: (Timed, [seconds per forward + backward])}, the backends in turns."""
+    timed = {backend: Timed(case, fn, device, clock) for backend, fn in backends.items()}
+    seconds = alternate({backend: entry.step for backend, entry in timed.items()},
+                        total_rotations(args, WARM_UP_CALLS), lambda: _sync(device), sequential(args), clock)
+    return {backend: (timed[backend], seconds[backend]) for backend in backends}
 
 
 def main(argv=None):
@@ -157,8 +174,7 @@ def main(argv=None):
     parser.add_argument("--size", default=None, choices=list(SIZES), help="default: large on CUDA, small on CPU")
     parser.add_argument("--ops", nargs="*", default=None)
     parser.add_argument("--backends", nargs="*", default=["reference", "compile", "triton", "apex"])
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on CPU, 50 on CUDA")
-    parser.add_argument("--warmup", type=int, default=3)
+    add_arguments(parser, rotations_per_round=4)
     parser.add_argument("--clock", default="wall", choices=["wall", "process"],
                         help="process: this process's CPU seconds (steadier than wall time on a loaded CPU host; "
                              "set OMP_WAIT_POLICY=PASSIVE so that idle OpenMP threads do not spin)")
@@ -169,42 +185,59 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     size_name = args.size or ("large" if device.type == "cuda" else "small")
-    repeats = args.repeats or (50 if device.type == "cuda" else 10)
     cases = build_cases(SIZES[size_name], dtype, device)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"device {device}, {args.dtype}, size {size_name} {SIZES[size_name]}, threads {torch.get_num_threads()}, "
-          f"median of {repeats} after {args.warmup} warm-up calls, {args.clock} clock")
-    header = (f"{'op':<19}{'backend':<10}{'first s':>8}{'fwd ms':>9}{'fwd+bwd ms':>11}{'x ref':>7}"
-              f"{'saved MiB':>10}{'x ref':>7}" + (f"{'peak MiB':>9}{'x ref':>7}" if device.type == "cuda" else ""))
+          f"an op's backends {method_words(args)}: {WARM_UP_CALLS} warm-up rotations, then "
+          f"{rounds_of(args.rounds, args.rotations_per_round)}, {args.clock} clock")
+    header = (f"{'op':<19}{'backend':<10}{'first s':>8}{'fwd ms':>9}{'fwd+bwd ms':>11}"
+              f"{'saved MiB':>10}{'x ref':>7}" + (f"{'peak MiB':>9}{'x ref':>7}" if device.type == "cuda" else "")
+              + "  fwd+bwd x ref")
     print(header)
     for name, case in cases.items():
         if args.ops and name not in args.ops:
             continue
-        rows = {}
-        for backend in ("reference", "compile", "triton", "apex"):
-            if backend not in args.backends or backend not in fusions.registered_ops()[name].implementations:
-                continue
-            reason = fusions.unavailable_reason(name, backend, device)
-            if backend == "triton" and device.type != "cuda":
-                reason = reason or "interpreter only on CPU: numerics, not speed"
-            if reason:
-                print(f"{name:<19}{backend:<10}unavailable: {reason}")
-                continue
-            rows[backend] = fusions.registered_ops()[name].implementations[backend]
-        results = {}
-        for backend, fn in rows.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                first, forward, step = timing(case, fn, device, args.warmup, repeats, clock)
-            results[backend] = (first, forward, step, saved_bytes(case, fn), peak_bytes(case, fn, device))
-        ref = results.get("reference")
-        for backend, (first, forward, step, saved, peak) in results.items():
-            line = (f"{name:<19}{backend:<10}{first:8.2f}{forward:9.3f}{step:11.3f}"
-                    f"{step / ref[2] if ref else float('nan'):7.2f}"
-                    f"{saved / 2**20:10.2f}{saved / ref[3] if ref and ref[3] else float('nan'):7.2f}")
-            if peak is not None:
-                line += f"{peak / 2**20:9.1f}{peak / ref[4] if ref and ref[4] else float('nan'):7.2f}"
-            print(line)
+        rows = available_backends(name, args.backends, device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            measured = measure_op(case, rows, device, args, clock)
+        print_op(name, case, rows, measured, device, args)
+
+
+def available_backends(name, requested, device):
+    """{backend: implementation} of op `name` among `requested` that can be timed here; a line for each other."""
+    rows = {}
+    for backend in ("reference", "compile", "triton", "apex"):
+        if backend not in requested or backend not in fusions.registered_ops()[name].implementations:
+            continue
+        reason = fusions.unavailable_reason(name, backend, device)
+        if backend == "triton" and device.type != "cuda":
+            reason = reason or "interpreter only on CPU: numerics, not speed"
+        if reason:
+            print(f"{name:<19}{backend:<10}unavailable: {reason}")
+            continue
+        rows[backend] = fusions.registered_ops()[name].implementations[backend]
+    return rows
+
+
+def print_op(name, case, rows, measured, device, args):
+    """A line per backend: first call, median forward and step, memory, and the step's ratio to the reference's."""
+    memory = {backend: (saved_bytes(case, fn), peak_bytes(case, fn, device)) for backend, fn in rows.items()}
+    reference = measured.get("reference")
+    for backend, (timed, steps) in measured.items():
+        saved, peak = memory[backend]
+        ref_saved, ref_peak = memory["reference"] if reference else (None, None)
+        line = (f"{name:<19}{backend:<10}{timed.first:8.2f}{_median_ms(timed.forward):9.3f}{_median_ms(steps):11.3f}"
+                f"{saved / 2**20:10.2f}{saved / ref_saved if ref_saved else float('nan'):7.2f}")
+        if peak is not None:
+            line += f"{peak / 2**20:9.1f}{peak / ref_peak if ref_peak else float('nan'):7.2f}"
+        if reference and backend != "reference":
+            line += "  " + Ratio.of(steps, reference[1], args.rounds, WARM_UP_CALLS).text(args.max_spread)
+        print(line)
+
+
+def _median_ms(seconds):
+    return statistics.median(seconds[WARM_UP_CALLS:]) * 1e3
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
+from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
+                         sequential, total_rotations)
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
@@ -77,7 +78,7 @@ def command(args, schedule, micro_batches, folder):
 def run_schedules(args, micro_batches, schedules, folder):
     """{schedule: ([seconds per iteration], [idle share per stage])} of one launch per schedule, in turns."""
     sides = {schedule: (command(args, schedule, micro_batches, folder), 2) for schedule in schedules}
-    seconds, outputs = run_in_turns(sides, folder, {**os.environ, "OMP_NUM_THREADS": "1"})
+    seconds, outputs = run_in_turns(sides, folder, {**os.environ, "OMP_NUM_THREADS": "1"}, sequential(args))
     return {schedule: (seconds[schedule], _idle_shares(outputs[schedule])) for schedule in schedules}
 
 
@@ -93,7 +94,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         results = {m: run_schedules(args, m, schedules, folder) for m, schedules in runnable.items()}
     print(f"PP 2, one rank per core, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, "
-          f"micro batch {args.micro_batch_size}; per m every schedule's launch in turns, iteration by iteration: "
+          f"micro batch {args.micro_batch_size}; per m every schedule's launch {method_words(args)}: "
           f"{WARM_UP} warm-up rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     print(f"{'m':>3} {'schedule':>12} {'step ms':>9} {'vs 1F1B':>40} {'idle stage 0':>13} {'idle stage 1':>13} "
           f"{'measured bubble':>16} {'planner bubble':>15}")

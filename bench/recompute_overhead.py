@@ -18,7 +18,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
-from bench.turns import Ratio, add_arguments, alternate, rounds_of, total_rotations  # noqa: E402
+from bench.turns import (Ratio, add_arguments, alternate, method_words, rounds_of, sequential,  # noqa: E402
+                         total_rotations)
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
@@ -59,9 +60,9 @@ def main(argv=None):
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     steps = {mode: step_function(args, granularity) for mode, granularity in MODES.items()}
-    seconds = alternate(steps, total_rotations(args, WARM_UP), _synchronize)
+    seconds = alternate(steps, total_rotations(args, WARM_UP), _synchronize, sequential(args))
     print(f"{args.num_layers} layers, h={args.hidden_size}, a={args.num_attention_heads}, s={args.seq_length}, "
-          f"b={args.micro_batch_size}, bf16, local attention, {device().type}; the stacks in turns, step by step: "
+          f"b={args.micro_batch_size}, bf16, local attention, {device().type}; the stacks {method_words(args)}: "
           f"{WARM_UP} warm-up rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     for mode, turns in seconds.items():
         ratio = Ratio.of(turns, seconds["none"], args.rounds, WARM_UP).text(args.max_spread)

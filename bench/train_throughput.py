@@ -51,7 +51,8 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import WARM_UP, Ratio, add_arguments, rounds_of, run_in_turns, total_rotations  # noqa: E402
+from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
+                         sequential, total_rotations)
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
@@ -317,7 +318,7 @@ def sides(args):
 def measure(args):
     """Every side in turns: ({name: [seconds per turn]}, {name: parameter count})."""
     with tempfile.TemporaryDirectory() as folder:
-        seconds, outputs = run_in_turns(sides(args), folder)
+        seconds, outputs = run_in_turns(sides(args), folder, sequential=sequential(args))
     parameters = {ENGINE: engine_parameters(outputs[ENGINE])}
     parameters.update({name: int(re.search(r"^parameters (\d+)$", outputs[name], re.M)[1]) for name in baselines(args)})
     return seconds, parameters
@@ -354,7 +355,7 @@ def describe(args, parameters, gemm, device):
             f"s={args.seq_length}, b={args.micro_batch_size}, V={args.vocab_size}, dropout hidden "
             f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type}; bf16 GEMM "
             f"(n {args.gemm_size}) {statistics.median(gemm):.3f} TFLOP/s (turns {min(gemm):.3f}-{max(gemm):.3f}); "
-            f"every side in turns, iteration by iteration: {WARM_UP} warm-up rotations, then "
+            f"every side {method_words(args)}: {WARM_UP} warm-up rotations, then "
             f"{rounds_of(args.rounds, args.rotations_per_round)}")
 
 

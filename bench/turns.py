@@ -15,7 +15,9 @@ side has finished, so no exit runs beside another side's step. Start-up is not g
 once every process of every side has asked for one.
 
 run_in_turns starts each side's command and runs the coordinator; alternate() is the same method for sides
-that are functions in one process. A process of a side:
+that are functions in one process. `--method sequential` (every bench) is the method this replaced, kept for
+contrast: each side takes all its steps before the next side takes any, so a side's i-th step and another's lie
+minutes apart. A process of a side:
 `turn = Turn.from_environment()`, then `with turn.taken(): step()` per step and
 `turn.finish()` at the end. `python bench/turns.py <pretrain.py flags>` is pretrain.py with each iteration a turn
 (the rank script of a launch; TurnTaking.environment(side) is the environment to launch it with).
@@ -34,6 +36,7 @@ ADDRESS, SIDE = "BENCH_TURNS_ADDRESS", "BENCH_TURNS_SIDE"
 # rotations a bench leaves out: training launches here ran their first iterations up to 50% slower (one-off costs,
 # torch.compile's worker processes starting beside them), settled by the sixth
 WARM_UP = 6
+METHODS = ("turns", "sequential")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -66,10 +69,11 @@ class _Connection:
 
 
 class TurnTaking:
-    """The coordinator. sides: {name: number of processes that take each of its turns}."""
+    """The coordinator. sides: {name: number of processes that take each of its turns}; sequential: each side
+    takes all its turns before the next side takes any."""
 
-    def __init__(self, sides, start_up_timeout=900):
-        self.sides, self.start_up_timeout = dict(sides), start_up_timeout
+    def __init__(self, sides, start_up_timeout=900, sequential=False):
+        self.sides, self.start_up_timeout, self.sequential = dict(sides), start_up_timeout, sequential
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.turns = {name: [] for name in self.sides}  # seconds of each turn, in order
 
@@ -84,7 +88,7 @@ class TurnTaking:
                    connections.items()}  # every process's first request, before any turn is given
         running = list(self.sides)
         while running:
-            for name in list(running):
+            for name in running[:1] if self.sequential else list(running):
                 requests = waiting.pop(name, None) or [self._receive(name, c, alive) for c in connections[name]]
                 if set(requests) == {"finished"}:
                     running.remove(name)
@@ -135,11 +139,12 @@ class TurnTaking:
         return time.perf_counter() - start
 
 
-def run_in_turns(sides, folder, environment=None):
+def run_in_turns(sides, folder, environment=None, sequential=False):
     """sides: {name: (command, number of processes)}. Starts every side's command (from the repository, with its
     turn's environment over `environment`, its output to a file in folder), gives turns until all have finished and
-    returns ({name: [seconds per turn]}, {name: output}). A side that fails stops everything, with its output."""
-    turns = TurnTaking({name: processes for name, (_, processes) in sides.items()})
+    returns ({name: [seconds per turn]}, {name: output}). A side that fails stops everything, with its output.
+    sequential: TurnTaking's."""
+    turns = TurnTaking({name: processes for name, (_, processes) in sides.items()}, sequential=sequential)
     files = {name: os.path.join(folder, f"side{index}.txt") for index, name in enumerate(sides)}
     environment = environment or os.environ
     launches = {name: _start(command, files[name], {**environment, **_threads(environment, processes),
@@ -255,19 +260,25 @@ class Ratio:
         return max(len(self.rounds) + 1, int((4 * deviation / max_spread) ** 2) + 1)
 
 
-def alternate(steps, rotations, synchronize=lambda: None):
+def alternate(steps, rotations, synchronize=lambda: None, sequential=False, clock=time.perf_counter):
     """Turns within one process: steps is {name: function taking one step}; each rotation calls every function
-    once, the order rotated by one from each rotation to the next. Returns {name: [seconds per call]}."""
+    once, the order rotated by one from each rotation to the next (sequential: each function `rotations` times in
+    a row, one after the other). Returns {name: [seconds (of clock) per call]}."""
     names, seconds = list(steps), {name: [] for name in steps}
-    for rotation in range(rotations):
-        shift = rotation % len(names)
-        for name in names[shift:] + names[:shift]:
-            synchronize()
-            start = time.perf_counter()
-            steps[name]()
-            synchronize()
-            seconds[name].append(time.perf_counter() - start)
+    for name in _call_order(names, rotations, sequential):
+        synchronize()
+        start = clock()
+        steps[name]()
+        synchronize()
+        seconds[name].append(clock() - start)
     return seconds
+
+
+def _call_order(names, rotations, sequential):
+    if sequential:
+        return [name for name in names for _ in range(rotations)]
+    return [name for rotation in range(rotations)
+            for name in names[rotation % len(names):] + names[:rotation % len(names)]]
 
 
 def add_arguments(parser, rotations_per_round):
@@ -277,6 +288,20 @@ def add_arguments(parser, rotations_per_round):
                         help="rotations (one step of every side) per round; a round's ratio is their median")
     parser.add_argument("--max-spread", type=float, default=0.05,
                         help="a ratio whose rounds lie further apart prints as unstable")
+    parser.add_argument("--method", choices=METHODS, default="turns",
+                        help="sequential: each side takes all its steps before the next (the former method, for "
+                             "contrast)")
+
+
+def sequential(args):
+    """Whether the bench runs its sides one after the other (--method sequential)."""
+    return args.method == "sequential"
+
+
+def method_words(args):
+    """How the sides ran, for a bench's header."""
+    return ("one after the other, each side all its steps (--method sequential)" if sequential(args)
+            else "in turns, iteration by iteration")
 
 
 def total_rotations(args, warm_up=WARM_UP):

@@ -43,6 +43,19 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
 
+def test_ops_bench_times_an_op_s_backends_in_turns_and_prints_each_one_s_ratio_to_the_reference():
+    command = [sys.executable, "bench/ops.py", "--size", "tiny", "--ops", "bias_dropout_add", "--backends",
+               "reference", "compile", "--rounds", "2", "--rotations-per-round", "2", "--threads", "1"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "an op's backends in turns, iteration by iteration: 3 warm-up rotations, then 2 rounds of 2" in out, out
+    assert re.search(r"^bias_dropout_add +reference +[0-9.]+ +[0-9.]+ +[0-9.]+ +0\.00 +1\.00$", out, re.M), out
+    compiled = re.search(r"^bias_dropout_add +compile .* ([0-9.]+x \(rounds [0-9.]+-[0-9.]+, 2 rounds of 2\)|"
+                         r"unstable: rounds .*)$", out, re.M)
+    assert compiled, out
+
+
 def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
     command = [sys.executable, "bench/moe.py", "--ranks", "2", "--experts", "4", "--num-layers", "2",
                "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",

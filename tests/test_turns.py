@@ -56,6 +56,16 @@ def test_sides_step_in_turns_and_the_early_finisher_waits_for_the_last(tmp_path)
     assert all(turn >= 0.005 for turn in seconds["a"] + seconds["b"])
 
 
+def test_the_sequential_method_runs_every_step_of_one_side_before_the_next_side_s(tmp_path):
+    turns = TurnTaking({"a": 1, "b": 1}, sequential=True)
+    processes = [_start(turns, "a", 3, tmp_path / "a"), _start(turns, "b", 3, tmp_path / "b")]
+    seconds = turns.run()
+    assert all(process.wait(timeout=60) == 0 for process in processes) and len(seconds["b"]) == 3
+    (a_steps, a_exit), (b_steps, _) = _steps(tmp_path / "a"), _steps(tmp_path / "b")
+    assert max(end for _, end in a_steps) <= min(start for start, _ in b_steps)
+    assert a_exit >= max(end for _, end in b_steps)  # the first side still holds its exit
+
+
 def test_a_side_whose_process_dies_is_named(tmp_path):
     turns = TurnTaking({"steady": 1, "dying": 1})
     steady = _start(turns, "steady", 4, tmp_path / "steady")
@@ -84,6 +94,9 @@ def test_alternate_calls_every_step_once_per_rotation_in_a_rotated_order():
     seconds = alternate({name: (lambda name=name: calls.append(name)) for name in "abc"}, rotations=4)
     assert calls == list("abc" "bca" "cab" "abc")
     assert [len(seconds[name]) for name in "abc"] == [4, 4, 4]
+    calls.clear()
+    alternate({name: (lambda name=name: calls.append(name)) for name in "ab"}, rotations=3, sequential=True)
+    assert calls == list("aaabbb")
 
 
 def test_a_sides_processes_share_the_cores_unless_the_environment_sets_the_threads(tmp_path):
