@@ -20,6 +20,12 @@ nodes for it); the message says the result reproduced on the same ranks.
 --error-injection-rate N fails every Nth validation on purpose (--error-injection-type): transient_error makes
 the last rank's loss NaN (or a spike, where only the spike check is on) in the first computation only,
 persistent_error in the replay too, correct_result fails the check with the true value.
+
+--rerun-mode report_stats: every --rerun-stats-interval-th iteration is computed twice from the same state (the
+first computation's step dropped, the second's taken) and compared rank by rank, loss and stage output; every log
+interval and at the end the run prints how many reproduced bit for bit, the largest relative loss difference
+and the ranks whose results moved. Nothing stops the run: it measures how reproducible the devices and kernels
+are (an injected transient_error shows as the last rank's loss moving).
 """
 import math
 import struct
@@ -153,25 +159,93 @@ class ResultValidator:
 
     @staticmethod
     def _transient(iteration, problem, ranks):
-        """The message for a result that did not reproduce, naming the ranks that computed it: those whose own output
-        changed at the earliest pipeline stage where any did (the later stages computed on what they received),
-        else those whose loss changed."""
-        moved = [rank for rank in ranks if rank.output_changed]
-        if moved:
-            stage = min(rank.stage for rank in moved)
-            culprits = [rank for rank in moved if rank.stage == stage]
-            how = (f"the output of pipeline stage {stage} changed on rank(s) {_numbers(culprits)} (the ranks "
-                   f"downstream of it computed on what they received)")
-        else:
-            culprits = [rank for rank in ranks if rank.loss_changed]
-            how = "the loss changed on rank(s) " + "; ".join(
-                f"{rank.number}: {rank.first_loss!r}, then {rank.replay_loss!r}" for rank in culprits)
+        """The message for a result that did not reproduce, naming the ranks that computed it (_culprits)."""
+        culprits, how = _culprits(ranks)
         return (f"iteration {iteration}: {problem}; computed again from the same state, {how}: a transient fault of "
                 f"the device(s) of rank(s) {_numbers(culprits)}. Not saved; exiting with {EXIT_RESUME_ELSEWHERE} so "
                 f"that the job is resumed from the last checkpoint (on other nodes where the scheduler can)")
 
     def _accept(self, loss):
         self.recent = (self.recent + [loss])[-SPIKE_WINDOW:]
+
+
+class ReproducibilityStats(ResultValidator):
+    """--rerun-mode report_stats: run_iteration computes every interval-th iteration twice and keeps the
+    statistics that report() prints."""
+
+    def __init__(self, validation, engine, interval):
+        super().__init__(validation, engine)
+        self.interval = interval
+        self.checked = self.reproduced = 0
+        self.largest = (0.0, None)    # (relative loss difference, iteration)
+        self.moved = {}               # rank -> iterations where a result it computed did not reproduce (_culprits)
+
+    def run_iteration(self, iteration, compute, rewind, describe_batch=None):
+        """As ResultValidator.run_iteration, never skipping: (loss, extra, False)."""
+        if iteration % self.interval:
+            loss, extra = compute()
+            return loss, extra, False
+        rng = collect_rng_state()
+        self.validations += 1
+        injected = self._injection()
+        with DeferredOptimizerStep(self.engine) as step:
+            self.outputs.reset()
+            first_loss, _ = compute()
+            first, first_outputs = self._seen(first_loss, injected, replay=False), self.outputs.read()
+            step.discard()
+            restore_rng_state(rng)
+            rewind()
+            self.outputs.reset()
+            loss, extra = compute()
+            self._record(iteration, _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True),
+                                                  self.outputs.read()))
+            step.apply()
+        return loss, extra, False
+
+    def _record(self, iteration, ranks):
+        self.checked += 1
+        moved = _culprits(ranks)[0] if any(rank.changed for rank in ranks) else []
+        self.reproduced += not moved
+        for rank in moved:
+            self.moved.setdefault(rank.number, []).append(iteration)
+        differences = [_relative_difference(rank.first_loss, rank.replay_loss) for rank in ranks]
+        difference = next((value for value in differences if math.isnan(value)), max(differences))
+        if not math.isnan(self.largest[0]) and (math.isnan(difference) or difference > self.largest[0]):
+            self.largest = (difference, iteration)  # a NaN stays the largest
+
+    def report(self, iteration):
+        """The statistics so far, one line."""
+        if not self.checked:
+            return f"rerun stats to iteration {iteration}: no iteration computed twice yet"
+        difference, at = self.largest
+        largest = f"{difference:.3g} (iteration {at})" if at is not None else "0"
+        moved = "; ".join(f"rank {rank} at iteration(s) {', '.join(map(str, its))}"
+                          for rank, its in sorted(self.moved.items())) or "none"
+        return (f"rerun stats to iteration {iteration}: {self.reproduced} of {self.checked} iterations computed "
+                f"twice reproduced bit for bit; largest relative loss difference {largest}; results moved on: {moved}")
+
+
+def _culprits(ranks):
+    """(ranks, how) that computed a result which did not reproduce: those whose own output changed at the earliest
+    pipeline stage where any did (the later stages computed on what they received), else those whose loss
+    changed."""
+    moved = [rank for rank in ranks if rank.output_changed]
+    if moved:
+        stage = min(rank.stage for rank in moved)
+        culprits = [rank for rank in moved if rank.stage == stage]
+        return culprits, (f"the output of pipeline stage {stage} changed on rank(s) {_numbers(culprits)} (the ranks "
+                          f"downstream of it computed on what they received)")
+    culprits = [rank for rank in ranks if rank.loss_changed]
+    return culprits, "the loss changed on rank(s) " + "; ".join(
+        f"{rank.number}: {rank.first_loss!r}, then {rank.replay_loss!r}" for rank in culprits)
+
+
+def _relative_difference(first, replay):
+    if _bits(first) == _bits(replay):
+        return 0.0
+    if not (math.isfinite(first) and math.isfinite(replay)):
+        return float("nan")
+    return abs(replay - first) / max(abs(first), 1e-30)
 
 
 class _OutputFingerprint:

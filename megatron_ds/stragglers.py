@@ -12,10 +12,16 @@ counted) is named in a warning and in TensorBoard
 
 A call with async_op=True counts until it returns and again in its handle's wait(). Measured on the host's clock:
 a device kernel still running when a call blocks counts as waiting.
+
+--disable-straggler-on-startup and --straggler-ctrlr-port (Megatron-LM's flags): rank 0 listens on the port, and
+each connection to it (`curl <rank 0 host>:<port>`) switches the report on or off; the ranks take rank 0's word at
+the next log interval (the report's exchange carries it, so a switched-off detector still exchanges once per
+interval). Where the port cannot be had, a warning says so and the detector stays as it started.
 """
 import functools
 import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -104,14 +110,53 @@ def extremes_line(times, count, first, last):
             f"slowest {described(slowest[:count])}; fastest {described(fastest[:count])}")
 
 
+class SwitchServer:
+    """On rank 0: every connection to `port` flips `wanted` and is answered with the new state (an HTTP reply, for
+    curl)."""
+
+    def __init__(self, port, wanted):
+        self.wanted = wanted
+        self.listener = socket.create_server(("", port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            connection, _ = self.listener.accept()
+            with connection:
+                connection.settimeout(1.0)
+                try:
+                    connection.recv(4096)  # the request, if any: every connection flips
+                except OSError:
+                    pass
+                self.wanted = not self.wanted
+                body = f"straggler detector {'on' if self.wanted else 'off'} from the next log interval\n"
+                connection.sendall(f"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}"
+                                   f"\r\n\r\n{body}".encode())
+
+
+def switch_server(port, wanted):
+    """The SwitchServer on rank 0 (None elsewhere, or with a warning where the port cannot be had)."""
+    if dist.get_rank() != 0:
+        return None
+    try:
+        return SwitchServer(port, wanted)
+    except OSError as error:
+        print(f"megatron_ds: WARNING: --straggler-ctrlr-port {port}: cannot listen ({error}); the straggler "
+              f"detector stays {'on' if wanted else 'off'}", flush=True)
+        return None
+
+
 class StragglerDetector:
     """Every rank: begin() and end() around each training iteration, report() at each log interval (a
-    collective). The logging rank prints; every rank keeps the same counts."""
+    collective). The logging rank prints; every rank keeps the same counts. enabled: whether it reports from the
+    start; switch_port: the port rank 0 listens on for switching it (None: no switch)."""
 
-    def __init__(self, threshold, minmax_count, intervals, stage, clock=None):
+    def __init__(self, threshold, minmax_count, intervals, stage, clock=None, enabled=True, switch_port=None):
         self.threshold, self.minmax_count, self.intervals = threshold, minmax_count, intervals
         self.stage, self.host = stage, socket.gethostname()
         self.clock = clock or CommunicationClock().install()
+        self.enabled, self.switch_port = enabled, switch_port
+        self.switch = switch_server(switch_port, enabled) if switch_port else None
         self.consecutive = {}   # rank: log intervals in a row above the threshold
         self._reset(first=1)
 
@@ -129,8 +174,14 @@ class StragglerDetector:
         lines to print (on the printing rank) and the scalars written. The first interval, which holds the
         start-up's one-off costs, warns no one."""
         mine = RankTime(dist.get_rank(), self.host, self.stage, statistics.median(self.computed or [0.0]))
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        exchanged = [None] * dist.get_world_size()
+        dist.all_gather_object(exchanged, (mine, self.switch.wanted if self.switch else None))
+        everyone, wanted = [entry for entry, _ in exchanged], exchanged[0][1]
+        if wanted is not None and wanted != self.enabled:
+            return self._switched(wanted, iteration, printing)
+        if not self.enabled:
+            self._reset(first=iteration + 1)
+            return []
         lines = [extremes_line(everyone, self.minmax_count, self.first, iteration)]
         ratios = peer_ratios(everyone)
         scalars = {"straggler/slowest-ratio": max(ratios.values())}
@@ -150,3 +201,13 @@ class StragglerDetector:
                 writers.write(scalars, iteration)
         self._reset(first=iteration + 1)
         return lines
+
+    def _switched(self, wanted, iteration, printing):
+        """Switched on or off through --straggler-ctrlr-port: counts start afresh from the next iteration."""
+        self.enabled, self.consecutive = wanted, {}
+        line = (f"straggler detector switched {'on' if wanted else 'off'} at iteration {iteration} "
+                f"(--straggler-ctrlr-port {self.switch_port})")
+        if printing:
+            print(f"megatron_ds: {line}", flush=True)
+        self._reset(first=iteration + 1)
+        return [line]

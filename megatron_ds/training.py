@@ -49,7 +49,7 @@ from megatron_ds.planning.cli import model_spec
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
-from megatron_ds.rerun import RerunExit, ResultValidator, Validation
+from megatron_ds.rerun import RerunExit, ReproducibilityStats, ResultValidator, Validation
 from megatron_ds.stragglers import StragglerDetector
 from megatron_ds.throughput import peak_tflops_per_device
 
@@ -171,7 +171,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     timeline = pipeline_timeline(args, engine, progress.iteration + 1)
     compile_watch = CompileWatch(bool(compiled_ops(args.model)))
     stragglers = _straggler_detector(args.logging)
-    validator = ResultValidator(Validation.from_args(args), engine) if args.rerun_mode == "validate_results" else None
+    validator = _result_validator(args, engine)
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
@@ -200,6 +200,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         logger.iteration(plan, loss, lr, engine, progress, moe_loss)
         if iteration % args.logging.log_interval == 0:
             stragglers.report(iteration, is_logging_rank(), logger.writers)
+            _report_reproducibility(validator, iteration)
         _log_compile(compile_line)
         _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
         _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
@@ -211,9 +212,25 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
             return progress
     timeline.finish()
     _log_compile(compile_watch.summary())
+    if progress.iteration % args.logging.log_interval:
+        _report_reproducibility(validator, progress.iteration)
     if checkpoints is not None:
         checkpoints.finish(progress)
     return progress
+
+
+def _result_validator(args, engine):
+    """--rerun-mode's validator (megatron_ds/rerun.py), or None when disabled."""
+    if args.rerun_mode == "validate_results":
+        return ResultValidator(Validation.from_args(args), engine)
+    if args.rerun_mode == "report_stats":
+        return ReproducibilityStats(Validation.from_args(args), engine, args.rerun_stats_interval)
+    return None
+
+
+def _report_reproducibility(validator, iteration):
+    if isinstance(validator, ReproducibilityStats):
+        print_rank_0(validator.report(iteration))
 
 
 class _TrainData:
@@ -263,7 +280,8 @@ def _straggler_detector(config):
     if not config.log_straggler:
         return _NoStragglerDetector()
     return StragglerDetector(config.straggler_threshold, config.straggler_minmax_count, config.straggler_intervals,
-                             parallel_state.get_pipeline_model_parallel_rank())
+                             parallel_state.get_pipeline_model_parallel_rank(),
+                             enabled=not config.disable_straggler_on_startup, switch_port=config.straggler_ctrlr_port)
 
 
 def begin_iteration(args, engine, plan):

@@ -67,12 +67,42 @@ def test_a_false_alarm_is_computed_again_bitwise_and_training_goes_on():
     assert losses(result.stdout) == straight_losses()
 
 
+def _reporting(flags):
+    """FLAGS with --rerun-mode report_stats and extra flags."""
+    reporting = FLAGS[:FLAGS.index("--rerun-mode")] + ["--rerun-mode", "report_stats"]
+    return reporting + FLAGS[FLAGS.index("--rerun-mode") + 2:] + flags
+
+
+@pytest.mark.e2e
+def test_report_stats_computes_every_other_iteration_twice_and_trains_as_the_straight_run():
+    result = launch(4, _reporting(["--rerun-stats-interval", "2"]))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert ("rerun stats to iteration 10: 5 of 5 iterations computed twice reproduced bit for bit; largest relative "
+            "loss difference 0; results moved on: none") in result.stdout, result.stdout[-4000:]
+    assert losses(result.stdout) == straight_losses()
+
+
+@pytest.mark.e2e
+def test_report_stats_names_the_rank_of_a_silent_corruption_and_trains_on_the_replay():
+    """Rank 1 outputs NaN once at iteration 4: the replay does not, its step is taken, and the run gives the
+    straight run's losses; the statistics name rank 1 at iteration 4."""
+    result = launch(4, _reporting([]), program=("-m", "tests.silent_corruption", "1@4"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert ("rerun stats to iteration 10: 9 of 10 iterations computed twice reproduced bit for bit; largest relative "
+            "loss difference nan (iteration 4); results moved on: rank 1 at iteration(s) 4") in result.stdout, \
+        result.stdout[-4000:]
+    assert losses(result.stdout) == straight_losses()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--check-for-spiky-loss"], "--check-for-spiky-loss needs --rerun-mode validate_results (got --rerun-mode "
                                  "disabled)"),
     (["--rerun-mode", "validate_results", "--skip-spiky-batches"], "--skip-spiky-batches needs --check-for-spiky-loss"),
     (["--rerun-mode", "validate_results", "--error-injection-rate", "-1"], "--error-injection-rate must be >= 0"),
     (["--rerun-mode", "validate_results", "--spiky-loss-factor", "1"], "--spiky-loss-factor must be > 1, got 1.0"),
+    (["--error-injection-rate", "3"], "--error-injection-rate needs --rerun-mode validate_results or report_stats"),
+    (["--rerun-mode", "report_stats", "--rerun-stats-interval", "0"], "--rerun-stats-interval must be >= 1, got 0"),
+    (["--rerun-mode", "report_stats", "--zero-stage", "3"], "--rerun-mode report_stats does not support ZeRO stage 3"),
 ])
 def test_the_rerun_flags_are_checked_at_start_up(flags, message):
     with pytest.raises(ArgumentsError, match=re.escape(message)):

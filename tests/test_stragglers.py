@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -130,8 +131,43 @@ def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
 
 @pytest.mark.e2e
 def test_no_warning_without_a_slowdown():
-    with _launch(iterations=200, ranks=RANKS, log_interval=10) as launch:
+    with _launch(iterations=200, ranks=RANKS, log_interval=10, extra=["--straggler-ctrlr-port", str(free_port())]) \
+            as launch:
         output, _ = launch.communicate(timeout=400)
     assert launch.returncode == 0, output[-4000:]
     assert len(re.findall(r"straggler check, iterations", output)) == 20
     assert "WARNING: straggler" not in output, [line for line in output.splitlines() if "straggler" in line]
+
+
+def _switch(port):
+    """What a user's `curl <rank 0>:<port>` does; the reply's text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=30) as reply:
+        return reply.read().decode()
+
+
+@pytest.mark.e2e
+def test_the_detector_starts_off_and_is_switched_on_and_off_through_its_port():
+    port, replies, lines = free_port(), [], []
+    extra = ["--disable-straggler-on-startup", "--straggler-ctrlr-port", str(port)]
+    with _launch(iterations=40, ranks=RANKS, log_interval=4, extra=extra) as launch:
+        try:
+            for line in lines_within(launch, 400):
+                lines.append(line)
+                if re.search(r"iteration\s+(8|24)/", line):  # printed every log interval
+                    replies.append(_switch(port))
+            launch.wait(timeout=60)
+        finally:
+            if launch.poll() is None:
+                kill_session(launch)
+    output = "".join(lines)
+    assert launch.returncode == 0, output[-4000:]
+    assert replies == ["straggler detector on from the next log interval\n",
+                       "straggler detector off from the next log interval\n"]
+    reports = re.findall(r"straggler detector switched (on|off) at iteration (\d+)|straggler check, iterations "
+                         r"(\d+)-(\d+)", output)
+    # nothing before it is switched on (at a log interval after iteration 8's line reached the test), then one
+    # check per interval, nothing after it is switched off (after iteration 24's)
+    (first, on), (last, off) = reports[0][:2], reports[-1][:2]
+    assert first == "on" and last == "off" and 12 <= int(on) < int(off) and int(off) >= 28, reports
+    checks = [(int(start), int(end)) for _, _, start, end in reports[1:-1]]
+    assert checks == [(start, start + 3) for start in range(int(on) + 1, int(off) - 3, 4)], reports

@@ -174,14 +174,16 @@ def _rerun_errors(args):
         errors.append(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
     validating = args.rerun_mode == "validate_results"
     for flag, given in (("--check-for-spiky-loss", args.check_for_spiky_loss),
-                        ("--skip-spiky-batches", args.skip_spiky_batches),
-                        ("--error-injection-rate", args.error_injection_rate)):
+                        ("--skip-spiky-batches", args.skip_spiky_batches)):
         if given and not validating:
             errors.append(f"{flag} needs --rerun-mode validate_results (got --rerun-mode {args.rerun_mode})")
+    if args.error_injection_rate and args.rerun_mode == "disabled":
+        errors.append("--error-injection-rate needs --rerun-mode validate_results or report_stats (got --rerun-mode "
+                      "disabled)")
     if args.skip_spiky_batches and not args.check_for_spiky_loss:
         errors.append("--skip-spiky-batches needs --check-for-spiky-loss")
-    if args.rerun_mode == "report_stats":
-        errors.append("--rerun-mode report_stats is not implemented yet; use disabled or validate_results")
+    if args.rerun_stats_interval < 1:
+        errors.append(f"--rerun-stats-interval must be >= 1, got {args.rerun_stats_interval}")
     return errors
 
 
@@ -236,9 +238,9 @@ def zero_stage_errors(args):
     if args.zero_stage not in (0, 1, 2, 3):
         return [f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}"]
     errors = [problem.message for problem in parallel_layout(args, args.zero_stage).zero_problems(model_shape(args))]
-    if args.rerun_mode == "validate_results" and args.zero_stage == 3:
-        errors.append("--rerun-mode validate_results does not support ZeRO stage 3 (its gradients cannot yet be "
-                      "dropped for the replay); use --zero-stage 0, 1 or 2")
+    if args.rerun_mode != "disabled" and args.zero_stage == 3:
+        errors.append(f"--rerun-mode {args.rerun_mode} does not support ZeRO stage 3 (its gradients cannot yet be "
+                      f"dropped for the replay); use --zero-stage 0, 1 or 2")
     return errors
 
 
@@ -444,7 +446,16 @@ def this_host_errors(args):
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         errors.append(f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed: "
                       f"pip install wandb (or drop --wandb-project)")
-    return errors + profile_errors(args) + pipeline_timeline_errors(args)
+    return errors + profile_errors(args) + pipeline_timeline_errors(args) + straggler_errors(args)
+
+
+def straggler_errors(args):
+    errors = []
+    if not 0 < args.straggler_ctrlr_port < 65536:
+        errors.append(f"--straggler-ctrlr-port must be a TCP port (1-65535), got {args.straggler_ctrlr_port}")
+    if args.disable_straggler_on_startup and not args.log_straggler:
+        errors.append("--disable-straggler-on-startup needs --log-straggler")
+    return errors
 
 
 def fp16_supported():

@@ -114,6 +114,8 @@ class LoggingConfig:
     straggler_minmax_count: int
     straggler_threshold: float
     straggler_intervals: int
+    disable_straggler_on_startup: bool
+    straggler_ctrlr_port: int
     wandb_project: Optional[str]
     wandb_exp_name: Optional[str]
     wandb_save_dir: Optional[str]

@@ -151,7 +151,11 @@ def _add_training_args(parser):
     group.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"], default="disabled",
                        help="validate_results: an iteration whose loss fails validation (NaN/Inf, a spike) is "
                             "computed again from the same state before its optimizer step, telling a transient "
-                            "device fault (exit 16) from the data's or the model's (exit 17) (megatron_ds/rerun.py)")
+                            "device fault (exit 16) from the data's or the model's (exit 17); report_stats: every "
+                            "--rerun-stats-interval-th iteration is computed twice and how often the ranks' results "
+                            "reproduce is reported every log interval (megatron_ds/rerun.py)")
+    group.add_argument("--rerun-stats-interval", type=int, default=1,
+                       help="with --rerun-mode report_stats: compute every Nth iteration twice")
     group.add_argument("--check-for-spiky-loss", action="store_true",
                        help="with --rerun-mode validate_results: a loss above --spiky-loss-factor x the largest of "
                             "the last 100 iterations fails validation")
@@ -249,6 +253,11 @@ def _add_logging_args(parser):
                             "peers (the other ranks of its pipeline stage)")
     group.add_argument("--straggler-intervals", type=int, default=2,
                        help="... for this many log intervals in a row")
+    group.add_argument("--disable-straggler-on-startup", action="store_true",
+                       help="--log-straggler starts switched off (switch it on through --straggler-ctrlr-port)")
+    group.add_argument("--straggler-ctrlr-port", type=int, default=65535,
+                       help="with --log-straggler: rank 0 listens on this port; each connection (e.g. curl "
+                            "<rank 0 host>:<port>) switches the detector on or off from the next log interval")
     group.add_argument("--timing-log-level", type=int, choices=range(0, 3), default=0,
                        help="0: iteration time only; 1: also forward/backward/optimizer; 2: also finer timers")
     group.add_argument("--wandb-project", default="", help="log to this Weights & Biases project (empty: off)")
