@@ -12,6 +12,8 @@ import torch
 
 from megatron_ds.core.fusions.counter_hash import draw_seed, drop_threshold, keep_mask
 
+HASH_CHUNK_ELEMENTS = 1 << 20
+
 
 def element_rows_and_columns(x):
     """(rows, columns) of x viewed as a matrix over its last dimension (a 0-d tensor is 1 x 1)."""
@@ -20,7 +22,8 @@ def element_rows_and_columns(x):
 
 
 def tensor_keep_mask(x, seed, threshold: int):
-    """Bool keep-mask shaped like x from the counter hash of seed and each element's (row, column)."""
+    """Bool keep-mask shaped like x from the counter hash of seed and each element's (row, column), in one piece:
+    for compiled graphs, which hash in registers."""
     rows, columns = element_rows_and_columns(x)
     return keep_mask(seed, torch.arange(rows, device=x.device), torch.arange(columns, device=x.device),
                      threshold).view(x.shape)
@@ -28,9 +31,17 @@ def tensor_keep_mask(x, seed, threshold: int):
 
 def dropout_keep_mask(x, p: float):
     """Bool keep-mask shaped like x (True = keep, probability 1 - p), from a seed drawn from the current
-    device's generator."""
-    threshold = drop_threshold(p)
-    return tensor_keep_mask(x, draw_seed(x.device), threshold)
+    device's generator. Hashed HASH_CHUNK_ELEMENTS at a time: plain PyTorch's hash holds two int64 temporaries per
+    element it hashes, 16 bytes against the mask's 1 (for the local attention's s x s scores, more than the scores)."""
+    threshold, seed = drop_threshold(p), draw_seed(x.device)
+    rows, columns = element_rows_and_columns(x)
+    keep = torch.empty((rows, columns), dtype=torch.bool, device=x.device)
+    step = max(1, HASH_CHUNK_ELEMENTS // max(columns, 1))
+    column_index = torch.arange(columns, device=x.device)
+    for start in range(0, rows, step):
+        row_index = torch.arange(start, min(start + step, rows), device=x.device)
+        keep[start:start + step] = keep_mask(seed, row_index, column_index, threshold)
+    return keep.view(x.shape)
 
 
 class _MaskedScale(torch.autograd.Function):
