@@ -82,24 +82,18 @@ class ResultValidator:
         """compute(): (loss, extra) of one global batch, the loss equal on every rank; rewind(): put the data
         iterator back at the iteration's first sample; describe_batch(): its samples, for a message. Returns
         (loss, extra, whether the batch was skipped)."""
-        rng = collect_rng_state()
-        self.validations += 1
-        injected = self._injection()
+        rng, injected = collect_rng_state(), self._injection()
         with DeferredOptimizerStep(self.engine) as step:
-            self.outputs.reset()
-            loss, extra = compute()
-            first, first_outputs = self._seen(loss, injected, replay=False), self.outputs.read()
+            loss, extra, first_outputs = self._computed(compute)
+            first = self._seen(loss, injected, replay=False)
             problem = self._agreed_problem(first, injected)
             if problem is None:
                 step.apply()
                 self._accept(loss)
                 return loss, extra, False
             step.discard()
-            restore_rng_state(rng)
-            rewind()
-            self.outputs.reset()
-            loss, extra = compute()
-            ranks = _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True), self.outputs.read())
+            loss, extra, outputs = self._computed_again(compute, rng, rewind)
+            ranks = _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True), outputs)
             replays = [rank.replay_loss for rank in ranks]
             if any(rank.changed for rank in ranks):
                 step.discard()
@@ -122,8 +116,21 @@ class ResultValidator:
                             f"{describe_batch()}. Not saved; the last checkpoint is from before",
                             EXIT_FAILED_VALIDATION)
 
+    def _computed(self, compute):
+        """(loss, extra, this rank's output fingerprint) of one computation of the global batch."""
+        self.outputs.reset()
+        loss, extra = compute()
+        return loss, extra, self.outputs.read()
+
+    def _computed_again(self, compute, rng, rewind):
+        """_computed from the iteration's starting state: every generator restored, the data set back."""
+        restore_rng_state(rng)
+        rewind()
+        return self._computed(compute)
+
     def _injection(self):
-        """Whether this validation is one --error-injection-rate fails (the same decision on every rank)."""
+        """Counts a validation; whether it is one --error-injection-rate fails (the same decision on every rank)."""
+        self.validations += 1
         rate = self.validation.injection_rate
         return bool(rate) and self.validations % rate == 0
 
@@ -185,20 +192,13 @@ class ReproducibilityStats(ResultValidator):
         if iteration % self.interval:
             loss, extra = compute()
             return loss, extra, False
-        rng = collect_rng_state()
-        self.validations += 1
-        injected = self._injection()
+        rng, injected = collect_rng_state(), self._injection()
         with DeferredOptimizerStep(self.engine) as step:
-            self.outputs.reset()
-            first_loss, _ = compute()
-            first, first_outputs = self._seen(first_loss, injected, replay=False), self.outputs.read()
+            first_loss, _, first_outputs = self._computed(compute)
             step.discard()
-            restore_rng_state(rng)
-            rewind()
-            self.outputs.reset()
-            loss, extra = compute()
-            self._record(iteration, _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True),
-                                                  self.outputs.read()))
+            loss, extra, outputs = self._computed_again(compute, rng, rewind)
+            self._record(iteration, _gather_ranks(self._seen(first_loss, injected, replay=False), first_outputs,
+                                                  self._seen(loss, injected, replay=True), outputs))
             step.apply()
         return loss, extra, False
 
