@@ -35,6 +35,8 @@ from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import model_flops_per_iteration
 from megatron_ds.glue.runtime import device, print_rank_0
 
+OTHER_LOSSES = ("moe loss", "kd loss")  # beside the lm loss in the iteration line, in this order
+
 # --timing-log-level of each timer, in the order Megatron prints them
 TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2, "batch-generator": 2,
                 "forward-recv": 2, "forward-send": 2, "backward-recv": 2, "backward-send": 2,
@@ -337,7 +339,7 @@ class MetricsLogger:
         self._start_interval()
 
     def _start_interval(self):
-        self.losses, self.moe_losses, self.tokens, self.flops = [], [], 0, 0
+        self.losses, self.other_losses, self.tokens, self.flops = [], {}, 0, 0
         self.interval_start = time.perf_counter()
 
     def _set_up(self, engine, cuda):
@@ -368,13 +370,13 @@ class MetricsLogger:
         for note in notes:
             print_rank_0(f"note: {note}")
 
-    def iteration(self, plan, loss, lr, engine, progress, moe_loss=None):
-        """plan: the IterationPlan the iteration ran; progress: the TrainingProgress after it; moe_loss: the MoE
-        auxiliary loss."""
+    def iteration(self, plan, loss, lr, engine, progress, other_losses=None):
+        """plan: the IterationPlan the iteration ran; progress: the TrainingProgress after it; other_losses: {"moe
+        loss": the MoE auxiliary loss, "kd loss": the distillation term}, those the run has."""
         config, iteration, batch_size, seq_length = self.config, plan.iteration, plan.global_batch_size, plan.seq_length
         self.losses.append(loss)
-        if moe_loss is not None:
-            self.moe_losses.append(moe_loss)
+        for name, value in (other_losses or {}).items():
+            self.other_losses.setdefault(name, []).append(value)
         self.tokens += batch_size * seq_length
         self.flops += self.flops_per_sample(seq_length) * batch_size
         if iteration % config.log_interval:
@@ -389,8 +391,7 @@ class MetricsLogger:
                    "tflops-per-device": tflops, "mfu": tflops / self.peak_tflops}
         if plan.by_curriculum:
             scalars["curriculum-seqlen"] = seq_length
-        if self.moe_losses:
-            scalars["moe loss"] = sum(self.moe_losses) / len(self.moe_losses)
+        scalars.update({name: sum(values) / len(values) for name, values in self.other_losses.items()})
         seconds = elapsed / iterations
         scalars.update(self._statistics(engine))  # collectives: every rank
         timers = self.timers.min_max(iterations) if self.timers.active else {}
@@ -439,11 +440,11 @@ class MetricsLogger:
         skipped = f" number of skipped iterations: {engine.skipped_steps} |" if config.fp16 else ""
         if s.get("curriculum-seqlen") is not None:
             optional += f" curriculum seqlen: {s['curriculum-seqlen']} |"
-        moe = f" moe loss: {s['moe loss']:.6E} |" if s.get("moe loss") is not None else ""
+        others = "".join(f" {name}: {s[name]:.6E} |" for name in OTHER_LOSSES if s.get(name) is not None)
         return (f" iteration {iteration}/{config.train_iters} | consumed samples: {s['consumed-samples']} |"
                 f" consumed tokens: {s['consumed-tokens']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"
-                f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |{moe}"
+                f" global batch size: {batch_size} | lm loss: {s['lm loss']:.6E} |{others}"
                 f" loss scale: {s['loss-scale']:.1f} | grad norm: {grad_norm} |{optional}{skipped}"
                 f" tokens per second: {s['tokens-per-second']:.1f} | TFLOP/s per device: {s['tflops-per-device']:.3f} |"
                 f" MFU: {100 * s['mfu']:.1f}% |")

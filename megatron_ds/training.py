@@ -28,6 +28,7 @@ from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, describe_samples, will_evaluate
+from megatron_ds.distillation import DistillationLoss, attach_teacher, distillation_loss_of
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.ds_config import deepspeed_train_batch_size
@@ -56,13 +57,18 @@ from megatron_ds.throughput import peak_tflops_per_device
 
 def build_model(args, config):
     tied = not args.untie_embeddings_and_output_weights
+    loss_fn = build_loss_fn(config)
+    if args.distillation is not None:
+        loss_fn = DistillationLoss(loss_fn, args.distillation)
     if args.pipeline_model_parallel_size == 1:
-        return GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
+        model = GPTModel(config, args.padded_vocab_size, args.max_position_embeddings, tied)
+        model.loss_fn = loss_fn
+        return model
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
         module_class = pipeline_module_class(args.pipeline_schedule, args.virtual_pipeline_stages)
         model = module_class(layers=specs, topology=parallel_state.deepspeed_topology(),
-                             loss_fn=build_loss_fn(config), partition_method="type:TransformerLayer")
+                             loss_fn=loss_fn, partition_method="type:TransformerLayer")
     assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
     return model
 
@@ -103,15 +109,28 @@ def _mean_over_data_parallel(value):
 
 
 def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
-    """One global batch; returns (lm loss, MoE auxiliary loss or None), each the mean over all micro-batches
-    and data-parallel ranks. experts: this rank's MoE layers (moe_layers(engine.module), possibly none on this
-    stage) when the model is an MoE and its auxiliary loss is wanted, else None."""
+    """One global batch; returns (lm loss, {"moe loss": MoE auxiliary loss, "kd loss": the distillation term}
+    (those the run has)), each the mean over all micro-batches and data-parallel ranks. experts: this rank's MoE
+    layers (moe_layers(engine.module), possibly none on this stage) when the model is an MoE and its auxiliary
+    loss is wanted, else None."""
     if experts is not None:
         # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
         begin_global_batch(experts, loss_scale(engine) / accumulation_steps)
+    distillation = distillation_loss_of(engine.module) if train else None
+    if distillation is not None:
+        distillation.begin_global_batch()
+    loss = _run_micro_batches(engine, iterator, accumulation_steps, train)
+    others = {} if experts is None else {"moe loss": _moe_loss(experts)}
+    if distillation is not None:  # the engine's loss is the weighted sum: the line reports the two terms
+        loss, others["kd loss"] = _mean_over_data_parallel(distillation.global_batch_losses(device())).tolist()
+    return loss, others
+
+
+def _run_micro_batches(engine, iterator, accumulation_steps, train):
+    """The loss the engine computes (the model's loss_fn), the mean over the micro-batches and data parallel."""
     if isinstance(engine, deepspeed.PipelineEngine):
         loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
-        return loss.item(), None if experts is None else _moe_loss(experts)
+        return loss.item()
     total = torch.zeros((), device=device())
     for _ in range(accumulation_steps):
         inputs, labels = next(iterator)
@@ -124,7 +143,7 @@ def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
             with torch.no_grad():
                 loss = engine(*inputs, labels=labels)
         total += loss.detach()
-    return _mean_over_data_parallel(total / accumulation_steps).item(), None if experts is None else _moe_loss(experts)
+    return _mean_over_data_parallel(total / accumulation_steps).item()
 
 
 def _moe_loss(experts):
@@ -140,11 +159,19 @@ def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
     if curriculum is not None:
         _change_sequence_length(engine, curriculum.length, args.seq_length)
     engine.eval()
+    _renew_pipeline_buffers(args, engine)
     losses = [run_global_batch(engine, iterator, accumulation_steps, train=False)[0] for _ in range(args.eval_iters)]
     engine.train()
+    _renew_pipeline_buffers(args, engine)
     if curriculum is not None:
         _change_sequence_length(engine, args.seq_length, curriculum.length)
     return sum(losses) / len(losses)
+
+
+def _renew_pipeline_buffers(args, engine):
+    """--kd: the stages hand on the teacher's hidden states in training only, so the pipeline's buffers change."""
+    if args.distillation is not None and isinstance(engine, deepspeed.PipelineEngine):
+        engine.reset_activation_shape()
 
 
 def _change_sequence_length(engine, old, new):
@@ -189,7 +216,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         timeline.begin(iteration, plan.micro_batches)
         compile_watch.before_iteration()
         stragglers.begin()
-        loss, moe_loss = _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration)
+        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, experts, validator,
+                                                 iteration)
         stragglers.end()
         compile_line = compile_watch.after_iteration(iteration)
         profiler.end(iteration)
@@ -197,7 +225,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
         progress.consumed_train_tokens += plan.tokens
-        logger.iteration(plan, loss, lr, engine, progress, moe_loss)
+        logger.iteration(plan, loss, lr, engine, progress, other_losses)
         if iteration % args.logging.log_interval == 0:
             stragglers.report(iteration, is_logging_rank(), logger.writers)
             _report_reproducibility(validator, iteration)
@@ -250,18 +278,18 @@ class _TrainData:
 
 
 def _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration):
-    """(lm loss, MoE loss) of the iteration's global batch, its optimizer step taken; through the validator
-    (megatron_ds/rerun.py) when there is one."""
+    """(lm loss, other losses) of the iteration's global batch (run_global_batch), its optimizer step taken;
+    through the validator (megatron_ds/rerun.py) when there is one."""
     def compute():
         return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts)
 
     if validator is None:
         return compute()
     first = progress.consumed_train_samples
-    loss, moe_loss, _ = validator.run_iteration(iteration, compute, rewind=lambda: train_data.start_at(first),
-                                                describe_batch=lambda: train_data.describe(first,
-                                                                                           plan.global_batch_size))
-    return loss, moe_loss
+    loss, other_losses, _ = validator.run_iteration(iteration, compute, rewind=lambda: train_data.start_at(first),
+                                                    describe_batch=lambda: train_data.describe(first,
+                                                                                               plan.global_batch_size))
+    return loss, other_losses
 
 
 class _NoStragglerDetector:
@@ -530,6 +558,15 @@ def start_up(args, watchdog=None, all_reduce_note=None, building_model=contextli
     return engine, peak
 
 
+def _attach_teacher(args, engine, watchdog):
+    """--kd: the teacher's share of this rank, read from --load-teacher; each pipeline stage's share said by its
+    first TP and data-parallel rank."""
+    watchdog.activity = "reading the teacher (--load-teacher)"
+    line = attach_teacher(args, engine.module, args.pipeline_model_parallel_size > 1)
+    if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_sequence_data_parallel_rank() == 0:
+        print(line, flush=True)
+
+
 def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Attempt()):
     engine, peak = start_up(args, watchdog, all_reduce_note)
     config = args.model
@@ -539,6 +576,8 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Att
     checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config, start_time)
     watchdog.activity = "loading the checkpoint"
     try:
+        if args.distillation is not None:
+            _attach_teacher(args, engine, watchdog)
         progress = checkpoints.load()
     except CheckpointError as error:
         print(f"megatron_ds: error: {error}", file=sys.stderr, flush=True)

@@ -336,14 +336,39 @@ def compatibility_errors(args):
 _UNBUILT_FEATURES = (
     (lambda a: a.ds_sequence_parallel_fpdt or a.ds_sequence_parallel_fpdt_offloading, "--ds-sequence-parallel-fpdt",
      "FPDT long-context attention", "drop the FPDT flags"),
-    (lambda a: a.kd or a.mos or a.load_teacher or a.num_layers_teacher or a.hidden_size_teacher
-     or a.num_attention_heads_teacher, "--kd / --mos / teacher flags", "knowledge distillation",
-     "train without a teacher"),
+    (lambda a: a.mos, "--mos", "Mixture-of-Students (distillation into an MoE student)",
+     "distil into a dense student with --kd"),
     (lambda a: a.random_ltd or a.data_efficiency_curriculum_learning, "--random-ltd / "
      "--data-efficiency-curriculum-learning", "DeepSpeed Data Efficiency", "drop the flag"),
     (lambda a: a.train_doc_idx_path or a.train_sample_idx_path or a.train_shuffle_idx_path,
      "--train-*-idx-path", "index files given by path", "megatron_ds builds and caches its own (--data-cache-path)"),
 )
+
+
+def distillation_errors(args):
+    """--kd and its teacher flags: what the teacher needs and what distillation is not built for yet."""
+    teacher_flags = [flag for flag, given in (("--load-teacher", args.load_teacher),
+                                              ("--num-layers-teacher", args.num_layers_teacher),
+                                              ("--hidden-size-teacher", args.hidden_size_teacher),
+                                              ("--num-attention-heads-teacher", args.num_attention_heads_teacher))
+                     if given is not None]
+    if not args.kd:  # --mos (refused by name) takes the teacher flags too
+        return [f"{' / '.join(teacher_flags)} without --kd: no teacher would be used; add --kd"] \
+            if teacher_flags and not args.mos else []
+    errors = [] if args.load_teacher else ["--kd needs --load-teacher (the teacher's checkpoint folder)"]
+    if args.kd_temp <= 0:
+        errors.append(f"--kd-temp must be positive, got {args.kd_temp}")
+    errors += _positive_errors(args, optional=("num_layers_teacher", "hidden_size_teacher",
+                                               "num_attention_heads_teacher"))
+    if max(args.num_experts_teacher) > 1:
+        errors.append(f"--num-experts-teacher {' '.join(map(str, args.num_experts_teacher))}: a Mixture-of-Experts "
+                      f"teacher is not built in megatron_ds; distil from a dense teacher")
+    unbuilt = [(max(args.num_experts) > 1, f"--num-experts {' '.join(map(str, args.num_experts))} (an MoE student)"),
+               (args.ds_sequence_parallel_size > 1, f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size}"),
+               (args.pipeline_model_parallel_size > 1 and args.pipeline_schedule != "1f1b",
+                f"--pipeline-schedule {args.pipeline_schedule} (1F1B is built)")]
+    errors += [f"--kd with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]
+    return errors
 
 
 def moe_errors(args):

@@ -9,6 +9,7 @@ reads (a fact two components need, such as --seq-length, is copied into both fro
   optimization   OptimizationConfig: the optimizer, its LR schedule and batch schedule, precision
   checkpointing  CheckpointingConfig: saving, loading and the exit policy
   logging        LoggingConfig: the log line, TensorBoard / W&B and the profiler
+  distillation   DistillationConfig (--kd): the teacher's checkpoint and the loss weights; None without --kd
 
 The resolved arguments themselves stay for the places that print or record the whole command line.
 """
@@ -21,7 +22,7 @@ import torch
 
 from megatron_ds.optimizer_param_scheduler import LRSchedule, lr_schedule_from_args
 
-PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging")
+PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging", "distillation")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,17 @@ class LoggingConfig:
     command_line: Dict[str, Any]   # the resolved arguments as JSON values: W&B's run config
 
 
+@dataclass(frozen=True)
+class DistillationConfig:
+    load_teacher: str
+    kd_alpha_ce: float
+    kd_beta_ce: float
+    kd_temp: float
+    num_layers_teacher: Optional[int]      # each checked against the teacher's checkpoint when given
+    hidden_size_teacher: Optional[int]
+    num_attention_heads_teacher: Optional[int]
+
+
 def args_to_dict(args):
     """vars(args) as JSON values (dtypes become their names), without the typed parts of the configuration
     (arguments/configs.py: values derived from the others)."""
@@ -171,6 +183,10 @@ def optimization_config(args, batch_schedule) -> OptimizationConfig:
 
 def checkpointing_config(args) -> CheckpointingConfig:
     return _picked(CheckpointingConfig, args)
+
+
+def distillation_config(args) -> Optional[DistillationConfig]:
+    return _picked(DistillationConfig, args) if args.kd else None
 
 
 def logging_config(args) -> LoggingConfig:

@@ -359,6 +359,29 @@ def _add_checkpoint_args(parser):
                        help="on SIGTERM finish the iteration, save (with --save) and exit")
 
 
+def _add_distillation_args(parser):
+    """Megatron-DeepSpeed's knowledge distillation (its --kd family, same names and defaults)."""
+    group = parser.add_argument_group("knowledge distillation (Megatron-DeepSpeed's --kd)")
+    group.add_argument("--kd", action="store_true",
+                       help="train the model against a frozen teacher's logits as well as the labels: loss = "
+                            "--kd-alpha-ce x language-model loss + --kd-beta-ce x T^2 x KL(teacher || student) at "
+                            "temperature T = --kd-temp, the KL averaged over the tokens (Megatron-DeepSpeed's "
+                            "weighting; it reads --kd-alpha-ce but weights the language-model loss by 1, so the "
+                            "two agree at its default)")
+    group.add_argument("--kd-alpha-ce", type=float, default=1.0, help="weight of the language-model loss")
+    group.add_argument("--kd-beta-ce", type=float, default=1.0, help="weight of the distillation term")
+    group.add_argument("--kd-temp", type=float, default=1.0, help="softmax temperature of the distillation term")
+    group.add_argument("--load-teacher", default=None,
+                       help="the teacher's checkpoint folder (ours at any layout, or Megatron-DeepSpeed's): its "
+                            "weights are read resharded to this run's TP and pipeline stages, its shape from the "
+                            "checkpoint")
+    for flag in ("--num-layers-teacher", "--hidden-size-teacher", "--num-attention-heads-teacher"):
+        group.add_argument(flag, type=int, default=None,
+                           help="checked against the teacher's checkpoint (optional: the checkpoint records it)")
+    group.add_argument("--num-experts-teacher", type=int, nargs="+", default=[1],
+                       help="1: a dense teacher (a Mixture-of-Experts teacher is not built)")
+
+
 def _add_unbuilt_feature_args(parser):
     """Megatron-DeepSpeed flags of features megatron_ds does not build (yet): parsed so that a launch script's
     command line reads, and refused by name (arguments/checks.py) when they ask for the feature."""
@@ -385,14 +408,7 @@ def _add_unbuilt_feature_args(parser):
                        help="--load a DeepSpeed universal checkpoint (ds_to_universal's output, named by "
                             "latest_universal in --load) through DeepSpeed's universal loading; without one, "
                             "--load continues our checkpoints at any layout (resharded on load) as always")
-    group.add_argument("--kd", action="store_true", help="knowledge distillation")
     group.add_argument("--mos", action="store_true", help="Mixture-of-Students")
-    for flag in ("--kd-alpha-ce", "--kd-beta-ce", "--kd-temp"):
-        group.add_argument(flag, type=float, default=None)
-    group.add_argument("--load-teacher", default=None)
-    for flag in ("--num-layers-teacher", "--hidden-size-teacher", "--num-attention-heads-teacher"):
-        group.add_argument(flag, type=int, default=None)
-    group.add_argument("--num-experts-teacher", type=int, nargs="+", default=[1])
     group.add_argument("--random-ltd", action="store_true")
     group.add_argument("--data-efficiency-curriculum-learning", action="store_true")
     for flag in ("--train-doc-idx-path", "--train-sample-idx-path", "--train-shuffle-idx-path"):
@@ -418,7 +434,8 @@ def build_parser(prog="pretrain.py"):
     """The argparse parser of every pretrain.py flag (tools/plan.py extends it)."""
     parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
     for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
-                _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_unbuilt_feature_args):
+                _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_distillation_args,
+                _add_unbuilt_feature_args):
         add(parser)
     return parser
 

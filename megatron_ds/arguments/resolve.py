@@ -124,6 +124,7 @@ def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
               + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
+              + checks.distillation_errors(args)
               + checks.ulysses_errors(args))
     # tools/plan.py plans every schedule; pretrain.py's engine runs those it has
     return errors + (checks.data_source_errors(args) + checks.engine_schedule_errors(args) if on_this_host else [])
@@ -265,7 +266,8 @@ def configuration_parts(args, model, batch_schedule):
     when the layout is not known (the planner's --search)."""
     return {"model": model, "parallel": checks.parallel_layout(args, args.zero_stage),
             "data": configs.data_config(args), "optimization": configs.optimization_config(args, batch_schedule),
-            "checkpointing": configs.checkpointing_config(args), "logging": configs.logging_config(args)}
+            "checkpointing": configs.checkpointing_config(args), "logging": configs.logging_config(args),
+            "distillation": configs.distillation_config(args)}
 
 
 def load_values(args):

@@ -341,7 +341,7 @@ class CheckpointManager:
         rng = self._stage_rng_state(path, metadata, plan.resharded) if plan.load_rng else "not restored"
         saved_placement = placement_note(metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK))
         dist.barrier()
-        print_rank_0(f"loaded checkpoint {path} ({_saved_as(metadata)}{saved_placement}) via {how} in "
+        print_rank_0(f"loaded checkpoint {path} ({checkpoint_description(metadata)}{saved_placement}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "
                       f"samples {progress.consumed_train_samples}, optimizer states "
                       f"{'loaded' if load_optimizer else 'not loaded'}, RNG states {rng}, LR schedule "
@@ -456,7 +456,7 @@ class CheckpointManager:
         return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
 
 
-def _saved_as(metadata):
+def checkpoint_description(metadata):
     """What the load line calls the checkpoint: another program's by its description, ours by format and layout."""
     saved = metadata["layout"]
     return metadata.get("description") or (

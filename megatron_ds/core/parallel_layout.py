@@ -46,6 +46,13 @@ def stages_without_experts(num_layers, pipeline_stages, expert_interval):
                        for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
 
 
+def teacher_layers_on(student_layers, student_total, teacher_total):
+    """--kd: the teacher layers (1-based) that run beside the given student layers: teacher layer j rides on
+    student layer ceil(j Ls / Lt), so each pipeline stage runs the teacher's layers in proportion to its own."""
+    wanted = set(student_layers)
+    return [j for j in range(1, teacher_total + 1) if -(-j * student_total // teacher_total) in wanted]
+
+
 def micro_batches_per_step(global_batch_size, micro_batch_size, data_parallel_size):
     """The micro-batches each data-parallel rank runs per optimizer step: DeepSpeed's gradient accumulation steps."""
     return global_batch_size // (micro_batch_size * data_parallel_size)

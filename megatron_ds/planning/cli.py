@@ -6,13 +6,15 @@ same) and its resolution, with the planner's differences: --train-iters is optio
 machine (fused kernels, fp16 without a local GPU, data files).
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 from megatron_ds.arguments import (ArgumentsError, build_parser, parse_flags, raise_if_invalid, resolve, tokenizer_type,
                                    transformer_config_from_args)
-from megatron_ds.core.transformer.transformer_config import DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS
+from megatron_ds.core.transformer.transformer_config import (DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS,
+                                                             default_ffn_hidden_size)
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
@@ -98,6 +100,29 @@ def model_spec(args, config=None) -> ModelSpec:
     return ModelSpec(config=config, vocab_size=args.vocab_size,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
+                     tied_embeddings=not args.untie_embeddings_and_output_weights, teacher=_teacher_spec(args, config))
+
+
+TEACHER_SHAPE_FLAGS = ("num_layers_teacher", "hidden_size_teacher", "num_attention_heads_teacher")
+
+
+def _teacher_spec(args, config):
+    """--kd with the teacher's shape given (--num-layers-teacher, --hidden-size-teacher,
+    --num-attention-heads-teacher): the teacher as Megatron-DeepSpeed builds it, the student's flags otherwise
+    (its FFN 4 h, or the student's where the hidden sizes agree); None when there is no teacher or its shape is
+    not given."""
+    if not getattr(args, "kd", False) or any(getattr(args, name) is None for name in TEACHER_SHAPE_FLAGS):
+        return None
+    layers, hidden, heads = (getattr(args, name) for name in TEACHER_SHAPE_FLAGS)
+    same_width = hidden == config.hidden_size
+    teacher = dataclasses.replace(
+        config, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=config.num_query_groups if same_width and heads == config.num_attention_heads else heads,
+        kv_channels=hidden // heads, ffn_hidden_size=config.ffn_hidden_size if same_width else
+        default_ffn_hidden_size(hidden, config.gated_linear_unit))
+    return ModelSpec(config=teacher, vocab_size=args.vocab_size,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
                      tied_embeddings=not args.untie_embeddings_and_output_weights)
 
 
@@ -175,6 +200,9 @@ def run(args) -> tuple:
         result["layout_description"] = layout.describe()
         result["plan"] = make_plan(model, layout, cluster, assumptions)
         status = 2 if result["plan"]["errors"] else 0
+        if checked.kd and model.teacher is None:
+            result["plan"]["warnings"].append("--kd without --num-layers-teacher, --hidden-size-teacher and "
+                                              "--num-attention-heads-teacher: the teacher's memory is not counted")
     if checked.instantiate:
         result["instantiate"] = instantiate_check(model, checked.tensor_model_parallel_size,
                                                   checked.pipeline_model_parallel_size)

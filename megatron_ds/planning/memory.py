@@ -52,6 +52,11 @@ needs none, so an upper bound there); all of them / U with Ulysses. Full recompu
 runs backward; "block" recomputes only the first N layers of each stage and keeps the others' whole activations.
 Every stage also needs one layer's backward working set (_backward_working_set_bytes) and, under DeepSpeed's
 PipelineEngine, the buffers it keeps for sending and receiving (_pipeline_buffer_bytes).
+Knowledge distillation (--kd, teacher_bytes): the frozen teacher's share of the stage in the run's dtype (no
+gradients or optimizer states), its forward kept for nothing (run without autograd); its hidden states travel
+beside the student's, w s b h_t per message kept as the student's are; the last stage holds its logits
+(w s b V / t, kept by the distillation term for backward) and the term's fp32 temporaries, four of one chunk of
+tokens (min(s b, chunk rows) x V / t: both log-probabilities, the teacher's probabilities and their product).
 """
 import dataclasses
 import math
@@ -64,7 +69,7 @@ from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_a
 from megatron_ds.planning import pipeline
 from megatron_ds.planning.communication import expert_capacity
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
-from megatron_ds.planning.parameters import StageParameters, total_parameters
+from megatron_ds.planning.parameters import StageParameters, teacher_parameters, total_parameters
 
 GIB = 1024 ** 3
 # Assumed: CUDA context, NCCL buffers, allocator fragmentation and DeepSpeed's communication buffers.
@@ -300,6 +305,26 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_lay
     return total
 
 
+def teacher_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> float:
+    """--kd: what the frozen teacher adds to a device of the stage (the module docstring)."""
+    if model.teacher is None:
+        return 0.0
+    width = _activation_width(model)
+    weights = width * teacher_parameters(model, stage_params, layout.tp, layout.pp)
+    in_flight = in_flight_micro_batches(layout, stage_params.stage)
+    message = (width * layout.tokens_per_rank(model.seq_length) * layout.micro_batch_size
+               * model.teacher.config.hidden_size)
+    last = stage_params.stage == pipeline.head_rank(layout)
+    sends, receives = layout.pp > 1 and not last, stage_params.stage > 0
+    carried = in_flight * message * (int(sends) + int(receives))  # each micro-batch's output kept, input received
+    logits = 0.0
+    if last:
+        tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
+        vocab = model.padded_vocab_size(layout.tp) // layout.tp
+        logits = width * tokens * vocab + 4 * 4 * min(tokens, default_chunk_rows(vocab)) * vocab
+    return weights + carried + logits
+
+
 @dataclass(frozen=True)
 class StageMemory:
     stage: int
@@ -313,6 +338,7 @@ class StageMemory:
     overhead: float
     expert_gradient_reduction: float = 0.0  # alive at the step, when the activations are gone
     gradients_before_activation_peak: bool = True  # False with one micro-batch: none exists before its backward
+    teacher: float = 0.0  # --kd: the frozen teacher's weights, carried hidden states and logits (teacher_bytes)
 
     @property
     def model_states(self) -> float:
@@ -326,7 +352,7 @@ class StageMemory:
             peak = self.gradients + max(self.activations, self.expert_gradient_reduction)
         else:
             peak = max(self.activations, self.gradients + self.expert_gradient_reduction)
-        return self.weights + self.grad_accumulation + self.optimizer + peak + self.overhead
+        return self.weights + self.grad_accumulation + self.optimizer + peak + self.teacher + self.overhead
 
 
 def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
@@ -362,7 +388,8 @@ def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters
                                                           stage_params.num_layers, stage_params.first_layer),
                        overhead=RUNTIME_OVERHEAD_BYTES,
                        expert_gradient_reduction=expert_gradient_reduction_bytes(model, layout, stage_params),
-                       gradients_before_activation_peak=layout.num_micro_batches > 1)
+                       gradients_before_activation_peak=layout.num_micro_batches > 1,
+                       teacher=teacher_bytes(model, layout, stage_params))
 
 
 def memory_per_stage(model: ModelSpec, layout: Layout, stages: List[StageParameters]) -> List[StageMemory]:

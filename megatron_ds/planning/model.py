@@ -24,6 +24,7 @@ class ModelSpec:
     max_position_embeddings: int
     seq_length: int
     tied_embeddings: bool
+    teacher: Optional["ModelSpec"] = None  # --kd: the frozen teacher (its shape from the --*-teacher flags)
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)

@@ -21,6 +21,7 @@ experts (total_parameters); a token uses the router, its top-k experts and the r
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_ds.core.parallel_layout import teacher_layers_on
 from megatron_ds.planning.model import ModelSpec
 
 
@@ -153,6 +154,23 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = Non
             first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers)))
         first += count
     return stages
+
+
+def teacher_parameters(model: ModelSpec, stage: StageParameters, tp: int, pp: int) -> int:
+    """--kd: the frozen teacher's parameters on one device of the stage: the teacher layers riding on the stage's
+    student layers (core/parallel_layout.teacher_layers_on), its embedding where the student's is, its final norm
+    and head where the student's are."""
+    teacher = model.teacher
+    if teacher is None:
+        return 0
+    numbers = teacher_layers_on(range(stage.first_layer, stage.first_layer + stage.num_layers),
+                                model.config.num_layers, teacher.config.num_layers)
+    count = sum(layer_parameters(teacher.config, tp, n) for n in numbers)
+    if stage.embedding:
+        count += embedding_parameters(teacher, tp)
+    if stage.final_norm:
+        count += norm_parameters(teacher.config) + output_head_parameters(teacher, tp, pp)
+    return count
 
 
 def rank_parameters(model: ModelSpec, layout, tp: Optional[int] = None, ep: Optional[int] = None

@@ -94,6 +94,8 @@ def _memory_lines(memory):
                 ", ".join(str(row["in_flight_micro_batches"]) for row in shown)),
                ("runtime overhead (assumed)", "overhead", ""),
                ("total", "total", "")]
+    if any(row.get("teacher") for row in rows):
+        entries.insert(-2, ("teacher (--kd, frozen)", "teacher", "weights, carried hidden states, logits"))
     lines = ["Memory per device", header]
     for label, key, note in entries:
         values = "".join(f"{_gib(row[key]):>11}" for row in shown)

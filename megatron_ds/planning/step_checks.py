@@ -150,9 +150,10 @@ def planned_traffic(model, layout, micro_batches):
 
 
 def planned_memory(model, layout, micro_batches):
-    """{stage: bytes} the planner's memory per device without its runtime overhead, for `micro_batches`."""
+    """{stage: bytes} the planner's memory per device without its runtime overhead, for `micro_batches`; without a
+    --kd teacher's share too (the dry run reads no teacher: it checks the student's memory)."""
     layout = _with_micro_batches(layout, micro_batches)
-    return {stage.stage: stage.total - stage.overhead
+    return {stage.stage: stage.total - stage.overhead - stage.teacher
             for stage in memory_per_stage(model, layout, rank_parameters(model, layout))}
 
 

@@ -113,6 +113,7 @@ def make_datasets(folder, files):
 TINY = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
         "--max-position-embeddings": 32, "--micro-batch-size": 2, "--log-interval": 1, "--eval-iters": 1,
         "--eval-interval": 2, "--save-interval": 1000, "--rampup-batch-size": None}
+TINY_TEACHER = {"--num-layers-teacher": 3, "--hidden-size-teacher": 64, "--num-attention-heads-teacher": 4}
 # what a CPU cannot run: NCCL, and fp16 where its oneDNN has none (bf16 instead)
 FP16 = fp16_supported()
 CPU = {"--distributed-backend": "gloo", **({} if FP16 else {"--fp16": None})}
@@ -124,10 +125,25 @@ def is_moe(name):
     return max(int(count) for count in ([value] if isinstance(value, str) else value)) > 1
 
 
-def tiny_command_line(name, files, datasets, folder, iterations=3):
+def distils(name):
+    return "--kd" in dict(SCRIPTS[name]["flags"])
+
+
+def tiny_teacher_command_line(files, datasets, folder):
+    """pretrain.py's flags that train a tiny GPT-2 teacher for the distillation scripts (TINY's shape, 3 layers,
+    the GPT-2 tokenizer and data), saved in `folder`."""
+    return ["--num-layers", str(TINY_TEACHER["--num-layers-teacher"]), "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-2", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", files["--vocab-file"], "--merge-file", files["--merge-file"], "--data-path",
+            datasets["gpt2"], "--data-cache-path", str(folder / "cache"), "--save", str(folder / "teacher")]
+
+
+def tiny_command_line(name, files, datasets, folder, iterations=3, teacher=None):
     """(argv, ranks): the script's flags on a tiny model for `iterations` iterations on at most 4 CPU ranks (TP
     and PP 2 where the script uses them), its fp16 as it is where this CPU has fp16 (else bf16), its DeepSpeed JSON
-    given the same batch sizes and precision; data, tokenizer and output folders from the test."""
+    given the same batch sizes and precision; data, tokenizer and output folders from the test; a distillation
+    script's teacher: the checkpoint folder `teacher` (tiny_teacher_command_line's)."""
     flags = dict((flag, value) for flag, value in SCRIPTS[name]["flags"])
     tp = 2 if int(flags.get("--tensor-model-parallel-size", 1)) > 1 else 1
     pp = 2 if int(flags.get("--pipeline-model-parallel-size", 1)) > 1 else 1
@@ -143,6 +159,8 @@ def tiny_command_line(name, files, datasets, folder, iterations=3):
                "--tensorboard-dir": str(folder / "tensorboard"), "--bf16": True if as_bf16 else None,
                "--num-key-value-heads": 2 if "--num-key-value-heads" in flags else None,
                "--ffn-hidden-size": 128 if "--ffn-hidden-size" in flags else None}
+    if distils(name):
+        replace.update(TINY_TEACHER, **{"--load-teacher": str(teacher)})
     if is_moe(name):  # 4 experts over the data-parallel ranks
         replace.update({"--num-experts": 4, "--moe-expert-parallel-size": dp})
     config = {key: value for key, value in (SCRIPTS[name]["ds_config"] or {}).items()

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from tests.compat.scripts import SCRIPTS, is_moe, make_datasets, make_tokenizer_files, tiny_command_line
+from tests.compat.scripts import (SCRIPTS, distils, is_moe, make_datasets, make_tokenizer_files, tiny_command_line,
+                                  tiny_teacher_command_line)
 from tests.launch import launch, losses
 
 pytestmark = pytest.mark.e2e  # launches several real processes
@@ -22,6 +23,10 @@ TRAINED = [
     "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh",          # partial rotary, curriculum, tokens
     "examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh",  # LLaMA, bf16
     "examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh",         # ZB-H1 (exact semantics), ZeRO 0
+    # knowledge distillation from a tiny teacher trained here: the three dense scripts (TP 2; curriculum; plain)
+    "examples_deepspeed/compression/ds_pretrain_gpt_1.3B_dense_cl_kd.sh",
+    "examples_deepspeed/compression/ds_pretrain_gpt_125M_dense_cl_kd.sh",
+    "examples_deepspeed/compression/ds_pretrain_gpt_125M_dense_kd.sh",
 ]
 
 
@@ -32,16 +37,27 @@ def inputs(tmp_path_factory):
     return files, make_datasets(folder, files)
 
 
+@pytest.fixture(scope="module")
+def teacher(inputs, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("teacher")
+    result = launch(1, tiny_teacher_command_line(*inputs, folder))
+    assert result.returncode == 0, result.stdout[-4000:]
+    return folder / "teacher"
+
+
 @pytest.mark.parametrize("name", TRAINED)
-def test_script_trains(name, inputs, tmp_path):
+def test_script_trains(name, inputs, tmp_path, request):
     files, datasets = inputs
-    argv, ranks = tiny_command_line(name, files, datasets, tmp_path, ITERATIONS)
+    teacher = request.getfixturevalue("teacher") if distils(name) else None
+    argv, ranks = tiny_command_line(name, files, datasets, tmp_path, ITERATIONS, teacher)
     result = launch(ranks, argv, launcher="deepspeed", timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
     assert sorted(losses(result.stdout)) == list(range(1, ITERATIONS + 1)), result.stdout[-4000:]
     assert "unrecognized" not in result.stdout
     if is_moe(name):
         assert re.search(r"lm loss: \S+ \| moe loss: \S+ \|", result.stdout), result.stdout[-4000:]
+    if distils(name):
+        assert len(re.findall(r"lm loss: \S+ \| kd loss: \S+ \|", result.stdout)) == ITERATIONS, result.stdout[-4000:]
     if (SCRIPTS[name]["ds_config"] or {}).get("curriculum_learning", {}).get("enabled"):
         # min 8 to max 32 over the 3 iterations (tests/compat/scripts.py): 8 + 24 i / 3
         assert re.findall(r"curriculum seqlen: (\d+) \|", result.stdout) == ["16", "24", "32"], result.stdout[-4000:]

@@ -55,16 +55,23 @@ class LanguageModelEmbedding(torch.nn.Module):
             return dropout(embeddings, self.config.hidden_dropout, self.training)
 
 
-# Pipeline stages exchange one object: the hidden states [s, b, h], or (hidden states, attention mask)
-# when the batch carries its own mask (--reset-attention-mask). The model inputs are the input ids
-# [b, s], or (input ids, position ids[, attention mask]).
+# Pipeline stages exchange one object: the hidden states [s, b, h], or a tuple of them with, in this order, a frozen
+# teacher's hidden states carried as integers (--kd, megatron_ds/distillation.py) and the attention mask when the
+# batch carries its own (--reset-attention-mask; last, where DeepSpeed's pipeline engine looks for a boolean).
+# The model inputs are the input ids [b, s], or (input ids, position ids[, attention mask]).
 
 def _split_activation(activation):
-    return activation if isinstance(activation, tuple) else (activation, None)
+    """(hidden states, teacher carrier or None, attention mask or None)."""
+    if not isinstance(activation, tuple):
+        return activation, None, None
+    hidden_states, *rest = activation
+    mask = rest.pop() if rest and rest[-1].dtype == torch.bool else None
+    return hidden_states, rest[0] if rest else None, mask
 
 
-def _join_activation(hidden_states, attention_mask):
-    return hidden_states if attention_mask is None else (hidden_states, attention_mask)
+def _join_activation(hidden_states, attention_mask, carrier=None):
+    rest = tuple(tensor for tensor in (carrier, attention_mask) if tensor is not None)
+    return (hidden_states, *rest) if rest else hidden_states
 
 
 def activation_between_stages(config, model_inputs, tensor_parallel_size):
@@ -88,32 +95,50 @@ def pack_model_inputs(input_ids, position_ids=None, attention_mask=None):
 
 
 class EmbeddingPipe(LanguageModelEmbedding):
+    teacher = None  # --kd: this stage's share of the frozen teacher (distillation.Teacher), not a submodule
+
     def forward(self, inputs):
-        if not isinstance(inputs, tuple):
-            return super().forward(inputs)
-        input_ids, position_ids, *mask = inputs
-        return _join_activation(super().forward(input_ids, position_ids), mask[0] if mask else None)
+        input_ids, position_ids, *mask = inputs if isinstance(inputs, tuple) else (inputs, None)
+        hidden_states = super().forward(input_ids, position_ids)
+        carrier = self.teacher.carried(self.teacher.embed(inputs)) if _teaching(self) else None
+        return _join_activation(hidden_states, mask[0] if mask else None, carrier)
+
+
+def _teaching(layer):
+    return layer.teacher is not None and layer.training
 
 
 class TransformerLayerPipe(TransformerLayer):
+    teacher = None
+
     def forward(self, activation):
-        hidden_states, attention_mask = _split_activation(activation)
-        return _join_activation(super().forward(hidden_states, attention_mask), attention_mask)
+        hidden_states, carrier, attention_mask = _split_activation(activation)
+        hidden_states = super().forward(hidden_states, attention_mask)
+        if carrier is not None:
+            teacher = self.teacher
+            carrier = teacher.carried(teacher.layers_riding_on(self.layer_number, teacher.unpacked(carrier),
+                                                               attention_mask))
+        return _join_activation(hidden_states, attention_mask, carrier)
 
 
 class FinalLayerNorm(torch.nn.Module):
-    """Final norm; also drops the attention mask from the activation."""
+    """Final norm; also drops the attention mask from the activation (and hands on a teacher's hidden states)."""
+    teacher = None
 
     def __init__(self, config):
         super().__init__()
         self.norm = build_norm(config)
 
     def forward(self, activation):
-        return self.norm(_split_activation(activation)[0])
+        hidden_states, carrier, _ = _split_activation(activation)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states if carrier is None else (hidden_states, self.teacher.unpacked(carrier))
 
 
 class OutputLayer(torch.nn.Module):
-    """Untied output head: [s, b, h] -> logits [s, b, vocab/tp]."""
+    """Untied output head: [s, b, h] -> logits [s, b, vocab/tp]; with a teacher's hidden states beside them,
+    (logits, the teacher's logits)."""
+    teacher = None
 
     def __init__(self, config, vocab_size):
         super().__init__()
@@ -122,13 +147,19 @@ class OutputLayer(torch.nn.Module):
         initialize_deterministically(self, "output_layer", config.init_seed)
 
     def forward(self, hidden_states):
+        if isinstance(hidden_states, tuple):
+            hidden_states, teacher_hidden_states = hidden_states
+            return self.forward(hidden_states), self.teacher.logits(teacher_hidden_states)
         logits, _ = self.linear(hidden_states)
         return logits
 
 
 def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
     """Output head that reuses the input word embeddings: [s, b, h] (or [s/t, b, h] with SP) -> logits
-    [s, b, vocab/tp]."""
+    [s, b, vocab/tp]; with a teacher's hidden states beside them, (logits, the teacher's logits)."""
+    if isinstance(hidden_states, tuple):
+        hidden_states, teacher_hidden_states = hidden_states
+        return tied_output_logits(embedding, hidden_states), embedding.teacher.logits(teacher_hidden_states)
     return linear_with_tensor_parallel_input(hidden_states, embedding.word_embeddings.weight, None,
                                              embedding.config.sequence_parallel)
 
@@ -194,6 +225,8 @@ class GPTModel(torch.nn.Module):
         self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
         self.loss_fn = build_loss_fn(config)
 
+    teacher = None  # --kd: the frozen teacher (distillation.Teacher), not a submodule
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
         activation = self.embedding(pack_model_inputs(input_ids, position_ids, attention_mask))
         for layer in self.layers:
@@ -201,4 +234,8 @@ class GPTModel(torch.nn.Module):
         hidden_states = self.final_layernorm(activation)
         logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
                   else self.output_layer(hidden_states))
-        return logits if labels is None else self.loss_fn(logits, labels)
+        if labels is None:
+            return logits
+        if _teaching(self):
+            logits = (logits, self.teacher.whole_model_logits(input_ids, position_ids, attention_mask))
+        return self.loss_fn(logits, labels)
