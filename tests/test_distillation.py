@@ -259,3 +259,23 @@ def test_the_planner_counts_the_teacher_by_hand():
     unknown = _planned_memory("--kd", "--load-teacher", "x")
     assert "the teacher's memory is not counted" in " ".join(unknown["warnings"])
     assert all(row["teacher"] == 0 for row in unknown["memory"]["per_stage"])
+
+
+@pytest.mark.e2e
+def test_a_distillation_run_resumes_exactly_and_saves_no_teacher(straight, teacher, tmp_path):
+    """PP 2 saved at iteration 2 (--exit-interval) and launched again: the teacher read anew, iterations 3 and 4 as
+    the straight run's; the checkpoint holds the student's weights only."""
+    from megatron_ds.checkpointing import files, state
+    from tests.launch import launch, losses
+    lm, kd, _ = straight
+    flags = student_flags(teacher, 1, 2) + ["--save", str(tmp_path / "run")]
+    first = launch(2, flags + ["--exit-interval", "2"])
+    assert first.returncode == 0 and sorted(losses(first.stdout)) == [1, 2], first.stdout[-3000:]
+    second = launch(2, flags)
+    assert second.returncode == 0 and "resuming at iteration 2" in second.stdout, second.stdout[-3000:]
+    for iteration in (3, 4):
+        assert losses(second.stdout)[iteration] == pytest.approx(lm[iteration], rel=1e-5)
+        assert _kd_losses(second.stdout)[iteration] == pytest.approx(kd[iteration], rel=1e-4)
+    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "run"))
+    saved = state.read_full_state(str(tmp_path / "run" / tag), metadata, with_optimizer=False).weights
+    assert {name.split(".")[2] for name in saved if name.startswith("decoder.layers.")} == {"0", "1"}
