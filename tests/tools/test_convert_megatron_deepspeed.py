@@ -16,18 +16,17 @@ from megatron_ds.checkpointing.megatron_deepspeed import qkv_in_our_order
 
 REPO = Path(__file__).resolve().parents[2]
 H, HEADS, GROUPS, D, FFN, LAYERS, VOCAB, POSITIONS = 16, 4, 2, 4, 32, 2, 64, 16
-PER_GROUP = HEADS // GROUPS
 
 
-def ours(seed=0):
-    """A GPT-2 style model with grouped-query attention, by canonical name (rows of linear_qkv per query group:
-    its 2 query heads, its key, its value)."""
+def ours(seed=0, groups=GROUPS):
+    """A GPT-2 style model with grouped-query attention (multi-head with groups=HEADS), by canonical name (rows of
+    linear_qkv per query group: its query heads, its key, its value)."""
     generator = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
     weights = {"embedding.word_embeddings.weight": rand(VOCAB, H),
                "embedding.position_embeddings.weight": rand(POSITIONS, H),
                "decoder.final_layernorm.weight": rand(H), "decoder.final_layernorm.bias": rand(H)}
-    qkv_rows = (HEADS + 2 * GROUPS) * D
+    qkv_rows = (HEADS + 2 * groups) * D
     for i in range(LAYERS):
         p = f"decoder.layers.{i}."
         weights.update({p + "input_layernorm.weight": rand(H), p + "input_layernorm.bias": rand(H),
@@ -40,20 +39,26 @@ def ours(seed=0):
     return weights
 
 
-def their_qkv(rows, tp, rank):
+def their_qkv(rows, tp, rank, groups=GROUPS, version=3.0):
     """One TP shard's rows as checkpoint version 3.0 orders them: this rank's query heads, then its keys, then its
-    values, each picked from our rows by what it is."""
+    values, each picked from our rows by what it is. Version 2.0 (multi-head only): per head its q, k, v rows."""
+    per_group = HEADS // groups
+    if version == 2.0:
+        assert groups == HEADS
+        return torch.cat([rows[head * 3 * D:][:3 * D] for head in range(rank * HEADS // tp, (rank + 1) * HEADS // tp)])
+
     def query(head):
-        group, within = divmod(head, PER_GROUP)
-        return rows[(group * (PER_GROUP + 2) + within) * D:][:D]
+        group, within = divmod(head, per_group)
+        return rows[(group * (per_group + 2) + within) * D:][:D]
 
     def key(group):
-        return rows[(group * (PER_GROUP + 2) + PER_GROUP) * D:][:D]
+        return rows[(group * (per_group + 2) + per_group) * D:][:D]
 
     def value(group):
-        return rows[(group * (PER_GROUP + 2) + PER_GROUP + 1) * D:][:D]
-    heads, groups = range(rank * HEADS // tp, (rank + 1) * HEADS // tp), range(rank * GROUPS // tp, (rank + 1) * GROUPS // tp)
-    return torch.cat([query(h) for h in heads] + [key(g) for g in groups] + [value(g) for g in groups])
+        return rows[(group * (per_group + 2) + per_group + 1) * D:][:D]
+    heads = range(rank * HEADS // tp, (rank + 1) * HEADS // tp)
+    mine = range(rank * groups // tp, (rank + 1) * groups // tp)
+    return torch.cat([query(h) for h in heads] + [key(g) for g in mine] + [value(g) for g in mine])
 
 
 _THEIRS = {"input_layernorm": "input_layernorm", "linear_qkv": "query_key_value", "linear_proj": "dense",
@@ -61,7 +66,7 @@ _THEIRS = {"input_layernorm": "input_layernorm", "linear_qkv": "query_key_value"
 _SPLIT_ROWS = ("linear_qkv", "linear_fc1")
 
 
-def their_layer(weights, i, tp, rank):
+def their_layer(weights, i, tp, rank, groups=GROUPS, version=3.0):
     """Layer i's keys on TP rank `rank` (Megatron's splits: QKV and fc1 by rows, proj and fc2 weights by columns)."""
     layer = {}
     for name, value in weights.items():
@@ -69,7 +74,7 @@ def their_layer(weights, i, tp, rank):
             continue
         module, kind = name.split(".")[-2:]
         if module == "linear_qkv":
-            value = their_qkv(value, tp, rank)
+            value = their_qkv(value, tp, rank, groups, version)
         elif module in _SPLIT_ROWS:
             value = value.chunk(tp)[rank]
         elif module in ("linear_proj", "linear_fc2") and kind == "weight":
@@ -93,7 +98,7 @@ def adam_states(weights, seed=1):
             "exp_avg_sq": {name: 1e-4 * torch.rand(value.shape, generator=generator) for name, value in weights.items()}}
 
 
-def their_parameters(values, tp, rank, stage, pp):
+def their_parameters(values, tp, rank, stage, pp, groups=GROUPS, version=3.0):
     """{name as DeepSpeed's engine names the parameter: TP rank `rank`'s tensor} of pipeline stage `stage`: the
     nested module's names at PP 1, PipelineModule's `{layer file number}.{key}` and `tied_modules.embed.{key}` (on
     the first and the last stage) at PP > 1."""
@@ -101,7 +106,8 @@ def their_parameters(values, tp, rank, stage, pp):
                  values[POSITION].clone()}
     final = {"weight": values["decoder.final_layernorm.weight"], "bias": values["decoder.final_layernorm.bias"]}
     per_stage = LAYERS // pp
-    layers = {i: their_layer(values, i, tp, rank) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    layers = {i: their_layer(values, i, tp, rank, groups, version)
+              for i in range(stage * per_stage, (stage + 1) * per_stage)}
     if pp == 1:
         return {**{f"language_model.embedding.{key}": value for key, value in embedding.items()},
                 **{f"language_model.encoder.layers.{i}.{key}": value for i, layer in layers.items()
@@ -177,11 +183,13 @@ def their_rng_state(seed):
             "rng_tracker_states": {"model-parallel-rng": torch.Generator().manual_seed(seed + 1).get_state()}}
 
 
-def megatron_deepspeed_checkpoint(load_dir, weights, tp, pp, iteration=ITERATION, moments=None, dp=1):
-    """Its files at TP tp x PP pp x DP dp; with moments (adam_states) its ZeRO-1 files as well."""
+def megatron_deepspeed_checkpoint(load_dir, weights, tp, pp, iteration=ITERATION, moments=None, dp=1, groups=GROUPS,
+                                  version=3.0):
+    """Its files at TP tp x PP pp x DP dp, as checkpoint_version `version` writes them; with moments (adam_states) its
+    ZeRO-1 files as well."""
     tag = load_dir / f"global_step{iteration}"
     tag.mkdir(parents=True)
-    args = argparse.Namespace(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
+    args = argparse.Namespace(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=groups,
                               ffn_hidden_size=FFN, padded_vocab_size=VOCAB, max_position_embeddings=POSITIONS,
                               seq_length=POSITIONS, normalization="layernorm", params_dtype=torch.float32,
                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp * dp,
@@ -191,18 +199,19 @@ def megatron_deepspeed_checkpoint(load_dir, weights, tp, pp, iteration=ITERATION
     for stage in range(pp):
         for rank in range(tp):
             mp_rank = stage * tp + rank
-            named = their_parameters(weights, tp, rank, stage, pp)
+            named = their_parameters(weights, tp, rank, stage, pp, groups, version)
             if pp > 1:
                 _layer_files(tag, named, rank, stage)
-            states = {"module": _module(named) if pp == 1 else None, "args": args, "checkpoint_version": 3.0,
+            states = {"module": _module(named) if pp == 1 else None, "args": args, "checkpoint_version": version,
                       "iteration": iteration, "tokens": TOKENS, "buffer_names": [], "lr_scheduler": their_scheduler(),
                       "rng_state": [their_rng_state(100 * mp_rank + replica) for replica in range(dp)]}
             if moments:
-                groups = [[name for name, value in named.items() if value.dim() == 2],
-                          [name for name, value in named.items() if value.dim() == 1]]
-                states["param_shapes"] = [{name: named[name].shape for name in group} for group in groups]
-                their_moments = {key: their_parameters(values, tp, rank, stage, pp) for key, values in moments.items()}
-                _zero_files(tag, groups, their_moments, mp_rank, dp)
+                param_groups = [[name for name, value in named.items() if value.dim() == 2],
+                                [name for name, value in named.items() if value.dim() == 1]]
+                states["param_shapes"] = [{name: named[name].shape for name in group} for group in param_groups]
+                their_moments = {key: their_parameters(values, tp, rank, stage, pp, groups, version)
+                                 for key, values in moments.items()}
+                _zero_files(tag, param_groups, their_moments, mp_rank, dp)
             torch.save(states, tag / f"mp_rank_{mp_rank:02d}_model_states.pt")
     (load_dir / "latest").write_text(tag.name)
     (load_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -283,9 +292,9 @@ def test_older_qkv_orders_are_read_or_refused_by_name():
         qkv_in_our_order(ours_rows, heads, heads, d, 4.0)
 
 
-def run_flags(load_dir, tp=1, pp=1):
+def run_flags(load_dir, tp=1, pp=1, groups=GROUPS):
     return ["--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
-            "--num-key-value-heads", str(GROUPS), "--ffn-hidden-size", str(FFN), "--seq-length", str(POSITIONS),
+            "--num-key-value-heads", str(groups), "--ffn-hidden-size", str(FFN), "--seq-length", str(POSITIONS),
             "--max-position-embeddings", str(POSITIONS), "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by",
             "32", "--micro-batch-size", "1", "--global-batch-size", str(BATCH), "--mock-data", "--train-iters",
             str(TRAIN_ITERS), "--lr", str(LR), "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout",
@@ -304,12 +313,12 @@ def test_pretrain_goes_on_from_a_converted_checkpoint(tmp_path):
     assert f" iteration 6/{TRAIN_ITERS} | consumed samples: 96 |" in result.stdout
 
 
-def our_state():
+def our_state(groups=GROUPS):
     """The model of ours() with adam_states' master weights and moments, STEP, the data position and OUR_SCHEDULE,
     as our checkpoints hold them (FullState, fp32)."""
-    weights = ours()
+    weights = ours(groups=groups)
     moments = adam_states(weights)
-    args = {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS,
+    args = {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": groups,
             "ffn_hidden_size": FFN, "padded_vocab_size": VOCAB, "vocab_size": VOCAB, "max_position_embeddings":
             POSITIONS, "seq_length": POSITIONS, "normalization": "LayerNorm", "params_dtype": "float32",
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "make_vocab_size_divisible_by": 32,
@@ -373,6 +382,27 @@ def test_pretrain_loads_its_folder_directly(tmp_path, reference_losses, tp, pp, 
         continued = losses(result.stdout)
         for iteration, loss in reference_losses.items():
             assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued, reference_losses)
+
+
+@pytest.mark.e2e
+def test_a_version_2_checkpoint_continues_as_the_same_state_written_as_ours(tmp_path):
+    """checkpoint_version 2.0 (per head its q, k, v rows; multi-head) at TP 2, --load of its folder at its layout
+    and resharded to TP 1 x PP 2: iterations 6 and 7 as the same multi-head state written in our format."""
+    from tests.launch import launch, losses
+    state.write_sharded_checkpoint(our_state(groups=HEADS), str(tmp_path / "reference"), 1, 1)
+    reference = launch(1, run_flags(tmp_path / "reference", groups=HEADS))
+    assert reference.returncode == 0, reference.stdout
+    weights = ours(groups=HEADS)
+    megatron_deepspeed_checkpoint(tmp_path / "mds", weights, 2, 1, moments=adam_states(weights), groups=HEADS,
+                                  version=2.0)
+    for layout in ((2, 1), (1, 2)):
+        result = launch(2, run_flags(tmp_path / "mds", *layout, groups=HEADS))
+        assert result.returncode == 0, result.stdout
+        assert "(Megatron-DeepSpeed checkpoint (version 2.0, TP 2 x PP 1 x DP 1)) via" in result.stdout
+        continued = losses(result.stdout)
+        assert sorted(continued) == [6, 7]
+        for iteration, loss in losses(reference.stdout).items():
+            assert abs(continued[iteration] - loss) <= 1e-5, (layout, iteration, continued)
 
 
 # --- the way back: ours -> Megatron-DeepSpeed's format -> ours ---------------------------------------------
