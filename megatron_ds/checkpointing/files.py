@@ -45,6 +45,8 @@ TMP_SUFFIX = ".tmp"
 FORMAT_DEEPSPEED = "deepspeed"
 FORMAT_SHARDED = "megatron_ds-sharded"
 FORMAT_MEGATRON_DEEPSPEED = "megatron-deepspeed"  # its own files, described by megatron_deepspeed.read_metadata
+# DeepSpeed's ds_to_universal output of one of its checkpoints (megatron_deepspeed.read_universal_metadata)
+FORMAT_MEGATRON_DEEPSPEED_UNIVERSAL = "megatron-deepspeed universal"
 FORMAT_VERSION = 1
 CHECKSUM_CHUNK_BYTES = 4 * 2 ** 20  # a file is read for its checksum in pieces this large
 _TAG = re.compile(r"^global_step(\d+)$")

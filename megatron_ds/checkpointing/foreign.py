@@ -60,6 +60,10 @@ def foreign_folder(load_dir):
     itself = foreign_checkpoint(load_dir)
     if itself is not None:
         return itself
+    universal = os.path.join(load_dir, "latest_universal")
+    if os.path.isfile(universal):
+        return (f"a DeepSpeed universal checkpoint ({universal} names {open(universal).read().strip()!r}): load it "
+                f"with --universal-checkpoint")
     tags = sorted(name for name in os.listdir(load_dir) if _MEGATRON_LM_TAG.fullmatch(name))
     if not tags:
         return None

@@ -382,7 +382,7 @@ class CheckpointManager:
         """Every rank reads its share of the checkpoint's files and compares each one's checksum with the one written;
         a mismatch on any rank raises the same CheckpointError on every rank, naming the files and the last good
         checkpoint. Returns what the load line says about it."""
-        if metadata["format"] == universal.FORMAT:
+        if metadata["format"] in (universal.FORMAT, files.FORMAT_MEGATRON_DEEPSPEED_UNIVERSAL):
             return "no checksums in DeepSpeed's universal format: files not verified"
         checksums = metadata.get("checksums")
         if metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED:

@@ -44,6 +44,7 @@ from megatron_ds.checkpointing import files, foreign, layout, state
 from megatron_ds.checkpointing.files import CheckpointError
 
 FORMAT = files.FORMAT_MEGATRON_DEEPSPEED
+UNIVERSAL_FORMAT = files.FORMAT_MEGATRON_DEEPSPEED_UNIVERSAL
 FIRST_FILE = "mp_rank_00_model_states.pt"
 _LAYER_FILE = re.compile(r"layer_(\d\d)-model_(\d\d)-model_states\.pt")
 _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_key_value": "self_attention.linear_qkv",
@@ -97,6 +98,25 @@ def read_metadata(path):
         has_optimizer_states=zero_prefix is not None, has_rng_states=bool(first.get("rng_state")),
         checkpoint_version=version, ranks=ranks,
         description=f"Megatron-DeepSpeed checkpoint (version {version}, TP {tp} x PP {pp} x DP {dp})")
+
+
+def read_universal_metadata(path):
+    """Our metadata of the universal checkpoint `path` that DeepSpeed's ds_to_universal made from one of its
+    checkpoints: its model-states files as they were, the whole model in zero/ (each parameter's fp32 weight and
+    Adam moments, merged over the source's TP ranks): described as one TP 1 x PP 1 rank, the source's TP kept to
+    put query_key_value's rows (concatenated shard by shard as each shard held them) in our order."""
+    metadata = read_metadata(path)
+    source = metadata["layout"]
+    metadata.update(
+        format=UNIVERSAL_FORMAT, has_optimizer_states=True, has_rng_states=False,
+        layout={**source, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+                "engine": "plain", "zero_file_prefix": None,
+                "source_tensor_model_parallel_size": source["tensor_model_parallel_size"]},
+        ranks=[{"rank": 0, "tp": 0, "pp": 0, "dp": 0, "sp": 0, "mp_rank": 0}],
+        description=f"Megatron-DeepSpeed universal checkpoint (version {metadata['checkpoint_version']}, converted "
+                    f"from TP {source['tensor_model_parallel_size']} x PP {source['pipeline_model_parallel_size']} x "
+                    f"DP {source['data_parallel_size']})")
+    return metadata
 
 
 def is_checkpoint(path):
@@ -188,6 +208,46 @@ def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
         optimizer = {name: {key: in_our_order(name, value) for key, value in states.items()}
                      for name, states in optimizer.items()}
     return state.RankState(weights, optimizer, step)
+
+
+def read_universal_state(path, metadata, with_optimizer=True):
+    """The whole model of a universal checkpoint of its origin (read_universal_metadata) as one RankState: each
+    zero/ folder's fp32 weight (and Adam moments and step), by canonical name, query_key_value's rows in our order
+    (the vocabulary without DeepSpeed's padding rows, as ds_to_universal keeps it)."""
+    zero, num_layers = os.path.join(path, "zero"), metadata["args"]["num_layers"]
+    folders = sorted(name for name in os.listdir(zero) if os.path.isdir(os.path.join(zero, name)))
+    pipelined = any(name.split(".", 1)[0].isdigit() or name.startswith("tied_modules.") for name in folders)
+    in_our_order = _universal_qkv_reordering(metadata, path)
+    weights, optimizer, steps = {}, {} if with_optimizer else None, set()
+    for folder in folders:
+        name = _canonical_of_local(folder, num_layers, pipelined)
+        read = lambda file: in_our_order(name, _universal_tensor(zero, folder, file))  # noqa: E731
+        weights[name] = read("fp32.pt")
+        if with_optimizer:
+            optimizer[name] = {"fp32": weights[name], "exp_avg": read("exp_avg.pt"), "exp_avg_sq": read("exp_avg_sq.pt")}
+            steps.add(int(files.load_file(os.path.join(zero, folder, "step.pt"))))
+    if with_optimizer and len(steps) != 1:
+        raise CheckpointError(f"{path}: the zero/ folders hold different optimizer steps {sorted(steps)}")
+    return state.RankState(weights, optimizer, steps.pop() if with_optimizer else None)
+
+
+def _universal_tensor(zero, folder, file):
+    saved = files.load_file(os.path.join(zero, folder, file))
+    return saved["param"] if isinstance(saved, dict) else saved
+
+
+def _universal_qkv_reordering(metadata, path):
+    """f(name, tensor): query_key_value's rows, concatenated over the source's TP ranks as each held them, in our
+    order (others as they are)."""
+    tp = metadata["layout"]["source_tensor_model_parallel_size"]
+    per_shard = _qkv_reordering({**metadata, "layout": {**metadata["layout"], "tensor_model_parallel_size": tp}},
+                                path)
+
+    def in_our_order(name, tensor):
+        if ".self_attention.linear_qkv." not in name:
+            return tensor
+        return torch.cat([per_shard(name, shard) for shard in tensor.chunk(tp)])
+    return in_our_order
 
 
 def rng_state(path, entry):
@@ -387,7 +447,40 @@ def _common_model_states(full, tp, pp, dp):
             "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": full.iteration,
             "global_samples": full.consumed_train_samples, "dp_world_size": dp, "mp_world_size": tp * pp,
             "ds_version": deepspeed.__version__, "args": args, "checkpoint_version": VERSION_WRITTEN,
-            "iteration": full.iteration, "tokens": tokens}
+            "iteration": full.iteration, "tokens": tokens,
+            "universal_checkpoint_info": _universal_checkpoint_info(full, tp, pp)}
+
+
+def _universal_checkpoint_info(full, tp, pp):
+    """What its save records for DeepSpeed's ds_to_universal (its gpt_model.py UniversalCheckpointInfo, in the
+    names written here): the vocabulary parameters (padding dropped), the pipeline-replicated tied embedding, the
+    TP-replicated norms, biases and positions, the row-parallel weights, SwiGLU's two halves. (Its own code names the
+    position embedding of an untied pipeline model after the tied module; the name written here is matched.)"""
+    from deepspeed.checkpoint import constants as ds
+    shape, num_layers = files.model_shape(full.args), full.args["num_layers"]
+    pipelined, tied = pp > 1, shape["tied_embeddings"]
+    name = lambda canonical: re.escape(_their_local_name(canonical, num_layers, pipelined, tied))  # noqa: E731
+    per_layer = lambda module: (r"\d+\." if pipelined else r"language_model\.encoder\.layers\.\d+\.") + \
+        re.escape(module)  # noqa: E731
+    vocabulary = [name(layout.WORD_EMBEDDINGS)] + ([] if tied else [name(layout.OUTPUT_LAYER)])
+    positions = [name(layout.POSITION_EMBEDDINGS)] if shape["position_embedding_type"] == "learned_absolute" else []
+    layernorm, bias = shape["normalization"] == "LayerNorm", shape["bias"]
+    final = [name(f"decoder.final_layernorm.{key}") for key in ("weight", "bias")[:2 if layernorm else 1]]
+    info = {ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            ds.ORIGINAL_VOCAB_SIZE: full.args.get("vocab_size") or shape["padded_vocab_size"],
+            ds.PADDED_VOCAB_SIZE: shape["padded_vocab_size"], ds.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+            ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [per_layer(f"mlp.dense_h_to_4h.{key}") for key in
+                                                      ("weight", "bias")[:2 if bias else 1]] if shape["swiglu"] else []}
+    if pipelined:
+        info[ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = vocabulary + positions if tied else []
+    if tp > 1:
+        norms = [f"{norm}.{key}" for norm in ("input_layernorm", "post_attention_layernorm")
+                 for key in ("weight", "bias")[:2 if layernorm else 1]]
+        biases = ["self_attention.dense.bias", "mlp.dense_4h_to_h.bias"] if bias else []
+        info[ds.TP_REPLICATED_PARAMETER_PATTERNS] = [per_layer(module) for module in norms + biases] + final + positions
+        info[ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [per_layer("mlp.dense_4h_to_h.weight"),
+                                                            per_layer("self_attention.dense.weight")]
+    return info
 
 
 def _their_arguments(full, tp, pp, dp):
@@ -539,10 +632,28 @@ def _write_zero_files(path, full, groups, moments, step, mp_rank, dp):
                                       wd_mult=wd_mult) for index, (_, wd_mult) in enumerate(groups)]},
             "single_partition_of_fp32_groups": [partitions[replica][:partitions[replica].numel() - padding]
                                                 for partitions, padding in zip(padded["fp32"], paddings)],
-            "zero_stage": 1, "group_paddings": paddings, "partition_count": dp, "ds_version": deepspeed.__version__}
+            "zero_stage": 1, "group_paddings": paddings, "partition_count": [dp] * len(groups),
+            "param_slice_mappings": [_slice_mappings([(name, moments["fp32"][name].numel()) for name in names],
+                                                     padded["fp32"][index][0].numel(), replica)
+                                     for index, (names, _) in enumerate(groups)],
+            "ds_version": deepspeed.__version__}
         name = f"{prefix}zero_pp_rank_{replica}_mp_rank_{mp_rank:02d}_optim_states.pt"
         files.write_torch_file({"optimizer_state_dict": optimizer, "ds_version": deepspeed.__version__},
                                os.path.join(path, name))
+
+
+def _slice_mappings(sizes, partition, replica):
+    """DeepSpeed's param_slice_mappings of data-parallel partition `replica`: each parameter's piece in it (its start
+    in the partition and its length), which ds_to_universal cuts the partitions with."""
+    from collections import OrderedDict
+    from deepspeed.utils.tensor_fragment import fragment_address
+    pieces, offset, low = OrderedDict(), 0, replica * partition
+    for name, size in sizes:
+        start, end = max(offset, low), min(offset + size, low + partition)
+        if start < end:
+            pieces[name] = fragment_address(numel=end - start, start=start - low)
+        offset += size
+    return pieces
 
 
 def _flat(tensors):

@@ -74,6 +74,9 @@ def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
     if metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED:
         from megatron_ds.checkpointing import megatron_deepspeed  # it builds on this module
         return megatron_deepspeed.read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer)
+    if metadata["format"] == files.FORMAT_MEGATRON_DEEPSPEED_UNIVERSAL:  # the whole model: one rank
+        from megatron_ds.checkpointing import megatron_deepspeed
+        return megatron_deepspeed.read_universal_state(path, metadata, with_optimizer)
     if metadata["format"] != files.FORMAT_DEEPSPEED:
         raise CheckpointError(f"{path}: unknown checkpoint format {metadata['format']!r}")
     return _read_deepspeed_rank(path, metadata, tp_rank, pp_rank, with_optimizer)

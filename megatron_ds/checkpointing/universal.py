@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import constants as ds
 
-from megatron_ds.checkpointing import layout
+from megatron_ds.checkpointing import layout, megatron_deepspeed
 from megatron_ds.checkpointing.files import CheckpointError, iteration_of, read_pointer
 from megatron_ds.core import deepspeed_internals
 
@@ -146,6 +146,8 @@ def _metadata_of(path, tag):
     except Exception as error:
         raise CheckpointError(f"universal checkpoint file {first} is damaged: {error}") from None
     metadata = state.get("megatron_ds", {}).get(METADATA_KEY)
+    if metadata is None and megatron_deepspeed.is_checkpoint(path):  # read as its checkpoints are (per rank)
+        return {**megatron_deepspeed.read_universal_metadata(path), "tag": tag}
     if metadata is None:
         raise CheckpointError(f"universal checkpoint {path} was not converted from a megatron_ds checkpoint "
                               f"({first} holds no megatron_ds metadata)")

@@ -95,3 +95,12 @@ def test_a_hugging_face_folder_given_to_load_is_named_with_its_conversion(tmp_pa
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert f"--from-hf {tmp_path} --save DIR" in refusal(tmp_path)
+
+
+def test_a_universal_checkpoint_given_to_load_without_its_flag_is_named(tmp_path):
+    """ds_to_universal's output folder (its pointer latest_universal, no checkpoint of ours) given to --load without
+    --universal-checkpoint: named with the flag, not trained from scratch."""
+    (tmp_path / "global_step3_universal" / "zero").mkdir(parents=True)
+    (tmp_path / "latest_universal").write_text("global_step3_universal")
+    message = refusal(tmp_path)
+    assert "holds a DeepSpeed universal checkpoint" in message and "load it with --universal-checkpoint" in message
