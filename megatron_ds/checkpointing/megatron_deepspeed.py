@@ -3,8 +3,8 @@ metadata's terms (format FORMAT: arguments, layout, iteration, consumed samples 
 read_rank_state reads one (TP, PP) rank of it in canonical names, its query_key_value rows in our order, so that
 state.read_full_state (tools/convert_checkpoint.py --from-megatron-deepspeed) and --load take it as one of ours.
 write_checkpoint is the way back (tools/convert_checkpoint.py --to-megatron-deepspeed): a FullState written in its
-files, checkpoint_version 3.0, so that reading them gives every tensor back bitwise. Not read or written: MoE
-checkpoints.
+files, checkpoint_version 3.0, so that reading them gives every tensor back bitwise. Mixture of Experts
+checkpoints are read (DeepSpeed's expert files and its expert groups' ZeRO partitions), not written.
 
 Its files (DeepSpeed's, with Megatron-DeepSpeed's keys beside them):
     global_step{N}/mp_rank_{MM}_model_states.pt   MM = pp_rank x TP + tp_rank (DeepSpeed's model-parallel rank);
@@ -35,6 +35,7 @@ its run counted iterations).
 """
 import argparse
 import dataclasses
+import glob
 import os
 import re
 
@@ -50,6 +51,12 @@ _LAYER_FILE = re.compile(r"layer_(\d\d)-model_(\d\d)-model_states\.pt")
 _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_key_value": "self_attention.linear_qkv",
                    "self_attention.dense": "self_attention.linear_proj", "post_attention_layernorm": "pre_mlp_layernorm",
                    "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+# Mixture of Experts (DeepSpeed's MoE layer in its MLP's place): the router, PR-MoE's residual MLP and its mix
+_OURS_BY_THEIRS_MOE = {"mlp.deepspeed_moe.gate.wg": "mlp.deepspeed_moe.gate.wg", "mlp.mlp.dense_h_to_4h": "mlp.mlp.linear_fc1",
+                       "mlp.mlp.dense_4h_to_h": "mlp.mlp.linear_fc2", "mlp.coefficient": "mlp.coefficient"}
+# an expert's parameter: DeepSpeed's index (global in its expert files, local to the rank in the engine's names)
+_THEIR_EXPERT = re.compile(r"mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(dense_h_to_4h|dense_4h_to_h)")
+_EXPERT_LINEARS = {"dense_h_to_4h": "linear_fc1", "dense_4h_to_h": "linear_fc2"}
 _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 _THEIR_NORMALIZATION = {ours: theirs for theirs, ours in _NORMALIZATION.items()}
 _DECAY_STYLES = ("constant", "linear", "cosine")
@@ -195,11 +202,15 @@ def read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=True):
     mp_rank = pp_rank * lay["tensor_model_parallel_size"] + tp_rank
     model_states = files.load_file(os.path.join(path, f"mp_rank_{mp_rank:02d}_model_states.pt"))
     in_our_order = _qkv_reordering(metadata, path)
-    if lay["pipeline_model_parallel_size"] == 1:
-        local = {_canonical(name): value for name, value in _flattened(model_states["module"]).items()}
+    pipelined = lay["pipeline_model_parallel_size"] > 1
+    if model_states.get("module") is not None:   # PP 1, or an MoE pipeline's stage (DeepSpeed keeps it there)
+        local = {_canonical_of_local(name, num_layers, pipelined): value
+                 for name, value in _flattened(model_states["module"]).items()}
     else:
         tied = not metadata["args"].get("untie_embeddings_and_output_weights")
         local = _stage_layer_files(path, tp_rank, pp_rank, lay["pipeline_model_parallel_size"], num_layers, tied)
+    if files.is_moe(files.saved_model_shape(metadata)):
+        local.update(_expert_weights(path, mp_rank, num_layers, pipelined))
     weights = {name: in_our_order(name, value) for name, value in local.items()}
     if not (with_optimizer and metadata.get("has_optimizer_states")):
         return state.RankState(weights)
@@ -280,6 +291,17 @@ def _stage_layer_files(path, tp_rank, stage, pp, num_layers, tied):
     return weights
 
 
+def _expert_weights(path, mp_rank, num_layers, pipelined):
+    """The experts of a model-parallel rank's MoE layers from DeepSpeed's expert files
+    (layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt, one per MoE layer and global expert, keyed by the global
+    index). Without expert tensor parallelism every TP rank of a stage holds the same experts whole."""
+    weights = {}
+    for file_path in sorted(glob.glob(os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"))):
+        for name, value in files.load_file(file_path).items():
+            weights[_canonical_of_local(name, num_layers, pipelined)] = value
+    return weights
+
+
 def _layer_file(path, number, tp_rank):
     return os.path.join(path, f"layer_{number:02d}-model_{tp_rank:02d}-model_states.pt")
 
@@ -287,33 +309,56 @@ def _layer_file(path, number, tp_rank):
 def _optimizer_states(path, metadata, model_states, mp_rank):
     """({canonical name: {fp32, exp_avg, exp_avg_sq}}, step) of one model-parallel rank over its data-parallel
     ranks' ZeRO partitions; (None, None) before the first step."""
-    lay, num_layers = metadata["layout"], metadata["args"]["num_layers"]
+    lay = metadata["layout"]
     shapes_by_group = model_states.get("param_shapes")
     if not shapes_by_group:
         raise CheckpointError(f"{path}: mp_rank_{mp_rank:02d}_model_states.pt has no param_shapes to cut the ZeRO "
                               f"partitions with")
     partitions = state.ZeroPartitions(path, {"precision": "bfloat16" if lay["zero_file_prefix"] else None})
-    ranks = [(replica, mp_rank) for replica in range(lay["data_parallel_size"])]
+    pipelined = lay["pipeline_model_parallel_size"] > 1
     optimizer, step = {}, None
     for group, shapes in enumerate(shapes_by_group):
-        cut = partitions.cut(group, ranks, shapes)
-        if cut is None:
-            return None, None
-        group_states, step = cut
-        for local, states in group_states.items():
-            optimizer.setdefault(_canonical_of_local(local, num_layers, lay["pipeline_model_parallel_size"] > 1),
-                                 states)
+        for ranks, name_of in _owners(shapes, lay, metadata["args"], mp_rank, pipelined):
+            cut = partitions.cut(group, ranks, shapes)
+            if cut is None:
+                return None, None
+            group_states, step = cut
+            for local, states in group_states.items():
+                optimizer.setdefault(name_of(local), states)
     return optimizer, step
 
 
-def _canonical_of_local(local, num_layers, pipelined):
-    """The canonical name of a parameter as DeepSpeed's engine named it (param_shapes)."""
+def _owners(shapes, lay, args, mp_rank, pipelined):
+    """[(ranks [(dp, mp_rank)] whose partitions make the group's flat, in order; canonical name of a local name)].
+    A group of experts (DeepSpeed's MoE groups) is partitioned over the expert-data-parallel ranks of each
+    expert-parallel rank (DeepSpeed's E + D order: data-parallel rank d is expert-parallel rank d % EP), and names
+    its experts by their local index: global = EP rank x the layer's local experts + local."""
+    num_layers, dp = args["num_layers"], lay["data_parallel_size"]
+    name_of = lambda local, first=0: _canonical_of_local(local, num_layers, pipelined, first)  # noqa: E731
+    if not any(_THEIR_EXPERT.search(name) for name in shapes):
+        return [([(replica, mp_rank) for replica in range(dp)], name_of)]
+    local_experts = {}
+    for name in shapes:
+        expert = _THEIR_EXPERT.search(name)
+        if expert:
+            layer = layout.layer_index(name_of(name))
+            local_experts[layer] = max(local_experts.get(layer, 0), int(expert.group(1)) + 1)
+    ep = args.get("moe_expert_parallel_size") or 1
+
+    def naming(ep_rank):
+        return lambda local: name_of(local, ep_rank * local_experts.get(layout.layer_index(name_of(local)), 0))
+    return [([(replica, mp_rank) for replica in range(ep_rank, dp, ep)], naming(ep_rank)) for ep_rank in range(ep)]
+
+
+def _canonical_of_local(local, num_layers, pipelined, first_expert=0):
+    """The canonical name of a parameter as DeepSpeed's engine named it (param_shapes, an MoE pipeline's `module`),
+    or as its expert files name it (first_expert 0: the index there is global)."""
     if not pipelined:
-        return _canonical(local)
+        return _canonical(local, first_expert)
     if local.startswith("tied_modules.embed."):
         return _canonical("embedding." + local.removeprefix("tied_modules.embed."))
     number, key = local.split(".", 1)
-    return _canonical_of_layer_file(int(number), key, num_layers)
+    return _canonical_of_layer_file(int(number), key, num_layers, first_expert)
 
 
 def _flattened(tree, prefix=""):
@@ -326,8 +371,9 @@ def _flattened(tree, prefix=""):
     return flat
 
 
-def _canonical(name):
-    """The canonical name of a PP 1 `module` key (language_model.<...>)."""
+def _canonical(name, first_expert=0):
+    """The canonical name of a PP 1 `module` key (language_model.<...>); an expert's index is the name's plus
+    first_expert (the global index of the rank's first local expert, for the engine's local names)."""
     rest = name.removeprefix("language_model.")
     for theirs, ours in (("embedding.word_embeddings.", "embedding.word_embeddings."),
                          ("embedding.position_embeddings.", "embedding.position_embeddings."),
@@ -336,17 +382,23 @@ def _canonical(name):
         if rest.startswith(theirs):
             return ours + rest[len(theirs):]
     match = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", rest)
-    if match and match.group(2) in _OURS_BY_THEIRS:
-        return f"decoder.layers.{match.group(1)}.{_OURS_BY_THEIRS[match.group(2)]}.{match.group(3)}"
-    raise CheckpointError(f"Megatron-DeepSpeed parameter {name} is not one megatron_ds knows (GPT and LLaMA "
-                          f"layers only; MoE checkpoints are not read yet)")
+    module = match.group(2) if match else ""
+    expert = _THEIR_EXPERT.fullmatch(module)
+    if expert:
+        module = f"mlp.experts.{first_expert + int(expert.group(1))}.{_EXPERT_LINEARS[expert.group(2)]}"
+    elif module in _OURS_BY_THEIRS or module in _OURS_BY_THEIRS_MOE:
+        module = {**_OURS_BY_THEIRS, **_OURS_BY_THEIRS_MOE}[module]
+    else:
+        raise CheckpointError(f"Megatron-DeepSpeed parameter {name} is not one megatron_ds knows (GPT and LLaMA "
+                              f"layers, DeepSpeed's MoE layer)")
+    return f"decoder.layers.{match.group(1)}.{module}.{match.group(3)}"
 
 
-def _canonical_of_layer_file(number, key, num_layers):
+def _canonical_of_layer_file(number, key, num_layers, first_expert=0):
     if number == 1:
         return _canonical(f"embedding.{key}")
     if 2 <= number <= num_layers + 1:
-        return _canonical(f"encoder.layers.{number - 2}.{key}")
+        return _canonical(f"encoder.layers.{number - 2}.{key}", first_expert)
     if number == num_layers + 2:
         return f"decoder.final_layernorm.{key}"
     if key.startswith("word_embeddings.") or key.startswith("position_embeddings."):

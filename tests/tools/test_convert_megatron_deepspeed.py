@@ -73,6 +73,11 @@ def their_layer(weights, i, tp, rank, groups=GROUPS, version=3.0):
         if not name.startswith(f"decoder.layers.{i}."):
             continue
         module, kind = name.split(".")[-2:]
+        if ".mlp.experts." in name:   # in its expert files (megatron_deepspeed_moe_checkpoint)
+            continue
+        if ".mlp.deepspeed_moe.gate.wg." in name:
+            layer[f"mlp.deepspeed_moe.gate.wg.{kind}"] = value.clone()
+            continue
         if module == "linear_qkv":
             value = their_qkv(value, tp, rank, groups, version)
         elif module in _SPLIT_ROWS:
@@ -654,3 +659,147 @@ def test_a_llama_run_goes_through_its_format_and_deepspeeds_universal_converter(
     assert sorted(continued) == [3, 4]
     for iteration in (3, 4):
         assert continued[iteration] == pytest.approx(expected[iteration], rel=1e-6), (continued, expected)
+
+
+
+# --- Mixture of Experts: DeepSpeed's MoE layer in every layer's MLP, its expert files and expert groups --------
+
+EXPERTS, EP = 4, 2
+_EXPERT_MODULES = (("linear_fc1", "dense_h_to_4h"), ("linear_fc2", "dense_4h_to_h"))
+
+
+def ours_moe(seed=0):
+    """ours() with every layer's MLP an MoE layer of EXPERTS experts (a router [experts, h], each expert a GPT-2
+    MLP), by canonical name (experts by their global index)."""
+    generator = torch.Generator().manual_seed(seed + 7)
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    weights = {name: value for name, value in ours(seed).items() if ".mlp.linear_fc" not in name}
+    for i in range(LAYERS):
+        prefix = f"decoder.layers.{i}.mlp."
+        weights[prefix + "deepspeed_moe.gate.wg.weight"] = rand(EXPERTS, H)
+        for e in range(EXPERTS):
+            weights.update({prefix + f"experts.{e}.linear_fc1.weight": rand(FFN, H),
+                            prefix + f"experts.{e}.linear_fc1.bias": rand(FFN),
+                            prefix + f"experts.{e}.linear_fc2.weight": rand(H, FFN),
+                            prefix + f"experts.{e}.linear_fc2.bias": rand(H)})
+    return weights
+
+
+def _their_expert(i, index, module, kind):
+    return f"language_model.encoder.layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{index}.{module}.{kind}"
+
+
+def megatron_deepspeed_moe_checkpoint(load_dir, weights, moments, dp=2, ep=EP):
+    """Its MoE checkpoint at TP 1 x PP 1 x DP dp with EP ep, as DeepSpeed's engine saves one: the nested `module`
+    without the experts; one file per MoE layer and global expert, layer_{l}_expert_{e}_mp_rank_00_model_states.pt,
+    keyed by the global index; param_shapes and the ZeRO files in its optimizer's four groups (with and without
+    weight decay, then the experts' two, named by the local index); an expert group's flat (the local experts of
+    expert-parallel rank d % ep) partitioned over the dp / ep ranks of its expert-data-parallel group."""
+    tag = load_dir / f"global_step{ITERATION}"
+    tag.mkdir(parents=True)
+    args = argparse.Namespace(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
+                              ffn_hidden_size=FFN, padded_vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                              seq_length=POSITIONS, normalization="layernorm", params_dtype=torch.float32,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1, world_size=dp,
+                              data_parallel_size=dp, consumed_train_samples=SAMPLES, consumed_valid_samples=0,
+                              global_batch_size=BATCH, micro_batch_size=1, train_iters=TRAIN_ITERS, train_samples=None,
+                              zero_stage=1, num_experts=[EXPERTS], moe_expert_parallel_size=ep, expert_interval=1,
+                              topk=1, mlp_type="standard")
+    named = their_parameters(weights, 1, 0, 0, 1)
+    for i in range(LAYERS):
+        for e in range(EXPERTS):
+            torch.save({_their_expert(i, e, theirs, kind): weights[f"decoder.layers.{i}.mlp.experts.{e}.{ours_}.{kind}"]
+                        .clone() for ours_, theirs in _EXPERT_MODULES for kind in ("weight", "bias")},
+                       tag / f"layer_{i}_expert_{e}_mp_rank_00_model_states.pt")
+    local = EXPERTS // ep
+    expert_groups = [[(i, index, theirs, kind) for i in range(LAYERS) for index in range(local)
+                      for _, theirs in _EXPERT_MODULES] for kind in ("weight", "bias")]
+    groups = [[name for name, value in named.items() if value.dim() == 2],
+              [name for name, value in named.items() if value.dim() == 1]]
+    shapes = [{name: named[name].shape for name in group} for group in groups]
+    shapes += [{_their_expert(i, index, theirs, kind): weights[f"decoder.layers.{i}.mlp.experts.{index}."
+                                                               f"{_ours_expert_module(theirs)}.{kind}"].shape
+                for i, index, theirs, kind in group} for group in expert_groups]
+    torch.save({"module": _module(named), "args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "tokens": TOKENS, "buffer_names": [], "lr_scheduler": their_scheduler(), "param_shapes": shapes,
+                "rng_state": [their_rng_state(replica) for replica in range(dp)]}, tag / "mp_rank_00_model_states.pt")
+    their_moments = {key: their_parameters(values, 1, 0, 0, 1) for key, values in moments.items()}
+    for replica in range(dp):
+        ep_rank, edp, members = replica % ep, replica // ep, dp // ep
+        flats = {key: [_padded(torch.cat([by_name[name].flatten() for name in group]), dp)[replica] for group in groups]
+                 for key, by_name in their_moments.items()}
+        for key, by_name in moments.items():
+            flats[key] += [_padded(torch.cat([by_name[f"decoder.layers.{i}.mlp.experts.{ep_rank * local + index}."
+                                                      f"{_ours_expert_module(theirs)}.{kind}"].flatten()
+                                              for i, index, theirs, kind in group]), members)[edp]
+                           for group in expert_groups]
+        count = len(flats["fp32"])
+        optimizer = {"zero_stage": 1, "loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
+                     "partition_count": [dp, dp, members, members],
+                     "base_optimizer_state": {"state": {index: {"step": torch.tensor(float(STEP)),
+                                                                "exp_avg": flats["exp_avg"][index],
+                                                                "exp_avg_sq": flats["exp_avg_sq"][index]}
+                                                        for index in range(count)}, "param_groups": []},
+                     "single_partition_of_fp32_groups": flats["fp32"]}
+        torch.save({"optimizer_state_dict": optimizer, "ds_version": "0.19.8"},
+                   tag / f"zero_pp_rank_{replica}_mp_rank_00_optim_states.pt")
+    (load_dir / "latest").write_text(tag.name)
+    (load_dir / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def _ours_expert_module(theirs):
+    return dict((their, our) for our, their in _EXPERT_MODULES)[theirs]
+
+
+def _padded(flat, parts):
+    return [piece.clone() for piece in torch.nn.functional.pad(flat, (0, -flat.numel() % (4 * parts))).chunk(parts)]
+
+
+MOE_FLAGS = ["--num-experts", str(EXPERTS), "--moe-expert-parallel-size", str(EP), "--expert-interval", "1",
+             "--disable-moe-token-dropping"]
+
+
+def test_its_moe_experts_and_their_adam_states_arrive_as_ours(tmp_path):
+    """Every expert from its expert files, the router, and the experts' master weights and moments cut from each
+    expert-parallel rank's expert-data-parallel partitions, named by their global index: exactly what was built."""
+    weights = ours_moe()
+    moments = adam_states(weights)
+    megatron_deepspeed_moe_checkpoint(tmp_path / "mds", weights, moments)
+    assert convert(tmp_path / "mds", tmp_path / "ours").returncode == 0
+    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "ours"))
+    full = state.read_full_state(str(tmp_path / "ours" / tag), metadata)
+    assert sorted(full.weights) == sorted(weights) and full.optimizer_step == STEP
+    for name, value in weights.items():
+        assert torch.equal(full.weights[name], value), name
+        for key in moments:
+            assert torch.equal(full.optimizer[name][key], moments[key][name]), (key, name)
+
+
+@pytest.mark.e2e
+def test_its_moe_checkpoint_continues_as_the_same_state_written_as_ours(tmp_path):
+    """Its MoE checkpoint (DP 2, EP 2) --load'ed directly at its layout and resharded to PP 2 x DP 2 (EP 2):
+    iterations 6 and 7 as the same state written in our format. No token is dropped (MOE_FLAGS): which tokens
+    DeepSpeed's router keeps over capacity is drawn at random (its random token selection), and one process and two
+    pipeline stages, or restored and fresh RNG states, draw differently."""
+    from tests.launch import launch, losses
+    weights = ours_moe()
+    moments = adam_states(weights)
+    full = state.FullState(args={**our_state().args, "num_experts": [EXPERTS], "moe_expert_parallel_size": EP,
+                                 "expert_interval": 1},
+                           weights=weights, optimizer={name: {key: moments[key][name] for key in moments}
+                                                       for name in weights},
+                           optimizer_step=STEP, iteration=ITERATION, consumed_train_samples=SAMPLES,
+                           consumed_train_tokens=TOKENS, scheduler=OUR_SCHEDULE)
+    state.write_sharded_checkpoint(full, str(tmp_path / "reference"), 1, 1)
+    reference = launch(2, run_flags(tmp_path / "reference") + MOE_FLAGS)
+    assert reference.returncode == 0, reference.stdout
+    megatron_deepspeed_moe_checkpoint(tmp_path / "mds", weights, moments)
+    for tp, pp, ranks in ((1, 1, 2), (1, 2, 4)):
+        result = launch(ranks, run_flags(tmp_path / "mds", tp, pp) + MOE_FLAGS)
+        assert result.returncode == 0, result.stdout
+        assert "(Megatron-DeepSpeed checkpoint (version 3.0, TP 1 x PP 1 x DP 2)) via" in result.stdout
+        assert "optimizer states loaded" in result.stdout
+        continued = losses(result.stdout)
+        assert sorted(continued) == [6, 7]
+        for iteration, loss in losses(reference.stdout).items():
+            assert abs(continued[iteration] - loss) <= 1e-5, ((tp, pp), iteration, continued)
