@@ -52,15 +52,17 @@ _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_k
                    "self_attention.dense": "self_attention.linear_proj", "post_attention_layernorm": "pre_mlp_layernorm",
                    "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 # Mixture of Experts (DeepSpeed's MoE layer in its MLP's place): the router, PR-MoE's residual MLP and its mix
-_OURS_BY_THEIRS_MOE = {"mlp.deepspeed_moe.gate.wg": "mlp.deepspeed_moe.gate.wg", "mlp.mlp.dense_h_to_4h": "mlp.mlp.linear_fc1",
-                       "mlp.mlp.dense_4h_to_h": "mlp.mlp.linear_fc2", "mlp.coefficient": "mlp.coefficient"}
+_OURS_BY_THEIRS_MOE = {"mlp.deepspeed_moe.gate.wg": "mlp.deepspeed_moe.gate.wg",
+                       "mlp.mlp.dense_h_to_4h": "mlp.mlp.linear_fc1", "mlp.mlp.dense_4h_to_h": "mlp.mlp.linear_fc2",
+                       "mlp.coefficient": "mlp.coefficient"}
 # an expert's parameter: DeepSpeed's index (global in its expert files, local to the rank in the engine's names)
 _THEIR_EXPERT = re.compile(r"mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(dense_h_to_4h|dense_4h_to_h)")
 _EXPERT_LINEARS = {"dense_h_to_4h": "linear_fc1", "dense_4h_to_h": "linear_fc2"}
+_THEIR_EXPERT_MODULES = {ours: theirs for theirs, ours in _EXPERT_LINEARS.items()}
 _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 _THEIR_NORMALIZATION = {ours: theirs for theirs, ours in _NORMALIZATION.items()}
 _DECAY_STYLES = ("constant", "linear", "cosine")
-_THEIRS_BY_OURS = {ours: theirs for theirs, ours in _OURS_BY_THEIRS.items()}   # in its modules' order
+_THEIRS_BY_OURS = {ours: theirs for theirs, ours in {**_OURS_BY_THEIRS, **_OURS_BY_THEIRS_MOE}.items()}  # its order
 _RENAMED = {"norm_epsilon": "layernorm_epsilon"}   # our argument: its name for it
 _RNG_KEYS = {"python": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
              "tracker": "rng_tracker_states"}
@@ -235,7 +237,8 @@ def read_universal_state(path, metadata, with_optimizer=True):
         read = lambda file: in_our_order(name, _universal_tensor(zero, folder, file))  # noqa: E731
         weights[name] = read("fp32.pt")
         if with_optimizer:
-            optimizer[name] = {"fp32": weights[name], "exp_avg": read("exp_avg.pt"), "exp_avg_sq": read("exp_avg_sq.pt")}
+            optimizer[name] = {"fp32": weights[name], "exp_avg": read("exp_avg.pt"),
+                               "exp_avg_sq": read("exp_avg_sq.pt")}
             steps.add(int(files.load_file(os.path.join(zero, folder, "step.pt"))))
     if with_optimizer and len(steps) != 1:
         raise CheckpointError(f"{path}: the zero/ folders hold different optimizer steps {sorted(steps)}")
@@ -450,8 +453,7 @@ def write_checkpoint(full, save_dir, tp, pp, dp=1, with_optimizer=True):
     then its pointers `latest` and latest_checkpointed_iteration.txt. No RNG states (a FullState carries none).
     Returns the checkpoint folder."""
     if files.is_moe(full.model):
-        raise CheckpointError("writing a Mixture of Experts checkpoint in Megatron-DeepSpeed's format is not "
-                              "supported yet")
+        _check_experts(full, dp)
     source = dataclasses.replace(full, optimizer=full.optimizer if with_optimizer else None)
     tag = files.tag_for(full.iteration)
     tmp_tag, tmp_path = files.start_folder(save_dir, tag)
@@ -463,27 +465,123 @@ def write_checkpoint(full, save_dir, tp, pp, dp=1, with_optimizer=True):
     return os.path.join(save_dir, tag)
 
 
+def _check_experts(full, dp):
+    """What its MoE layout needs of a Mixture of Experts written here: experts whole on each TP rank (as its runs
+    without expert tensor parallelism keep them) and an expert-parallel size that divides the data-parallel one."""
+    ep = full.args.get("moe_expert_parallel_size") or 1
+    problems = []
+    if full.args.get("enable_expert_tensor_parallelism"):
+        problems.append("experts split over TP (--enable-expert-tensor-parallelism) are not written in its format; "
+                        "convert with --target-expert-tensor-parallelism off")
+    if dp % ep:
+        problems.append(f"--target-data-parallel-size {dp} is not a multiple of the expert-parallel size {ep} (its "
+                        f"ZeRO files partition each expert group over DP / EP ranks)")
+    if problems:
+        raise CheckpointError("cannot write this Mixture of Experts in Megatron-DeepSpeed's format: "
+                              + "; ".join(problems))
+
+
 def _write_rank(path, full, common, tp, pp, dp, tp_rank, stage):
-    """The files of one (TP, PP) rank: its model states (the nested module at PP 1), its layer files (PP > 1), its
-    ZeRO files (one per DP rank)."""
+    """The files of one (TP, PP) rank: its model states (the nested module at PP 1; a pipeline's layer files, or
+    with MoE the stage's module in the model-states file, as DeepSpeed saves one), its expert files, its ZeRO files
+    (one per DP rank)."""
     rank = state.rank_state_of(full, tp, pp, tp_rank, stage)
     shape = full.model
     in_their_order = _qkv_back(shape, tp)
-    pipelined, tied = pp > 1, shape["tied_embeddings"]
-    names = sorted(rank.weights, key=lambda name: _module_order(name, shape["num_layers"]))
-    local = {name: _their_local_name(name, shape["num_layers"], pipelined, tied) for name in names}
+    pipelined, tied, num_layers = pp > 1, shape["tied_embeddings"], shape["num_layers"]
+    experts = [name for name in rank.weights if layout.is_expert_parameter(name)]
+    names = sorted(set(rank.weights) - set(experts), key=lambda name: _module_order(name, num_layers))
+    local = {name: _their_local_name(name, num_layers, pipelined, tied) for name in names}
     weights = {local[name]: in_their_order(name, rank.weights[name]) for name in names}
     mp_rank = stage * tp + tp_rank
-    model_states = dict(common, module=None if pipelined else _nested_module(weights))
-    if pipelined:
+    module = (_nested_module(weights) if not pipelined else weights if experts else None)
+    model_states = dict(common, module=module)
+    if pipelined and not experts:
         _write_layer_files(path, weights, tp_rank, stage)
+    if experts:
+        _write_expert_files(path, rank.weights, experts, mp_rank, num_layers, pipelined)
     if rank.optimizer is not None:
-        groups = _weight_decay_groups(weights)
-        model_states["param_shapes"] = [{name: weights[name].shape for name in names} for names, _ in groups]
         moments = {key: {local[name]: in_their_order(name, rank.optimizer[name][key]) for name in names}
                    for key in state.OPTIMIZER_KEYS}
-        _write_zero_files(path, full, groups, moments, rank.optimizer_step, mp_rank, dp)
+        groups = [_ZeroGroup(names_, wd_mult, dp, lambda source, key, names_=names_: [moments[key][n] for n in names_])
+                  for names_, wd_mult in _weight_decay_groups(weights)]
+        if experts:
+            groups += _expert_groups(rank, experts, num_layers, pipelined, dp, full.args["moe_expert_parallel_size"])
+        model_states["param_shapes"] = [{name: size for name, size in zip(group.names, group.shapes())}
+                                        for group in groups]
+        _write_zero_files(path, full, groups, rank.optimizer_step, mp_rank, dp)
     files.write_torch_file(model_states, os.path.join(path, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+
+
+@dataclasses.dataclass
+class _ZeroGroup:
+    """One of its optimizer's parameter groups as DeepSpeed's ZeRO-1 saves it: the parameters' names (param_shapes'
+    order), the weight-decay multiplier, the ranks its flat is partitioned over (DP; an expert group, the DP / EP
+    ranks of an expert-data-parallel group) and tensors(source, key): the group's tensors of one flat (source 0;
+    an expert group, source r for expert-parallel rank r's experts)."""
+    names: list
+    wd_mult: float
+    members: int
+    tensors: object
+
+    def source(self, replica, dp):
+        """Whose flat data-parallel rank `replica` holds a partition of (E + D: expert-parallel rank d % EP)."""
+        return replica % (dp // self.members)
+
+    def partition(self, replica, dp):
+        return replica // (dp // self.members)
+
+    def shapes(self):
+        return [tensor.shape for tensor in self.tensors(0, "fp32")]
+
+
+def _their_expert_name(layer, index, canonical_module, kind, num_layers, pipelined):
+    their = _THEIR_EXPERT_MODULES[canonical_module]
+    prefix = f"{layer + 2}." if pipelined else f"language_model.encoder.layers.{layer}."
+    return f"{prefix}mlp.deepspeed_moe.experts.deepspeed_experts.{index}.{their}.{kind}"
+
+
+def _experts_by_layer(experts):
+    """{layer: how many experts it has} of canonical expert names."""
+    counts = {}
+    for name in experts:
+        layer, index = layout.layer_index(name), int(re.search(r"\.mlp\.experts\.(\d+)\.", name).group(1))
+        counts[layer] = max(counts.get(layer, 0), index + 1)
+    return counts
+
+
+def _write_expert_files(path, weights, experts, mp_rank, num_layers, pipelined):
+    """DeepSpeed's expert files of a model-parallel rank: one per MoE layer of the stage (numbered from 0 in the
+    stage) and global expert, keyed by the global index."""
+    for moe_layer, (layer, count) in enumerate(sorted(_experts_by_layer(experts).items())):
+        for index in range(count):
+            prefix = f"decoder.layers.{layer}.mlp.experts.{index}."
+            content = {_their_expert_name(layer, index, name.removeprefix(prefix).rsplit(".", 1)[0],
+                                          name.rsplit(".", 1)[1], num_layers, pipelined): weights[name]
+                       for name in experts if name.startswith(prefix)}
+            files.write_torch_file(content, os.path.join(
+                path, f"layer_{moe_layer}_expert_{index}_mp_rank_{mp_rank:02d}_model_states.pt"))
+
+
+def _expert_groups(rank, experts, num_layers, pipelined, dp, ep):
+    """Its optimizer's two expert groups (weights, then biases: DeepSpeed's MoE groups, no weight decay on biases),
+    named by the local index of expert-parallel rank 0 (as the engine of data-parallel rank 0 saves param_shapes);
+    expert-parallel rank r's flat holds its local experts, global = r x local count + local."""
+    counts = _experts_by_layer(experts)
+    groups = []
+    for kind, wd_mult in (("weight", 1.0), ("bias", 0.0)):
+        entries = [(layer, local, module) for layer in sorted(counts) for local in range(counts[layer] // ep)
+                   for module in _THEIR_EXPERT_MODULES
+                   if f"decoder.layers.{layer}.mlp.experts.{local}.{module}.{kind}" in rank.weights]
+        if not entries:
+            continue
+
+        def tensors(source, key, entries=entries, kind=kind):
+            return [rank.optimizer[f"decoder.layers.{layer}.mlp.experts.{source * (counts[layer] // ep) + local}."
+                                   f"{module}.{kind}"][key] for layer, local, module in entries]
+        groups.append(_ZeroGroup([_their_expert_name(layer, local, module, kind, num_layers, pipelined)
+                                  for layer, local, module in entries], wd_mult, dp // ep, tensors))
+    return groups
 
 
 def _common_model_states(full, tp, pp, dp):
@@ -662,32 +760,43 @@ def _weight_decay_groups(weights):
     return [(names, wd_mult) for names, wd_mult in groups if names]
 
 
-def _write_zero_files(path, full, groups, moments, step, mp_rank, dp):
+def _write_zero_files(path, full, groups, step, mp_rank, dp):
     """DeepSpeed's ZeRO-1 files of one model-parallel rank, one per DP rank: each group's master weights and Adam
-    moments flattened in order, padded to a multiple of 2 x dp and cut in dp partitions; the master weights saved
-    without the padding, as DeepSpeed saves them (prefix bf16_ for bfloat16 weights, its BF16 optimizer's name)."""
+    moments flattened in order, padded to a multiple of 2 x its members and cut in as many partitions (_ZeroGroup);
+    the master weights saved without the padding, as DeepSpeed saves them (prefix bf16_ for bfloat16 weights, its
+    BF16 optimizer's name)."""
     import deepspeed
     prefix = "bf16_" if full.args.get("params_dtype") == "bfloat16" else ""
-    flats = {key: [_flat([by_name[name] for name in names]) for names, _ in groups] for key, by_name in moments.items()}
-    padded = {key: [_padded_partitions(flat, dp) for flat in group_flats] for key, group_flats in flats.items()}
     hyper = _adam_hyperparameters(full.args, step)
     clip_grad = full.args.get("clip_grad")
+    cut = {}   # (group, source) -> {key: (flat, its padded partitions)}
+
+    def partitions_of(index, group, replica):
+        source = group.source(replica, dp)
+        if (index, source) not in cut:
+            flats = {key: _flat(group.tensors(source, key)) for key in state.OPTIMIZER_KEYS}
+            cut[(index, source)] = {key: (flat, _padded_partitions(flat, group.members)) for key, flat in flats.items()}
+        return cut[(index, source)]
     for replica in range(dp):
-        paddings = [partitions[replica].numel() - _unpadded_numel(flat, partitions, replica)
-                    for flat, partitions in zip(flats["fp32"], padded["fp32"])]
+        mine = [partitions_of(index, group, replica) for index, group in enumerate(groups)]
+        parts = [group.partition(replica, dp) for group in groups]
+        paddings = [pieces["fp32"][1][part].numel() - _unpadded_numel(pieces["fp32"][0], pieces["fp32"][1], part)
+                    for pieces, part in zip(mine, parts)]
         optimizer = {
             "overflow": False, "clip_grad": 1.0 if clip_grad is None else clip_grad,
             "base_optimizer_state": {
-                "state": {index: {"step": step, "exp_avg": padded["exp_avg"][index][replica],
-                                  "exp_avg_sq": padded["exp_avg_sq"][index][replica]} for index in range(len(groups))},
-                "param_groups": [dict(hyper, params=[index], weight_decay=hyper["weight_decay"] * wd_mult,
-                                      wd_mult=wd_mult) for index, (_, wd_mult) in enumerate(groups)]},
-            "single_partition_of_fp32_groups": [partitions[replica][:partitions[replica].numel() - padding]
-                                                for partitions, padding in zip(padded["fp32"], paddings)],
-            "zero_stage": 1, "group_paddings": paddings, "partition_count": [dp] * len(groups),
-            "param_slice_mappings": [_slice_mappings([(name, moments["fp32"][name].numel()) for name in names],
-                                                     padded["fp32"][index][0].numel(), replica)
-                                     for index, (names, _) in enumerate(groups)],
+                "state": {index: {"step": step, "exp_avg": pieces["exp_avg"][1][part],
+                                  "exp_avg_sq": pieces["exp_avg_sq"][1][part]}
+                          for index, (pieces, part) in enumerate(zip(mine, parts))},
+                "param_groups": [dict(hyper, params=[index], weight_decay=hyper["weight_decay"] * group.wd_mult,
+                                      wd_mult=group.wd_mult) for index, group in enumerate(groups)]},
+            "single_partition_of_fp32_groups": [pieces["fp32"][1][part][:pieces["fp32"][1][part].numel() - padding]
+                                                for pieces, part, padding in zip(mine, parts, paddings)],
+            "zero_stage": 1, "group_paddings": paddings, "partition_count": [group.members for group in groups],
+            "param_slice_mappings": [_slice_mappings([(name, shape.numel()) for name, shape in
+                                                      zip(group.names, group.shapes())],
+                                                     pieces["fp32"][1][0].numel(), part)
+                                     for group, pieces, part in zip(groups, mine, parts)],
             "ds_version": deepspeed.__version__}
         name = f"{prefix}zero_pp_rank_{replica}_mp_rank_{mp_rank:02d}_optim_states.pt"
         files.write_torch_file({"optimizer_state_dict": optimizer, "ds_version": deepspeed.__version__},

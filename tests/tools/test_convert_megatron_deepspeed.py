@@ -166,7 +166,8 @@ def _zero_files(tag, groups, moments, mp_rank, dp):
         state = {index: {"step": torch.tensor(float(STEP)), "exp_avg": flats["exp_avg"][index][replica].clone(),
                          "exp_avg_sq": flats["exp_avg_sq"][index][replica].clone()} for index in range(len(groups))}
         optimizer = {"zero_stage": 1, "loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
-                     "partition_count": [dp] * len(groups), "base_optimizer_state": {"state": state, "param_groups": []},
+                     "partition_count": [dp] * len(groups),
+                     "base_optimizer_state": {"state": state, "param_groups": []},
                      "single_partition_of_fp32_groups": [flats["fp32"][index][replica].clone()
                                                          for index in range(len(groups))],
                      "param_slice_mappings": [_fragments(group, group_sizes, flats["fp32"][index][0].numel(), replica)
@@ -755,6 +756,20 @@ def _padded(flat, parts):
     return [piece.clone() for piece in torch.nn.functional.pad(flat, (0, -flat.numel() % (4 * parts))).chunk(parts)]
 
 
+def our_moe_state():
+    """(weights, moments, FullState) of ours_moe() with adam_states' moments, STEP, the data position and
+    OUR_SCHEDULE, EP EP."""
+    weights = ours_moe()
+    moments = adam_states(weights)
+    full = state.FullState(args={**our_state().args, "num_experts": [EXPERTS], "moe_expert_parallel_size": EP,
+                                 "expert_interval": 1},
+                           weights=weights, optimizer={name: {key: moments[key][name] for key in moments}
+                                                       for name in weights},
+                           optimizer_step=STEP, iteration=ITERATION, consumed_train_samples=SAMPLES,
+                           consumed_train_tokens=TOKENS, scheduler=OUR_SCHEDULE)
+    return weights, moments, full
+
+
 MOE_FLAGS = ["--num-experts", str(EXPERTS), "--moe-expert-parallel-size", str(EP), "--expert-interval", "1",
              "--disable-moe-token-dropping"]
 
@@ -782,14 +797,7 @@ def test_its_moe_checkpoint_continues_as_the_same_state_written_as_ours(tmp_path
     DeepSpeed's router keeps over capacity is drawn at random (its random token selection), and one process and two
     pipeline stages, or restored and fresh RNG states, draw differently."""
     from tests.launch import launch, losses
-    weights = ours_moe()
-    moments = adam_states(weights)
-    full = state.FullState(args={**our_state().args, "num_experts": [EXPERTS], "moe_expert_parallel_size": EP,
-                                 "expert_interval": 1},
-                           weights=weights, optimizer={name: {key: moments[key][name] for key in moments}
-                                                       for name in weights},
-                           optimizer_step=STEP, iteration=ITERATION, consumed_train_samples=SAMPLES,
-                           consumed_train_tokens=TOKENS, scheduler=OUR_SCHEDULE)
+    weights, moments, full = our_moe_state()
     state.write_sharded_checkpoint(full, str(tmp_path / "reference"), 1, 1)
     reference = launch(2, run_flags(tmp_path / "reference") + MOE_FLAGS)
     assert reference.returncode == 0, reference.stdout
@@ -803,3 +811,37 @@ def test_its_moe_checkpoint_continues_as_the_same_state_written_as_ours(tmp_path
         assert sorted(continued) == [6, 7]
         for iteration, loss in losses(reference.stdout).items():
             assert abs(continued[iteration] - loss) <= 1e-5, ((tp, pp), iteration, continued)
+
+
+def test_our_moe_written_in_its_format_is_its_layout_and_reads_back_bitwise(tmp_path):
+    """The way back with experts: ours written at TP 1 x PP 1 x DP 2 (EP 2) holds what this file's builder of its MoE
+    layout holds (module, expert files, param_shapes in its four groups, each replica's ZeRO partitions of the
+    expert groups), and reads back as ours bit for bit."""
+    weights, moments, full = our_moe_state()
+    megatron_deepspeed.write_checkpoint(full, str(tmp_path / "written"), 1, 1, dp=2)
+    megatron_deepspeed_moe_checkpoint(tmp_path / "expected", weights, moments)
+    written, expected = tmp_path / "written" / "global_step5", tmp_path / "expected" / "global_step5"
+    assert sorted(p.name for p in written.glob("layer_*")) == sorted(p.name for p in expected.glob("layer_*"))
+    for path in expected.glob("layer_*"):
+        ours_, theirs = torch.load(written / path.name), torch.load(path)
+        assert sorted(ours_) == sorted(theirs) and all(torch.equal(ours_[k], v) for k, v in theirs.items()), path.name
+    ours_, theirs = (torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)
+                     for folder in (written, expected))
+    assert [list(group.items()) for group in ours_["param_shapes"]] == \
+        [list(group.items()) for group in theirs["param_shapes"]]
+    assert sorted(_tensors(ours_["module"])) == sorted(_tensors(theirs["module"]))
+    for replica in range(2):
+        name = f"zero_pp_rank_{replica}_mp_rank_00_optim_states.pt"
+        ours_, theirs = (torch.load(folder / name, weights_only=False)["optimizer_state_dict"]
+                         for folder in (written, expected))
+        for group in (2, 3):   # the expert groups: expert-parallel rank replica % EP's experts (unpadded)
+            master = ours_["single_partition_of_fp32_groups"][group]
+            assert torch.equal(master, theirs["single_partition_of_fp32_groups"][group][:master.numel()])
+            moment = ours_["base_optimizer_state"]["state"][group]["exp_avg"][:master.numel()]
+            assert torch.equal(moment, theirs["base_optimizer_state"]["state"][group]["exp_avg"][:master.numel()])
+    back = state.read_full_state(str(written), megatron_deepspeed.read_metadata(str(written)))
+    assert sorted(back.weights) == sorted(weights) and back.optimizer_step == STEP
+    for name, value in weights.items():
+        assert torch.equal(back.weights[name], value), name
+        for key in moments:
+            assert torch.equal(back.optimizer[name][key], moments[key][name]), (key, name)
