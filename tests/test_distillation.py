@@ -56,6 +56,14 @@ def test_bf16_logits_get_a_bf16_gradient_of_the_float32_term():
     torch.testing.assert_close(ours_grad.float(), expected_grad, rtol=1e-2, atol=1e-3)
 
 
+def test_a_teacher_equal_to_the_student_adds_nothing():
+    logits = torch.randn(5, 2, 30, dtype=torch.float64, requires_grad=True)
+    kl = vocab_parallel_kl_divergence(logits, logits.detach().clone(), 2.0)
+    assert torch.equal(kl, torch.zeros_like(kl))
+    grad, = torch.autograd.grad(kl.sum(), logits)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def _kl_over_two_tensor_parallel_ranks():
     import torch.distributed as dist
     from megatron_ds.core import parallel_state
@@ -180,7 +188,7 @@ def test_the_first_iteration_is_the_independent_computation(straight, teacher, t
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2pp2"])
 def test_every_layout_distils_as_one_rank(straight, teacher, tp, pp):
     """The teacher (saved at TP 2) read resharded into each student layout; the losses of 4 iterations (an Adam step
     on the distillation term's gradient between each, an evaluation after the second) as at TP 1 x PP 1."""
@@ -195,7 +203,7 @@ def test_every_layout_distils_as_one_rank(straight, teacher, tp, pp):
     assert "validation loss at iteration 2" in result.stdout
     if pp == 2:  # each stage runs its share of the teacher
         assert "on pipeline stage 0 of rank 0: teacher layer 1," in result.stdout
-        assert "on pipeline stage 1 of rank 1: teacher layers 2-3," in result.stdout
+        assert f"on pipeline stage 1 of rank {tp}: teacher layers 2-3," in result.stdout
 
 
 @pytest.mark.e2e
@@ -279,3 +287,20 @@ def test_a_distillation_run_resumes_exactly_and_saves_no_teacher(straight, teach
     tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "run"))
     saved = state.read_full_state(str(tmp_path / "run" / tag), metadata, with_optimizer=False).weights
     assert {name.split(".")[2] for name in saved if name.startswith("decoder.layers.")} == {"0", "1"}
+
+
+
+@pytest.mark.e2e
+def test_a_teacher_equal_to_the_student_at_step_0_changes_nothing(tmp_path):
+    """The student starts from the teacher's checkpoint (--load with --finetune) and distils from it with
+    --kd-alpha-ce 1 --kd-beta-ce 0: the first iteration's KL term is 0, and every iteration's loss is the plain run's
+    from the same start, bit for bit."""
+    from tests.launch import launch, losses
+    start = launch(1, MODEL + ["--num-layers", "2", "--train-iters", "2", "--lr", "1e-2", "--save", str(tmp_path)])
+    assert start.returncode == 0, start.stdout[-3000:]
+    run = MODEL + ["--num-layers", "2", "--train-iters", "3", "--lr", "1e-3", "--load", str(tmp_path), "--finetune"]
+    plain = launch(1, run)
+    distilled = launch(1, run + ["--kd", "--load-teacher", str(tmp_path), "--kd-alpha-ce", "1", "--kd-beta-ce", "0"])
+    assert plain.returncode == 0 and distilled.returncode == 0, distilled.stdout[-3000:]
+    assert _kd_losses(distilled.stdout)[1] == 0.0
+    assert losses(distilled.stdout) == losses(plain.stdout) and sorted(losses(plain.stdout)) == [1, 2, 3]

@@ -643,7 +643,7 @@ LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 def test_a_llama_run_goes_through_its_format_and_deepspeeds_universal_converter(tmp_path):
     """A LLaMA-style run (GQA, SwiGLU, RMSNorm, RoPE, untied, no biases) at TP 2 saved at iteration 2, written in its
     format at TP 2 x PP 2, through ds_to_universal (SwiGLU's halves, the untied head, the replicated norms), loaded at
-    TP 1 x PP 2: iterations 3 and 4 as the run's own."""
+    TP 1 x PP 2: iterations 3 and 4 as the run's own. Its folder exported by --to-hf: the run's own export."""
     from tests.launch import launch, losses
     straight = launch(2, LLAMA + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "run"),
                                   "--save-interval", "2"])
@@ -660,6 +660,14 @@ def test_a_llama_run_goes_through_its_format_and_deepspeeds_universal_converter(
     assert sorted(continued) == [3, 4]
     for iteration in (3, 4):
         assert continued[iteration] == pytest.approx(expected[iteration], rel=1e-6), (continued, expected)
+    # its folder exported to Hugging Face (--to-hf) as the run's own checkpoint is
+    from megatron_ds.conversion import cli
+    from safetensors.torch import load_file
+    for source, target in ((tmp_path / "mds", "from_mds"), (tmp_path / "run", "from_ours")):
+        assert cli.main(["--to-hf", "--load", str(source), "--load-iteration", "2", "--save",
+                         str(tmp_path / target)]) == 0
+    exported, ours_ = (load_file(str(tmp_path / target / "model.safetensors")) for target in ("from_mds", "from_ours"))
+    assert sorted(exported) == sorted(ours_) and all(torch.equal(exported[key], ours_[key]) for key in ours_)
 
 
 
