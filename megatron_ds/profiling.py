@@ -50,7 +50,7 @@ class IterationProfiler:
         self.active = bool(logging.profile) and rank in logging.profile_ranks
         self.rank = rank
         self.start, self.stop = logging.profile_step_start, logging.profile_step_end
-        self.use_torch = logging.use_pytorch_profiler
+        self.use_torch, self.with_stack = logging.use_pytorch_profiler, logging.profile_with_stack
         self.folder = logging.profile_dir or logging.tensorboard_dir or "."
         self.recording, self.recorder = False, None
 
@@ -59,7 +59,7 @@ class IterationProfiler:
             return  # a run resumed past the start records nothing
         self.recording = True
         if self.use_torch:
-            self.recorder = torch.profiler.profile(activities=_activities())
+            self.recorder = torch.profiler.profile(activities=_activities(), with_stack=self.with_stack)
             self.recorder.__enter__()
         else:
             torch.cuda.cudart().cudaProfilerStart()

@@ -5,6 +5,7 @@ the values involved; `megatron_ds.arguments.resolve` decides when each runs.
 """
 import json
 import os
+import re
 
 import torch
 
@@ -369,6 +370,24 @@ def distillation_errors(args):
                 f"--pipeline-schedule {args.pipeline_schedule} (1F1B is built)")]
     errors += [f"--kd with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]
     return errors
+
+
+def load_tag_iteration(tag):
+    """The --load-iteration a Megatron-DeepSpeed --load-tag names (global_stepN, iter_NNNNNNN, release), or None."""
+    match = re.fullmatch(r"(?:global_step|iter_)0*(\d+)|(release)", tag or "")
+    return (match.group(1) or match.group(2)) if match else None
+
+
+def load_tag_errors(args):
+    if args.load_tag is None:
+        return []
+    iteration = load_tag_iteration(args.load_tag)
+    if iteration is None:
+        return [f"--load-tag {args.load_tag}: not a checkpoint tag (global_stepN, iter_NNNNNNN or release)"]
+    if str(args.load_iteration) != iteration:
+        return [f"--load-tag {args.load_tag} and --load-iteration {args.load_iteration} name different checkpoints; "
+                f"give one"]
+    return []
 
 
 def moe_errors(args):

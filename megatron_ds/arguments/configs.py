@@ -81,6 +81,7 @@ class CheckpointingConfig:
     load_from_save: bool
     save_interval: Optional[int]
     load_iteration: Optional[str]
+    exit_on_missing_checkpoint: bool
     async_save: bool
     universal_checkpoint: bool
     load_universal_checkpoint: bool
@@ -122,6 +123,7 @@ class LoggingConfig:
     wandb_save_dir: Optional[str]
     profile: bool
     use_pytorch_profiler: bool
+    profile_with_stack: bool       # Megatron-DeepSpeed's --profile pt-full
     profile_step_start: int
     profile_step_end: int
     profile_ranks: Tuple[int, ...]

@@ -7,6 +7,7 @@ import functools
 import sys
 import types
 
+from megatron_ds.arguments import compat
 from megatron_ds.core.pipeline_schedules import SCHEDULES
 from megatron_ds.core.transformer.transformer_config import (ATTENTION_BACKENDS, FUSION_BACKENDS, NORMALIZATIONS,
                                                               POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES,
@@ -50,7 +51,8 @@ def _add_model_args(parser):
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
     group.add_argument("--attention-dropout", type=float, default=0.1)
-    for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton"):
+    for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton", "--use-flash-attn-v1",
+                 "--use-flash-attn-builder"):
         group.add_argument(flag, action="store_true", help="fused attention: --attention-backend sdpa (the default)")
     group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
                        help="accepted: Q K^T is never scaled by the layer number here (the softmax runs in fp32)")
@@ -92,8 +94,10 @@ def _add_memory_args(parser):
     group.add_argument("--checkpoint-activations", action="store_true",
                        help="Megatron-DeepSpeed's name for full recompute of every layer (= --recompute-granularity "
                             "full; --recompute-method uniform unless given)")
-    group.add_argument("--distribute-saved-activations", action="store_true",
-                       help="full recompute: split each saved layer input across the TP ranks")
+    group.add_argument("--distribute-saved-activations", "--distribute-checkpointed-activations",
+                       dest="distribute_saved_activations", action="store_true",
+                       help="full recompute: split each saved layer input across the TP ranks (Megatron-DeepSpeed: "
+                            "--distribute-checkpointed-activations)")
     group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                        help="full recompute (needs --checkpoint-activations or --recompute-granularity full; the "
                             "same chunks) through DeepSpeed's activation checkpointing and RNG tracker, with the "
@@ -267,9 +271,13 @@ def _add_logging_args(parser):
                        help="save (with --save) and exit once training has run this many minutes (all ranks agree)")
     group.add_argument("--peak-tflops", type=float, default=None,
                        help="per-device peak TFLOP/s for MFU (default: known GPU table, or measured matmul rate)")
-    group.add_argument("--profile", action="store_true",
+    group.add_argument("--profile", nargs="?", const="on", default=None, choices=["on", "pt", "pt-full"],
                        help="profile iterations --profile-step-start .. --profile-step-end - 1 (see "
-                            "--use-pytorch-profiler; without it, CUDA's profiler API for nsys)")
+                            "--use-pytorch-profiler; without it, CUDA's profiler API for nsys); Megatron-DeepSpeed's "
+                            "--profile pt is --use-pytorch-profiler, pt-full records call stacks too")
+    group.add_argument("--profile_steps", default=None, metavar="START,END",
+                       help="Megatron-DeepSpeed's window: iterations START .. END (= --profile-step-start START "
+                            "--profile-step-end END+1)")
     group.add_argument("--use-pytorch-profiler", action="store_true",
                        help="with --profile: torch.profiler, a Chrome trace per profiled rank and a table of the "
                             "costliest operators on stdout")
@@ -334,6 +342,12 @@ def _add_checkpoint_args(parser):
                        "started again after a failure resumes")
     group.add_argument("--load-iteration", "--ckpt-step", dest="load_iteration", default=None,
                        help="load this iteration's checkpoint (or 'release') instead of the pointers' one")
+    group.add_argument("--load-tag", default=None,
+                       help="Megatron-DeepSpeed's: load this tag folder (global_stepN, iter_NNNNNNN or release) "
+                            "instead of the pointers' one; the same as --load-iteration N")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="with --load: stop (exit 2) when the folder holds no checkpoint, instead of starting "
+                            "from scratch")
     group.add_argument("--no-load-optim", action="store_true",
                        help="weights, iteration and data position only: fresh Adam moments (the LR schedule goes on)")
     group.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
@@ -435,7 +449,7 @@ def build_parser(prog="pretrain.py"):
     parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
     for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
                 _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_distillation_args,
-                _add_unbuilt_feature_args):
+                _add_unbuilt_feature_args, compat.add_arguments):
         add(parser)
     return parser
 

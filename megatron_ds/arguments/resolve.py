@@ -32,10 +32,11 @@ earlier values to be right). The result is a ResolvedArguments: read it like arg
 assigning to it raises. A variant for another purpose is a copy: argparse.Namespace(**vars(args)).
 """
 import argparse
+import re
 
 import torch
 
-from megatron_ds.arguments import checks, configs
+from megatron_ds.arguments import checks, compat, configs
 from megatron_ds.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
@@ -77,6 +78,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     raise_if_invalid(checks.size_errors(args))
     errors = checks.schedule_errors(args)  # on the flags as given, before defaults fill them
     vars(args).update(model_defaults(args), **load_values(args))
+    errors += _apply(args, profile_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
     errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
@@ -124,7 +126,7 @@ def flag_errors(args, on_this_host):
     errors = (checks.layout_errors(args) + checks.model_errors(args) + checks.activation_memory_errors(args)
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
               + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
-              + checks.distillation_errors(args)
+              + checks.distillation_errors(args) + compat.compat_errors(args) + checks.load_tag_errors(args)
               + checks.ulysses_errors(args))
     # tools/plan.py plans every schedule; pretrain.py's engine runs those it has
     return errors + (checks.data_source_errors(args) + checks.engine_schedule_errors(args) if on_this_host else [])
@@ -270,12 +272,30 @@ def configuration_parts(args, model, batch_schedule):
             "distillation": configs.distillation_config(args)}
 
 
+def profile_values(args):
+    """({profile, use_pytorch_profiler, profile_with_stack[, the window]}, errors): Megatron-DeepSpeed's --profile
+    pt / pt-full and --profile_steps START,END in Megatron's terms."""
+    values = {"profile": args.profile is not None,
+              "use_pytorch_profiler": args.use_pytorch_profiler or args.profile in ("pt", "pt-full"),
+              "profile_with_stack": args.profile == "pt-full"}
+    if args.profile_steps is None:
+        return values, []
+    window = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", args.profile_steps)
+    if not window:
+        return values, [f"--profile_steps {args.profile_steps}: expected START,END (iterations START .. END)"]
+    return {**values, "profile_step_start": int(window.group(1)), "profile_step_end": int(window.group(2)) + 1}, []
+
+
 def load_values(args):
     """--load unset with --save: the run goes on from --save's last complete checkpoint if it has one, so that a
-    launch started again after a failure (torchrun --max-restarts, tools/supervise.py) needs no --load."""
-    if args.load is None and args.save is not None:
-        return {"load": args.save, "load_from_save": True}
-    return {"load_from_save": False}
+    launch started again after a failure (torchrun --max-restarts, tools/supervise.py) needs no --load.
+    Megatron-DeepSpeed's --load-tag names the folder --load-iteration names by its iteration."""
+    values = {"load": args.save, "load_from_save": True} if args.load is None and args.save is not None else \
+        {"load_from_save": False}
+    iteration = checks.load_tag_iteration(args.load_tag)
+    if iteration is not None and args.load_iteration is None:
+        values["load_iteration"] = iteration
+    return values
 
 
 def deepspeed_config_values(args):

@@ -323,6 +323,8 @@ class CheckpointManager:
         _, tag, metadata, notes = found[0]
         if tag is None and self.config.load_from_save:
             notes = []  # --save holds nothing yet: a first launch, not a missing --load
+        elif tag is None and self.config.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {self.config.load}: no checkpoint there (--exit-on-missing-checkpoint)")
         for note in notes:
             print_rank_0(f"note: {note}")
         if tag is None:
