@@ -199,9 +199,12 @@ def attach_teacher(student_args, module, pipelined):
     teacher_layers = teacher_layers_on(student_layers, student_args.num_layers, config.num_layers)
     rides_on = {student: teacher_layers_on([student], student_args.num_layers, config.num_layers)
                 for student in student_layers}
-    first, last = (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+    # the embedding rides with the first layer's chunk, the final norm and head with the last's (whichever
+    # pipeline rank holds them: DualPipeV's V puts both on rank 0)
+    embedding = 1 in student_layers
+    head = not pipelined or any(isinstance(part, FinalLayerNorm) for part in module.modules())
     teacher = Teacher(config, student_args.padded_vocab_size, args.max_position_embeddings,
-                      not args.untie_embeddings_and_output_weights, teacher_layers, rides_on, first, last)
+                      not args.untie_embeddings_and_output_weights, teacher_layers, rides_on, embedding, head)
     _read_weights(teacher, path, metadata, config.num_layers, student_args.padded_vocab_size)
     teacher.to(next(module.parameters()).device)
     if pipelined:

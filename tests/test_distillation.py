@@ -304,3 +304,24 @@ def test_a_teacher_equal_to_the_student_at_step_0_changes_nothing(tmp_path):
     assert plain.returncode == 0 and distilled.returncode == 0, distilled.stdout[-3000:]
     assert _kd_losses(distilled.stdout)[1] == 0.0
     assert losses(distilled.stdout) == losses(plain.stdout) and sorted(losses(plain.stdout)) == [1, 2, 3]
+
+
+@pytest.mark.e2e
+def test_every_pipeline_schedule_distils_as_1f1b(teacher):
+    """A 4-layer student at PP 2 (8 micro-batches) under ZB-H1, the interleaved schedule (2 chunks per rank) and
+    DualPipeV (whose rank 0 holds the embedding and the head: the teacher's go with them): 1F1B's losses."""
+    from tests.launch import launch, losses
+    flags = student_flags(teacher, 1, 2)
+    flags[flags.index("--num-layers") + 1], flags[flags.index("--global-batch-size") + 1] = "4", "8"
+    runs = {}
+    for schedule, extra in (("1f1b", []), ("zbh1", []), ("interleaved", ["--num-virtual-stages-per-pipeline-rank", "2"]),
+                            ("dualpipev", [])):
+        result = launch(2, flags + ["--pipeline-schedule", schedule, *extra])
+        assert result.returncode == 0, (schedule, result.stdout[-3000:])
+        runs[schedule] = (losses(result.stdout), _kd_losses(result.stdout))
+    lm, kd = runs.pop("1f1b")
+    assert sorted(lm) == list(range(1, ITERATIONS + 1)) and kd[1] > 0.05
+    for schedule, (other_lm, other_kd) in runs.items():
+        for iteration in lm:
+            assert other_lm[iteration] == pytest.approx(lm[iteration], rel=1e-6), (schedule, other_lm, lm)
+            assert other_kd[iteration] == pytest.approx(kd[iteration], rel=1e-5), (schedule, other_kd, kd)

@@ -346,6 +346,9 @@ _UNBUILT_FEATURES = (
 )
 
 
+KD_SCHEDULES = ("1f1b", "zbh1", "interleaved", "dualpipev")
+
+
 def distillation_errors(args):
     """--kd and its teacher flags: what the teacher needs and what distillation is not built for yet."""
     teacher_flags = [flag for flag, given in (("--load-teacher", args.load_teacher),
@@ -366,8 +369,8 @@ def distillation_errors(args):
                       f"teacher is not built in megatron_ds; distil from a dense teacher")
     unbuilt = [(max(args.num_experts) > 1, f"--num-experts {' '.join(map(str, args.num_experts))} (an MoE student)"),
                (args.ds_sequence_parallel_size > 1, f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size}"),
-               (args.pipeline_model_parallel_size > 1 and args.pipeline_schedule != "1f1b",
-                f"--pipeline-schedule {args.pipeline_schedule} (1F1B is built)")]
+               (args.pipeline_model_parallel_size > 1 and args.pipeline_schedule not in KD_SCHEDULES,
+                f"--pipeline-schedule {args.pipeline_schedule} (built: {', '.join(KD_SCHEDULES)})")]
     errors += [f"--kd with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]
     return errors
 
