@@ -314,8 +314,8 @@ def test_every_pipeline_schedule_distils_as_1f1b(teacher):
     flags = student_flags(teacher, 1, 2)
     flags[flags.index("--num-layers") + 1], flags[flags.index("--global-batch-size") + 1] = "4", "8"
     runs = {}
-    for schedule, extra in (("1f1b", []), ("zbh1", []), ("interleaved", ["--num-virtual-stages-per-pipeline-rank", "2"]),
-                            ("dualpipev", [])):
+    interleaved = ["--num-virtual-stages-per-pipeline-rank", "2"]
+    for schedule, extra in (("1f1b", []), ("zbh1", []), ("interleaved", interleaved), ("dualpipev", [])):
         result = launch(2, flags + ["--pipeline-schedule", schedule, *extra])
         assert result.returncode == 0, (schedule, result.stdout[-3000:])
         runs[schedule] = (losses(result.stdout), _kd_losses(result.stdout))
