@@ -134,3 +134,67 @@ def test_a_real_corruption_is_traced_to_the_rank_whose_output_changed_first():
     assert ("iteration 4: the loss is nan; computed again from the same state, the output of pipeline stage 0 changed "
             "on rank(s) 1 (the ranks downstream of it computed on what they received): a transient fault of the "
             "device(s) of rank(s) 1.") in result.stdout, result.stdout[-4000:]
+
+
+# --- a real spike: a poisoned document --------------------------------------------------------------------
+
+DOCUMENTS, DOCUMENT_TOKENS, ITERATIONS, POISONED_ITERATION = 1200, 16, 140, 120
+SPIKE_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", str(ITERATIONS), "--lr", "1e-2", "--lr-decay-style", "constant", "--log-interval", "1",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+             "128", "--split", "100,0,0", "--rerun-mode", "validate_results", "--check-for-spiky-loss",
+             "--spiky-loss-factor", "3"]
+
+
+def _corpus(folder, poisoned=None):
+    """DOCUMENTS documents of DOCUMENT_TOKENS tokens (one epoch is the whole run): the pattern 1..8 again and
+    again, which the model learns within a few iterations, and the document numbered `poisoned` uniformly random
+    tokens. Every document has the same length, so which documents a sample holds does not depend on what they
+    hold."""
+    import numpy as np
+    from megatron_ds.data.indexed_dataset import IndexedDatasetBuilder
+    folder.mkdir(parents=True, exist_ok=True)
+    pattern = np.tile(np.arange(1, 9), DOCUMENT_TOKENS // 8)
+    random_tokens = np.random.default_rng(0).integers(10, 128, DOCUMENT_TOKENS)
+    with IndexedDatasetBuilder(str(folder / "corpus.bin"), np.uint16) as builder:
+        for number in range(DOCUMENTS):
+            builder.add_document(random_tokens if number == poisoned else pattern)
+        builder.finalize(str(folder / "corpus.idx"))
+    return ["--data-path", str(folder / "corpus"), "--data-cache-path", str(folder / "cache")]
+
+
+def _documents_by_iteration(flags):
+    """{iteration: the documents of its training samples}, as the run's dataset cuts them."""
+    from megatron_ds.arguments import parse_args
+    from megatron_ds.data.builder import build_split_dataset, samples_per_split
+    data = parse_args(flags).data
+    dataset = build_split_dataset(data, "train", samples_per_split(data)["train"])
+    batch = data.global_batch_size
+    return {iteration: {doc for index in range((iteration - 1) * batch, iteration * batch)
+                        for ids in dataset.documents_of(index).values() for doc in ids}
+            for iteration in range(1, data.train_iters + 1)}
+
+
+@pytest.mark.e2e
+def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_path):
+    """A document of random tokens among documents of a pattern the model has learnt by then: the iteration that
+    reads it spikes, the replay reproduces the spike, and the run exits 17 naming the document; with
+    --skip-spiky-batches the run drops that batch, says so, and finishes."""
+    by_iteration = _documents_by_iteration(SPIKE_RUN + _corpus(tmp_path / "clean"))
+    elsewhere = set().union(*(docs for it, docs in by_iteration.items() if it != POISONED_ITERATION))
+    poisoned = min(by_iteration[POISONED_ITERATION] - elsewhere)  # a document read by that iteration alone
+    flags = SPIKE_RUN + _corpus(tmp_path / "poisoned", poisoned)
+    result = launch(1, flags)
+    assert result.returncode != 0, result.stdout[-3000:]
+    message = re.search(rf"megatron_ds: error: iteration {POISONED_ITERATION}: .*", result.stdout)
+    assert message and "spike" in message.group(0) and "reproduced when computed again" in message.group(0), \
+        result.stdout[-3000:]
+    assert re.search(rf"documents \[[^\]]*\b{poisoned}\b", message.group(0)), message.group(0)
+    skipped = launch(1, flags + ["--skip-spiky-batches"])
+    assert skipped.returncode == 0 and sorted(losses(skipped.stdout)) == list(range(1, ITERATIONS + 1)), \
+        skipped.stdout[-3000:]
+    warning = re.findall(r"WARNING: iteration (\d+): spike.*--skip-spiky-batches: skipping the batch \((.*)\)",
+                         skipped.stdout)
+    assert [int(iteration) for iteration, _ in warning] == [POISONED_ITERATION], warning
+    assert re.search(rf"documents \[[^\]]*\b{poisoned}\b", warning[0][1]), warning
