@@ -325,3 +325,17 @@ def test_every_pipeline_schedule_distils_as_1f1b(teacher):
         for iteration in lm:
             assert other_lm[iteration] == pytest.approx(lm[iteration], rel=1e-6), (schedule, other_lm, lm)
             assert other_kd[iteration] == pytest.approx(kd[iteration], rel=1e-5), (schedule, other_kd, kd)
+
+
+@pytest.mark.e2e
+def test_bf16_teacher_hidden_states_cross_the_pipeline_as_16_bit_integers(teacher):
+    """In bf16 the teacher's hidden states travel as int16 views: PP 2 distils as PP 1 (within bf16's rounding of
+    the two layouts' reductions)."""
+    from tests.launch import launch, losses
+    runs = [launch(pp, student_flags(teacher, 1, pp) + ["--bf16"]) for pp in (1, 2)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stdout[-3000:]
+    (lm, kd), (lm2, kd2) = ((losses(run.stdout), _kd_losses(run.stdout)) for run in runs)
+    assert sorted(lm2) == list(range(1, ITERATIONS + 1)) and kd2[1] == kd[1]
+    for iteration in lm:
+        assert lm2[iteration] == pytest.approx(lm[iteration], rel=1e-4)
+        assert kd2[iteration] == pytest.approx(kd[iteration], rel=1e-3)
