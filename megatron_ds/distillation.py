@@ -37,9 +37,10 @@ _SHAPE_FLAGS = (("--num-layers-teacher", "num_layers_teacher", "num_layers"),
 
 
 class Teacher(torch.nn.Module):
-    """This rank's share of the frozen teacher: its TP share of the embedding (first stage; also the last with
-    tied embeddings), of the layers that ride on this stage's student layers, and of the final norm and head
-    (last stage). Parameters are named as GPTModel's, so checkpoints' canonical names read into it."""
+    """This rank's share of the frozen teacher: its TP share of the layers that ride on this rank's student layers,
+    of the embedding where the student's is, and of the final norm and head where the student's are (the embedding
+    there too with tied embeddings). Parameters are named as GPTModel's, so checkpoints' canonical names read into
+    it."""
 
     def __init__(self, config, vocab_size, max_positions, tied, layer_numbers, rides_on, embedding, head):
         super().__init__()
@@ -234,12 +235,15 @@ def _read_weights(teacher, path, metadata, num_layers, vocab_rows):
 
 def _describe(metadata, path, config, teacher, teacher_layers):
     from megatron_ds.checkpointing.manager import checkpoint_description
-    if not teacher_layers:
-        here = "no teacher layer"
-    elif len(teacher_layers) == 1:
-        here = f"teacher layer {teacher_layers[0]}"
-    else:
-        here = f"teacher layers {teacher_layers[0]}-{teacher_layers[-1]}"
+    runs = []  # the layers as runs of consecutive numbers (an interleaved or DualPipeV rank holds several)
+    for number in teacher_layers:
+        if runs and runs[-1][1] == number - 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    listed = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    here = (f"teacher layer{'s' if len(teacher_layers) > 1 else ''} {listed}" if teacher_layers
+            else "no teacher layer")
     parameters = sum(param.numel() for param in teacher.parameters())
     return (f"knowledge distillation: teacher {path} ({checkpoint_description(metadata)}; {config.num_layers} layers, "
             f"hidden {config.hidden_size}, {config.num_attention_heads} heads) read resharded to TP "
