@@ -198,3 +198,24 @@ def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_p
                          skipped.stdout)
     assert [int(iteration) for iteration, _ in warning] == [POISONED_ITERATION], warning
     assert re.search(rf"documents \[[^\]]*\b{poisoned}\b", warning[0][1]), warning
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbh1"],
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
+     "--num-virtual-stages-per-pipeline-rank", "2"],
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
+    ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--expert-interval", "1"],
+], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2"])
+def test_the_held_step_and_the_replay_are_exact_under_every_schedule_and_with_experts(layout):
+    """Dropout on, a false alarm every 3rd iteration (correct_result): each is computed again bit for bit from the
+    held state and training goes on with the losses of the run without any check (2 ranks)."""
+    flags = [*COMMON, "--make-vocab-size-divisible-by", "128", *layout]
+    flags[flags.index("--hidden-dropout") + 1] = flags[flags.index("--attention-dropout") + 1] = "0.1"
+    plain = launch(2, flags)
+    checked = launch(2, flags + ["--rerun-mode", "validate_results", "--error-injection-rate", "3",
+                                 "--error-injection-type", "correct_result"])
+    assert plain.returncode == 0 and checked.returncode == 0, checked.stdout[-3000:]
+    assert checked.stdout.count("computed again: the same loss") == 3, checked.stdout[-3000:]
+    assert losses(checked.stdout) == losses(plain.stdout) and len(losses(plain.stdout)) == 10
