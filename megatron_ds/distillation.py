@@ -17,7 +17,7 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.state import read_resharded_rank_state
 from megatron_ds.core import parallel_state
-from megatron_ds.core.parallel_layout import teacher_layers_on
+from megatron_ds.core.parallel_layout import student_layer_carrying, teacher_layers_on
 from megatron_ds.core.models.gpt.gpt_model import (EmbeddingPipe, FinalLayerNorm, LanguageModelEmbedding,
                                                    OutputLayer, TransformerLayerPipe, pack_model_inputs,
                                                    tied_output_logits)
@@ -42,16 +42,21 @@ class Teacher(torch.nn.Module):
     there too with tied embeddings). Parameters are named as GPTModel's, so checkpoints' canonical names read into
     it."""
 
-    def __init__(self, config, vocab_size, max_positions, tied, layer_numbers, rides_on, embedding, head):
+    def __init__(self, config, vocab_size, max_positions, tied, rides_on, embedding, head):
+        """rides_on: {student layer: the teacher layers run beside it}, this rank's."""
         super().__init__()
         self.config, self.rides_on = config, rides_on
         self.embedding = (LanguageModelEmbedding(config, vocab_size, max_positions)
                           if embedding or (head and tied) else None)
-        self.layers = torch.nn.ModuleDict({str(n - 1): TransformerLayer(config, n) for n in layer_numbers})
+        self.layers = torch.nn.ModuleDict({str(n - 1): TransformerLayer(config, n) for n in self.layer_numbers})
         self.final_layernorm = FinalLayerNorm(config) if head else None
         self.output_layer = OutputLayer(config, vocab_size) if head and not tied else None
         self.requires_grad_(False)
         self.eval()
+
+    @property
+    def layer_numbers(self):
+        return [number for numbers in self.rides_on.values() for number in numbers]
 
     def train(self, mode=True):
         return super().train(False)  # frozen: no dropout, whatever the student does
@@ -197,15 +202,15 @@ def attach_teacher(student_args, module, pipelined):
         raise CheckpointError(f"--load-teacher {path} does not fit this run:\n  - " + "\n  - ".join(problems))
     config, args = teacher_config(student_args, metadata["args"])
     student_layers = _student_layers_here(module, pipelined, student_args.num_layers)
-    teacher_layers = teacher_layers_on(student_layers, student_args.num_layers, config.num_layers)
-    rides_on = {student: teacher_layers_on([student], student_args.num_layers, config.num_layers)
-                for student in student_layers}
+    rides_on, totals = {}, (student_args.num_layers, config.num_layers)
+    for number in teacher_layers_on(student_layers, *totals):
+        rides_on.setdefault(student_layer_carrying(number, *totals), []).append(number)
     # the embedding rides with the first layer's chunk, the final norm and head with the last's (whichever
     # pipeline rank holds them: DualPipeV's V puts both on rank 0)
     embedding = 1 in student_layers
     head = not pipelined or any(isinstance(part, FinalLayerNorm) for part in module.modules())
     teacher = Teacher(config, student_args.padded_vocab_size, args.max_position_embeddings,
-                      not args.untie_embeddings_and_output_weights, teacher_layers, rides_on, embedding, head)
+                      not args.untie_embeddings_and_output_weights, rides_on, embedding, head)
     _read_weights(teacher, path, metadata, config.num_layers, student_args.padded_vocab_size)
     teacher.to(next(module.parameters()).device)
     if pipelined:
@@ -214,7 +219,7 @@ def attach_teacher(student_args, module, pipelined):
                 object.__setattr__(part, "teacher", teacher)  # not a submodule: the engine must not see it
     else:
         object.__setattr__(module, "teacher", teacher)
-    return _describe(metadata, path, config, teacher, teacher_layers)
+    return _describe(metadata, path, config, teacher)
 
 
 def _student_layers_here(module, pipelined, num_layers):
@@ -233,8 +238,9 @@ def _read_weights(teacher, path, metadata, num_layers, vocab_rows):
             param.copy_(state.weights[name].to(param.dtype))
 
 
-def _describe(metadata, path, config, teacher, teacher_layers):
+def _describe(metadata, path, config, teacher):
     from megatron_ds.checkpointing.manager import checkpoint_description
+    teacher_layers = teacher.layer_numbers
     runs = []  # the layers as runs of consecutive numbers (an interleaved or DualPipeV rank holds several)
     for number in teacher_layers:
         if runs and runs[-1][1] == number - 1:

@@ -50,11 +50,12 @@ FIRST_FILE = "mp_rank_00_model_states.pt"
 _LAYER_FILE = re.compile(r"layer_(\d\d)-model_(\d\d)-model_states\.pt")
 _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_key_value": "self_attention.linear_qkv",
                    "self_attention.dense": "self_attention.linear_proj", "post_attention_layernorm": "pre_mlp_layernorm",
-                   "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
-# Mixture of Experts (DeepSpeed's MoE layer in its MLP's place): the router, PR-MoE's residual MLP and its mix
-_OURS_BY_THEIRS_MOE = {"mlp.deepspeed_moe.gate.wg": "mlp.deepspeed_moe.gate.wg",
-                       "mlp.mlp.dense_h_to_4h": "mlp.mlp.linear_fc1", "mlp.mlp.dense_4h_to_h": "mlp.mlp.linear_fc2",
-                       "mlp.coefficient": "mlp.coefficient"}
+                   "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2",
+                   # Mixture of Experts (DeepSpeed's MoE layer in the MLP's place): the router, PR-MoE's residual
+                   # MLP and its mix
+                   "mlp.deepspeed_moe.gate.wg": "mlp.deepspeed_moe.gate.wg",
+                   "mlp.mlp.dense_h_to_4h": "mlp.mlp.linear_fc1", "mlp.mlp.dense_4h_to_h": "mlp.mlp.linear_fc2",
+                   "mlp.coefficient": "mlp.coefficient"}
 # an expert's parameter: DeepSpeed's index (global in its expert files, local to the rank in the engine's names)
 _THEIR_EXPERT = re.compile(r"mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(dense_h_to_4h|dense_4h_to_h)")
 _EXPERT_LINEARS = {"dense_h_to_4h": "linear_fc1", "dense_4h_to_h": "linear_fc2"}
@@ -62,7 +63,7 @@ _THEIR_EXPERT_MODULES = {ours: theirs for theirs, ours in _EXPERT_LINEARS.items(
 _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 _THEIR_NORMALIZATION = {ours: theirs for theirs, ours in _NORMALIZATION.items()}
 _DECAY_STYLES = ("constant", "linear", "cosine")
-_THEIRS_BY_OURS = {ours: theirs for theirs, ours in {**_OURS_BY_THEIRS, **_OURS_BY_THEIRS_MOE}.items()}  # its order
+_THEIRS_BY_OURS = {ours: theirs for theirs, ours in _OURS_BY_THEIRS.items()}   # in its modules' order
 _RENAMED = {"norm_epsilon": "layernorm_epsilon"}   # our argument: its name for it
 _RNG_KEYS = {"python": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
              "tracker": "rng_tracker_states"}
@@ -83,7 +84,7 @@ def checkpoint_folder(load_dir, iteration=None):
 def read_metadata(path):
     """Our metadata (files.new_metadata) of the Megatron-DeepSpeed checkpoint folder `path`."""
     first = files.load_file(os.path.join(path, FIRST_FILE))
-    if "args" not in first or "checkpoint_version" not in first:
+    if not holds_its_model_states(first):
         raise CheckpointError(f"{path} is not a Megatron-DeepSpeed checkpoint ({FIRST_FILE} has no args or "
                               f"checkpoint_version)")
     theirs = vars(first["args"])
@@ -128,6 +129,12 @@ def read_universal_metadata(path):
     return metadata
 
 
+def holds_its_model_states(state):
+    """Whether a loaded model-states file is Megatron-DeepSpeed's (its args and checkpoint_version beside
+    DeepSpeed's keys)."""
+    return isinstance(state, dict) and "args" in state and "checkpoint_version" in state
+
+
 def is_checkpoint(path):
     """Whether the folder `path` is one Megatron-DeepSpeed checkpoint (its first model-states file peeked at)."""
     if not os.path.isfile(os.path.join(path, FIRST_FILE)) or os.path.isfile(os.path.join(path, files.METADATA_FILE)):
@@ -136,7 +143,7 @@ def is_checkpoint(path):
         first = foreign.peek(os.path.join(path, FIRST_FILE))
     except Exception:   # a damaged file: foreign.py names it
         return False
-    return isinstance(first, dict) and "args" in first and "checkpoint_version" in first
+    return holds_its_model_states(first)
 
 
 def _zero_file_prefix(path):
@@ -254,8 +261,7 @@ def _universal_qkv_reordering(metadata, path):
     """f(name, tensor): query_key_value's rows, concatenated over the source's TP ranks as each held them, in our
     order (others as they are)."""
     tp = metadata["layout"]["source_tensor_model_parallel_size"]
-    per_shard = _qkv_reordering({**metadata, "layout": {**metadata["layout"], "tensor_model_parallel_size": tp}},
-                                path)
+    per_shard = _qkv_reordering(metadata, path, tp)
 
     def in_our_order(name, tensor):
         if ".self_attention.linear_qkv." not in name:
@@ -389,8 +395,8 @@ def _canonical(name, first_expert=0):
     expert = _THEIR_EXPERT.fullmatch(module)
     if expert:
         module = f"mlp.experts.{first_expert + int(expert.group(1))}.{_EXPERT_LINEARS[expert.group(2)]}"
-    elif module in _OURS_BY_THEIRS or module in _OURS_BY_THEIRS_MOE:
-        module = {**_OURS_BY_THEIRS, **_OURS_BY_THEIRS_MOE}[module]
+    elif module in _OURS_BY_THEIRS:
+        module = _OURS_BY_THEIRS[module]
     else:
         raise CheckpointError(f"Megatron-DeepSpeed parameter {name} is not one megatron_ds knows (GPT and LLaMA "
                               f"layers, DeepSpeed's MoE layer)")
@@ -409,9 +415,10 @@ def _canonical_of_layer_file(number, key, num_layers, first_expert=0):
     return _canonical(f"output_layer.{key.split('.')[-1]}")
 
 
-def _qkv_reordering(metadata, path):
-    """f(name, tensor): a TP shard's tensor, query_key_value's rows put in our order (others as they are)."""
-    shape, tp = files.saved_model_shape(metadata), metadata["layout"]["tensor_model_parallel_size"]
+def _qkv_reordering(metadata, path, tp=None):
+    """f(name, tensor): a TP shard's tensor (of tp ranks, default the checkpoint's), query_key_value's rows put in
+    our order (others as they are)."""
+    shape, tp = files.saved_model_shape(metadata), tp or metadata["layout"]["tensor_model_parallel_size"]
     heads, groups = shape["num_attention_heads"] // tp, shape["num_key_value_heads"] // tp
     version = metadata["checkpoint_version"]
 

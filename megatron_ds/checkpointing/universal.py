@@ -146,7 +146,7 @@ def _metadata_of(path, tag):
     except Exception as error:
         raise CheckpointError(f"universal checkpoint file {first} is damaged: {error}") from None
     metadata = state.get("megatron_ds", {}).get(METADATA_KEY)
-    if metadata is None and megatron_deepspeed.is_checkpoint(path):  # read as its checkpoints are (per rank)
+    if metadata is None and megatron_deepspeed.holds_its_model_states(state):  # read as its checkpoints are
         return {**megatron_deepspeed.read_universal_metadata(path), "tag": tag}
     if metadata is None:
         raise CheckpointError(f"universal checkpoint {path} was not converted from a megatron_ds checkpoint "

@@ -46,11 +46,16 @@ def stages_without_experts(num_layers, pipeline_stages, expert_interval):
                        for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
 
 
+def student_layer_carrying(teacher_layer, student_total, teacher_total):
+    """--kd: the student layer (1-based) beside which teacher layer j runs: ceil(j Ls / Lt), so each pipeline stage
+    runs the teacher's layers in proportion to its own."""
+    return -(-teacher_layer * student_total // teacher_total)
+
+
 def teacher_layers_on(student_layers, student_total, teacher_total):
-    """--kd: the teacher layers (1-based) that run beside the given student layers: teacher layer j rides on
-    student layer ceil(j Ls / Lt), so each pipeline stage runs the teacher's layers in proportion to its own."""
+    """--kd: the teacher layers (1-based, in order) that run beside the given student layers."""
     wanted = set(student_layers)
-    return [j for j in range(1, teacher_total + 1) if -(-j * student_total // teacher_total) in wanted]
+    return [j for j in range(1, teacher_total + 1) if student_layer_carrying(j, student_total, teacher_total) in wanted]
 
 
 def micro_batches_per_step(global_batch_size, micro_batch_size, data_parallel_size):
