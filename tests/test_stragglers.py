@@ -165,9 +165,10 @@ def test_the_detector_starts_off_and_is_switched_on_and_off_through_its_port():
                        "straggler detector off from the next log interval\n"]
     reports = re.findall(r"straggler detector switched (on|off) at iteration (\d+)|straggler check, iterations "
                          r"(\d+)-(\d+)", output)
-    # nothing before it is switched on (at a log interval after iteration 8's line reached the test), then one
-    # check per interval, nothing after it is switched off (after iteration 24's)
+    # nothing before it is switched on, then one check per interval, nothing after it is switched off. The
+    # iteration line is printed before that interval's exchange, so a quick switch can land in the interval whose
+    # line the test saw (seen in CI: off at 24) or a later one.
     (first, on), (last, off) = reports[0][:2], reports[-1][:2]
-    assert first == "on" and last == "off" and 12 <= int(on) < int(off) and int(off) >= 28, reports
+    assert first == "on" and last == "off" and 8 <= int(on) < int(off) and int(off) >= 24, reports
     checks = [(int(start), int(end)) for _, _, start, end in reports[1:-1]]
     assert checks == [(start, start + 3) for start in range(int(on) + 1, int(off) - 3, 4)], reports
