@@ -9,17 +9,22 @@ the iteration's first sample) and the same random numbers (every generator resto
 - the replay differs: a transient fault; the ranks that computed it are named (those whose stage output changed
   at the earliest pipeline stage where any did, else those whose loss changed) and the run exits with
   EXIT_RESUME_ELSEWHERE (16) without saving the iteration: the next launch resumes from the last checkpoint;
-- the replay gives the same failing result: it is the data's or the model's; the run exits with
-  EXIT_FAILED_VALIDATION (17) naming the iteration, the global batch's samples and documents and the loss, or with
-  --skip-spiky-batches (a spike, not a NaN) drops the batch, says so and trains on;
+- the replay gives the same failing result on the same ranks: the data's, the model's or a persistent fault of a
+  device. Where the layout has another data-parallel replica (and no experts), the iteration is computed a third
+  time from the same state with the micro-batches moved one replica on (each rank computes those of the rank at
+  its place in the next replica, which holds the same weights): where every rank's stage output then equals what
+  the batch's own rank computed, the result is the data's or the model's; where one differs, the fault stayed
+  with a device: its ranks are named and the run exits 16 (Megatron-Core restarts the job on other nodes and
+  computes the iteration there; this needs no restart). A result that is the data's or the model's (or that
+  the layout cannot move) exits EXIT_FAILED_VALIDATION (17) naming the iteration, the global batch's samples and
+  documents and the loss, or with --skip-spiky-batches (a spike, not a NaN) drops the batch, says so and trains on;
 - the replay gives the same result and it passes: the check fired by mistake (only an injected correct_result
   does that), the replay's step is taken.
-Not done: replaying a reproduced result once more on other devices (Megatron-Core restarts the job on other
-nodes for it); the message says the result reproduced on the same ranks.
 
 --error-injection-rate N fails every Nth validation on purpose (--error-injection-type): transient_error makes
 the last rank's loss NaN (or a spike, where only the spike check is on) in the first computation only,
-persistent_error in the replay too, correct_result fails the check with the true value.
+persistent_error in every computation on that rank (its output too, for the comparison across replicas: a fault
+of its device), correct_result fails the check with the true value.
 
 --rerun-mode report_stats: every --rerun-stats-interval-th iteration is computed twice from the same state (the
 first computation's step dropped, the second's taken) and compared rank by rank, loss and stage output; every log
@@ -60,13 +65,22 @@ class Validation:
     injection_rate: int
     injection_type: str
     skip_spiky_batches: bool
+    no_other_replica: str = None   # why a reproduced result cannot be computed on other devices; None: it can
 
     @classmethod
     def from_args(cls, args):
         return cls(check_nan=args.check_for_nan_in_loss_and_grad and not args.fp16,
                    check_spike=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor,
                    injection_rate=args.error_injection_rate, injection_type=args.error_injection_type,
-                   skip_spiky_batches=args.skip_spiky_batches)
+                   skip_spiky_batches=args.skip_spiky_batches, no_other_replica=_no_other_replica(args))
+
+
+def _no_other_replica(args):
+    if args.data_parallel_size == 1:
+        return "one data-parallel replica: no other devices hold the same weights"
+    if args.moe:
+        return "an MoE model: experts on other ranks compute its tokens whichever replica reads them"
+    return None
 
 
 class ResultValidator:
@@ -78,10 +92,10 @@ class ResultValidator:
         self.validations = 0
         self.outputs = _OutputFingerprint(engine.module)
 
-    def run_iteration(self, iteration, compute, rewind, describe_batch):
-        """compute(): (loss, extra) of one global batch, the loss equal on every rank; rewind(): put the data
-        iterator back at the iteration's first sample; describe_batch(): its samples, for a message. Returns
-        (loss, extra, whether the batch was skipped)."""
+    def run_iteration(self, iteration, compute, batch):
+        """compute(): (loss, extra) of one global batch, the loss equal on every rank; batch: the iteration's
+        global batch (rewind(replicas_over=0), pass_over(), describe(): training._IterationBatch). Returns (loss,
+        extra, whether the batch was skipped)."""
         rng, injected = collect_rng_state(), self._injection()
         with DeferredOptimizerStep(self.engine) as step:
             loss, extra, first_outputs = self._computed(compute)
@@ -92,7 +106,7 @@ class ResultValidator:
                 self._accept(loss)
                 return loss, extra, False
             step.discard()
-            loss, extra, outputs = self._computed_again(compute, rng, rewind)
+            loss, extra, outputs = self._computed_again(compute, rng, batch.rewind)
             ranks = _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True), outputs)
             replays = [rank.replay_loss for rank in ranks]
             if any(rank.changed for rank in ranks):
@@ -107,14 +121,36 @@ class ResultValidator:
                 self._accept(loss)
                 return loss, extra, False
             step.discard()
+            where = self._reproduced_where(iteration, compute, (rng, batch), injected, first_outputs, (still, value))
+            step.discard()
             if still.startswith("spike") and self.validation.skip_spiky_batches:
-                print_rank_0(f"WARNING: iteration {iteration}: {still}, reproduced when computed again; "
-                             f"--skip-spiky-batches: skipping the batch ({describe_batch()}), no optimizer step")
+                print_rank_0(f"WARNING: iteration {iteration}: {still}, reproduced when computed again {where}; "
+                             f"--skip-spiky-batches: skipping the batch ({batch.describe()}), no optimizer step")
                 return loss, extra, True
-            raise RerunExit(f"iteration {iteration}: {still}, reproduced when computed again on the same ranks (loss "
-                            f"{value!r} both times): the data's or the model's, not a device's. The global batch: "
-                            f"{describe_batch()}. Not saved; the last checkpoint is from before",
+            raise RerunExit(f"iteration {iteration}: {still}, reproduced when computed again {where}. The global "
+                            f"batch: {batch.describe()}. Not saved; the last checkpoint is from before",
                             EXIT_FAILED_VALIDATION)
+
+    def _reproduced_where(self, iteration, compute, start, injected, first_outputs, failure):
+        """Where a failing result reproduced, for the message (the same value on the same ranks, and where the
+        layout allows on the next data-parallel replica's devices: each rank given the micro-batches of the rank
+        at its place in the next replica, from the same state). A result that moves with those devices is a
+        persistent fault of one of them: RerunExit(16) naming it. start: (RNG state, batch) of the iteration;
+        failure: (why, value) of the reproduced result."""
+        (rng, batch), (why, value) = start, failure
+        same = f"on the same ranks (loss {value!r} both times)"
+        if self.validation.no_other_replica:
+            return (f"{same}: the data's or the model's, or a persistent fault of a device, which this layout cannot "
+                    f"tell apart ({self.validation.no_other_replica})")
+        restore_rng_state(rng)
+        batch.rewind(replicas_over=1)
+        _, _, outputs = self._computed(compute)
+        batch.pass_over()
+        pairs = _gather_replica_pairs(self._seen_output(first_outputs, injected, replay=False),
+                                      self._seen_output(outputs, injected, replay=True))
+        if any(pair.changed for pair in pairs):
+            raise RerunExit(_persistent(iteration, why, pairs), EXIT_RESUME_ELSEWHERE)
+        return f"{same} and on the next data-parallel replica's devices: the data's or the model's, not a device's"
 
     def _computed(self, compute):
         """(loss, extra, this rank's output fingerprint) of one computation of the global batch."""
@@ -136,12 +172,22 @@ class ResultValidator:
 
     def _seen(self, loss, injected, replay):
         """The loss this rank judges: the true one, or on the last rank an injected error's value."""
-        kind = self.validation.injection_type
-        corrupt = (injected and kind != "correct_result" and (not replay or kind == "persistent_error")
-                   and dist.get_rank() == dist.get_world_size() - 1)
-        if not corrupt:
+        if not self._corrupts(injected, replay):
             return loss
         return float("nan") if self.validation.check_nan else loss * self.validation.spiky_loss_factor * 10
+
+    def _seen_output(self, output, injected, replay):
+        """This rank's output fingerprint as the comparison across replicas sees it: an injected error that
+        corrupts the last rank's loss corrupts its output too (a persistent one on every computation: a fault of
+        its device, whichever data it computes)."""
+        return torch.full_like(output, float("nan")) if self._corrupts(injected, replay) else output
+
+    def _corrupts(self, injected, replay):
+        """Whether an injected error corrupts this rank's result (the last rank's; a transient error in the first
+        computation only)."""
+        kind = self.validation.injection_type
+        return (injected and kind != "correct_result" and (not replay or kind == "persistent_error")
+                and dist.get_rank() == dist.get_world_size() - 1)
 
     def _agreed_problem(self, loss, injected):
         """_problem, decided the same on every rank: every rank judges the same loss unless an error is injected
@@ -187,7 +233,7 @@ class ReproducibilityStats(ResultValidator):
         self.largest = (0.0, None)    # (relative loss difference, iteration)
         self.moved = {}               # rank -> iterations where a result it computed did not reproduce (_culprits)
 
-    def run_iteration(self, iteration, compute, rewind, describe_batch=None):
+    def run_iteration(self, iteration, compute, batch):
         """As ResultValidator.run_iteration, never skipping: (loss, extra, False)."""
         if iteration % self.interval:
             loss, extra = compute()
@@ -196,7 +242,7 @@ class ReproducibilityStats(ResultValidator):
         with DeferredOptimizerStep(self.engine) as step:
             first_loss, _, first_outputs = self._computed(compute)
             step.discard()
-            loss, extra, outputs = self._computed_again(compute, rng, rewind)
+            loss, extra, outputs = self._computed_again(compute, rng, batch.rewind)
             self._record(iteration, _gather_ranks(self._seen(first_loss, injected, replay=False), first_outputs,
                                                   self._seen(loss, injected, replay=True), outputs))
             step.apply()
@@ -238,6 +284,31 @@ def _culprits(ranks):
     culprits = [rank for rank in ranks if rank.loss_changed]
     return culprits, "the loss changed on rank(s) " + "; ".join(
         f"{rank.number}: {rank.first_loss!r}, then {rank.replay_loss!r}" for rank in culprits)
+
+
+def _persistent(iteration, why, pairs):
+    """The message for a result that reproduced on the same ranks but changed on the next data-parallel replica's
+    devices, naming the device(s) it stayed with (_persistent_culprits)."""
+    culprits, how = _persistent_culprits(pairs)
+    return (f"iteration {iteration}: {why}, reproduced when computed again on the same ranks; computed on the next "
+            f"data-parallel replica's devices, {how}: a persistent fault of the device(s) of rank(s) "
+            f"{', '.join(map(str, culprits))}. Not saved; exiting with {EXIT_RESUME_ELSEWHERE} so that the job is "
+            f"resumed from the last checkpoint without those devices")
+
+
+def _persistent_culprits(pairs):
+    """(ranks, how): at the earliest pipeline stage where a rank's output differed from what the rank at its
+    place in the next replica had computed from the same micro-batches, the replicas common to every such pair;
+    where two remain (two replicas), the one whose output was not finite both times."""
+    changed = [pair for pair in pairs if pair.changed]
+    stage = min(pair.stage for pair in changed)
+    at_stage = [pair for pair in changed if pair.stage == stage]
+    replicas = set.intersection(*({pair.replica, pair.source_replica} for pair in at_stage))
+    stayed = {pair.replica for pair in at_stage if pair.replica in replicas and pair.not_finite_both_times}
+    replicas = stayed or replicas
+    culprits = sorted(pair.number for pair in pairs if pair.stage == stage and pair.replica in replicas)
+    moved = ", ".join(f"{pair.number} (computing rank {pair.source}'s micro-batches)" for pair in at_stage)
+    return culprits, f"the output of pipeline stage {stage} changed on rank(s) {moved}"
 
 
 def _relative_difference(first, replay):
@@ -299,6 +370,45 @@ def _gather_ranks(first_loss, first_output, replay_loss, replay_output):
     dist.all_gather(values, local)
     return [_RankResult(number, int(row[0]), *(float(value) for value in row[1:].tolist()))
             for number, row in enumerate(values)]
+
+
+@dataclass(frozen=True)
+class _ReplicaPair:
+    """A rank's output computed from the micro-batches of the rank at its place in the next data-parallel
+    replica (`source`), beside what that rank had computed from them, and its own first output."""
+    number: int
+    stage: int
+    replica: int
+    source: int
+    source_replica: int
+    own_first_output: float
+    source_first_output: float
+    output: float
+
+    @property
+    def changed(self):
+        return _bits(self.source_first_output) != _bits(self.output)
+
+    @property
+    def not_finite_both_times(self):
+        return not (math.isfinite(self.own_first_output) or math.isfinite(self.output))
+
+
+def _gather_replica_pairs(first_output, shifted_output):
+    """Every rank's _ReplicaPair (one all-gather)."""
+    replicas = parallel_state.get_data_parallel_ranks()
+    replica = parallel_state.get_data_parallel_rank()
+    source = replicas[(replica + 1) % len(replicas)]
+    local = torch.stack([torch.tensor(float(value), dtype=torch.float64, device=device()) for value in
+                         (parallel_state.get_pipeline_model_parallel_rank(), replica, source)]
+                        + [first_output, shifted_output])
+    rows = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    rows = [row.tolist() for row in rows]
+    replica_of = {number: int(row[1]) for number, row in enumerate(rows)}
+    return [_ReplicaPair(number, int(stage), int(replica), int(source), replica_of[int(source)], first,
+                         rows[int(source)][3], shifted)
+            for number, (stage, replica, source, first, shifted) in enumerate(rows)]
 
 
 def _numbers(ranks):

@@ -12,6 +12,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -268,8 +269,9 @@ class _TrainData:
     def __init__(self, dataset, data, curriculum):
         self.dataset, self.data, self.curriculum, self.iterator = dataset, data, curriculum, None
 
-    def start_at(self, consumed_samples):
-        self.iterator = batch_iterator(self.dataset, self.data, consumed_samples, device(), self.curriculum)
+    def start_at(self, consumed_samples, replicas_over=0):
+        self.iterator = batch_iterator(self.dataset, self.data, consumed_samples, device(), self.curriculum,
+                                       replicas_over)
 
     def describe(self, first, count):
         if self.dataset is None:  # a middle pipeline stage reads no data
@@ -285,11 +287,28 @@ def _train_global_batch(engine, train_data, plan, progress, experts, validator, 
 
     if validator is None:
         return compute()
-    first = progress.consumed_train_samples
-    loss, other_losses, _ = validator.run_iteration(iteration, compute, rewind=lambda: train_data.start_at(first),
-                                                    describe_batch=lambda: train_data.describe(first,
-                                                                                               plan.global_batch_size))
+    batch = _IterationBatch(train_data, progress.consumed_train_samples, plan.global_batch_size)
+    loss, other_losses, _ = validator.run_iteration(iteration, compute, batch)
     return loss, other_losses
+
+
+@dataclass(frozen=True)
+class _IterationBatch:
+    """The global batch of the iteration being validated, as rerun.py moves the data over it."""
+    train_data: _TrainData
+    first: int
+    size: int
+
+    def rewind(self, replicas_over=0):
+        """The data back at the batch's first sample (of the data-parallel rank replicas_over after this one)."""
+        self.train_data.start_at(self.first, replicas_over)
+
+    def pass_over(self):
+        """The data at the next batch's first sample, this rank's own."""
+        self.train_data.start_at(self.first + self.size)
+
+    def describe(self):
+        return self.train_data.describe(self.first, self.size)
 
 
 class _NoStragglerDetector:

@@ -1,15 +1,16 @@
 """pretrain.py with one rank's model output made NaN once, in the first computation of an iteration: a silent
 data corruption of that rank's device that a replay does not repeat (the corrupted value flows on to the other
-stages and into the loss, as a real one would):
+stages and into the loss, as a real one would); with ":persistent", in every computation of that iteration on
+that rank, whatever micro-batches it computes (a persistent fault of its device):
 
-    torchrun --nproc_per_node 4 -m tests.silent_corruption RANK@ITERATION <pretrain.py flags>
+    torchrun --nproc_per_node 4 -m tests.silent_corruption RANK@ITERATION[:persistent] <pretrain.py flags>
 """
 import sys
 
 import torch.distributed as dist
 
 
-def corrupt_once(rank, iteration):
+def install_corruption(rank, iteration, persistent=False):
     import megatron_ds.training as training
     setup_engine, begin_iteration = training.setup_engine, training.begin_iteration
     state = {"iteration": None, "done": False}
@@ -17,7 +18,7 @@ def corrupt_once(rank, iteration):
     def corrupt(module, inputs, output):
         if state["iteration"] != iteration or state["done"]:
             return None
-        state["done"] = True
+        state["done"] = not persistent
         first = output[0] if isinstance(output, (tuple, list)) else output
         first = first * float("nan")
         return (first, *output[1:]) if isinstance(output, (tuple, list)) else first
@@ -39,6 +40,7 @@ if __name__ == "__main__":
     from megatron_ds.glue.runtime import prepare_host
     prepare_host()  # before DeepSpeed is imported, as pretrain.py
     rank, _, at = sys.argv[1].partition("@")
-    corrupt_once(int(rank), int(at))
+    at, _, kind = at.partition(":")
+    install_corruption(int(rank), int(at), persistent=kind == "persistent")
     from megatron_ds.training import pretrain
     sys.exit(pretrain(sys.argv[2:]))

@@ -54,9 +54,32 @@ def test_a_persistent_error_exits_17_naming_the_iteration_and_its_samples(layout
     result = launch(4, FLAGS + layout + INJECT + ["--error-injection-type", "persistent_error"], env=REAL_LAUNCHER)
     assert result.returncode != 0 and "exitcode  : 17" in result.stdout, result.stdout[-4000:]
     assert ("iteration 6: the loss is nan, reproduced when computed again on the same ranks (loss nan both times): "
-            "the data's or the model's, not a device's. The global batch: samples 40-47 (mock data documents "
-            "[40, 41, 42, 43, 44, 45, 46, 47])") in result.stdout, result.stdout[-4000:]
+            "the data's or the model's, or a persistent fault of a device, which this layout cannot tell apart (one "
+            "data-parallel replica: no other devices hold the same weights). The global batch: samples 40-47 (mock "
+            "data documents [40, 41, 42, 43, 44, 45, 46, 47])") in result.stdout, result.stdout[-4000:]
     assert not re.search(r"iteration\s+6/", result.stdout)  # the iteration is never logged as done
+
+
+DP2_PP2 = [*FLAGS[:FLAGS.index("--tensor-model-parallel-size")], "--pipeline-model-parallel-size", "2",
+           *FLAGS[FLAGS.index("--make-vocab-size-divisible-by"):]]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault, program, named", [
+    (INJECT + ["--error-injection-type", "persistent_error"], ("pretrain.py",), "3"),
+    ([], ("-m", "tests.silent_corruption", "1@6:persistent"), "1"),
+], ids=["injected", "real"])
+def test_a_persistent_fault_is_told_from_the_data_on_the_next_replica_and_exits_16_naming_its_device(
+        fault, program, named):
+    """DP 2 x PP 2 (stage 0: ranks 0, 1; stage 1: ranks 2, 3), dropout on. The last rank's injected error, or rank
+    1's output made NaN in every computation of iteration 6, reproduces on the same ranks; computed with each
+    replica's micro-batches on the other's devices, it stays with that rank: exit 16 naming it alone."""
+    result = launch(4, DP2_PP2 + fault, env=REAL_LAUNCHER, program=program)
+    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
+    message = re.search(r"megatron_ds: error: iteration 6: the loss is nan, reproduced when computed again on the "
+                        r"same ranks; computed on the next data-parallel replica's devices, (.*)", result.stdout)
+    assert message and (f"a persistent fault of the device(s) of rank(s) {named}. Not saved; exiting with 16"
+                        in message.group(1)), result.stdout[-4000:]
 
 
 @pytest.mark.e2e
@@ -142,8 +165,8 @@ DOCUMENTS, DOCUMENT_TOKENS, ITERATIONS, POISONED_ITERATION = 1200, 16, 140, 120
 SPIKE_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--train-iters", str(ITERATIONS), "--lr", "1e-2", "--lr-decay-style", "constant", "--log-interval", "1",
-             "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-             "128", "--split", "100,0,0", "--rerun-mode", "validate_results", "--check-for-spiky-loss",
+             "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "128", "--split", "100,0,0", "--rerun-mode", "validate_results", "--check-for-spiky-loss",
              "--spiky-loss-factor", "3"]
 
 
@@ -179,19 +202,21 @@ def _documents_by_iteration(flags):
 @pytest.mark.e2e
 def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_path):
     """A document of random tokens among documents of a pattern the model has learnt by then: the iteration that
-    reads it spikes, the replay reproduces the spike, and the run exits 17 naming the document; with
-    --skip-spiky-batches the run drops that batch, says so, and finishes."""
+    reads it spikes, the replay reproduces the spike, so does the next data-parallel replica computing it (DP 2,
+    dropout on), and the run exits 17 naming the document; with --skip-spiky-batches the run drops that batch,
+    says so, and finishes."""
     by_iteration = _documents_by_iteration(SPIKE_RUN + _corpus(tmp_path / "clean"))
     elsewhere = set().union(*(docs for it, docs in by_iteration.items() if it != POISONED_ITERATION))
     poisoned = min(by_iteration[POISONED_ITERATION] - elsewhere)  # a document read by that iteration alone
     flags = SPIKE_RUN + _corpus(tmp_path / "poisoned", poisoned)
-    result = launch(1, flags)
+    result = launch(2, flags)
     assert result.returncode != 0, result.stdout[-3000:]
     message = re.search(rf"megatron_ds: error: iteration {POISONED_ITERATION}: .*", result.stdout)
-    assert message and "spike" in message.group(0) and "reproduced when computed again" in message.group(0), \
-        result.stdout[-3000:]
+    assert message and "spike" in message.group(0), result.stdout[-3000:]
+    assert ("reproduced when computed again on the same ranks (loss " in message.group(0) and "both times) and on "
+            "the next data-parallel replica's devices: the data's or the model's, not a device's" in message.group(0))
     assert re.search(rf"documents \[[^\]]*\b{poisoned}\b", message.group(0)), message.group(0)
-    skipped = launch(1, flags + ["--skip-spiky-batches"])
+    skipped = launch(2, flags + ["--skip-spiky-batches"])
     assert skipped.returncode == 0 and sorted(losses(skipped.stdout)) == list(range(1, ITERATIONS + 1)), \
         skipped.stdout[-3000:]
     warning = re.findall(r"WARNING: iteration (\d+): spike.*--skip-spiky-batches: skipping the batch \((.*)\)",
@@ -207,15 +232,26 @@ def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_p
      "--num-virtual-stages-per-pipeline-rank", "2"],
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
     ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--expert-interval", "1"],
-], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2"])
-def test_the_held_step_and_the_replay_are_exact_under_every_schedule_and_with_experts(layout):
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--ds-sequence-parallel-size", "2"],
+    ["--bf16"],
+    ["--async-save", "--save-interval", "3"],
+], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2", "tp2-sp", "ulysses2", "bf16-dp2", "async-save"])
+def test_the_held_step_and_the_replay_are_exact_under_every_schedule_and_with_experts(layout, tmp_path):
     """Dropout on, a false alarm every 3rd iteration (correct_result): each is computed again bit for bit from the
-    held state and training goes on with the losses of the run without any check (2 ranks)."""
+    held state and training goes on with the losses of the run without any check (2 ranks). With --async-save the
+    checkpoints are taken right after the replayed iterations."""
+    def saving(run):
+        return ["--save", str(tmp_path / run)] if "--async-save" in layout else []
+
     flags = [*COMMON, "--make-vocab-size-divisible-by", "128", *layout]
     flags[flags.index("--hidden-dropout") + 1] = flags[flags.index("--attention-dropout") + 1] = "0.1"
-    plain = launch(2, flags)
-    checked = launch(2, flags + ["--rerun-mode", "validate_results", "--error-injection-rate", "3",
-                                 "--error-injection-type", "correct_result"])
+    plain = launch(2, flags + saving("plain"))
+    checked = launch(2, flags + saving("checked") + ["--rerun-mode", "validate_results", "--error-injection-rate",
+                                                     "3", "--error-injection-type", "correct_result"])
     assert plain.returncode == 0 and checked.returncode == 0, checked.stdout[-3000:]
     assert checked.stdout.count("computed again: the same loss") == 3, checked.stdout[-3000:]
     assert losses(checked.stdout) == losses(plain.stdout) and len(losses(plain.stdout)) == 10
+    if "--async-save" in layout:
+        assert sorted(path.name for path in (tmp_path / "checked").glob("global_step*")) == [
+            "global_step10", "global_step3", "global_step6", "global_step9"]

@@ -110,6 +110,16 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_ends_as_the_straight
     assert "took over the lock" in output
 
 
+def test_a_killed_rank_under_async_save_resumes_from_the_last_complete_checkpoint(tmp_path, tmp_path_factory):
+    """--async-save writes each checkpoint in the background: the kill (at iteration 12 or later) may land while
+    the save of iteration 10 is still being written; the restart resumes from the last complete one."""
+    status, output = run_with_kills(torchrun(tmp_path) + ["--async-save"], kills=[12])
+    assert status == 0, output[-6000:]
+    assert_every_loss_is_the_straight_runs(output, straight_losses(tmp_path_factory))
+    assert re.search(r"restart 1 of 2 \(torchrun\) after rank \d failed during iteration \d+: its process \(pid \d+\) "
+                     r"on host \S+ died, resuming from iteration (5|10); iterations", output), output[-6000:]
+
+
 def test_two_failures_in_one_run_and_a_third_stops_the_job_with_its_reason(tmp_path, tmp_path_factory):
     status, output = run_with_kills(torchrun(tmp_path), kills=[7, 14])
     assert status == 0, output[-6000:]

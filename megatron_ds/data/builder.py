@@ -206,16 +206,18 @@ def _sequence_slice(tensor):
     return tensor[:, rank * length:(rank + 1) * length].contiguous()
 
 
-def batch_iterator(dataset, data, consumed_samples, device, curriculum=None):
+def batch_iterator(dataset, data, consumed_samples, device, curriculum=None, replicas_over=0):
     """Endless (inputs, labels) micro-batches of this data-parallel rank from the global sample position
     consumed_samples, read by --num-workers DataLoader processes from the first next(); None when this rank
     reads no data. With a sequence-length curriculum (glue/curriculum.py) each micro-batch is cut to the
-    length current when it is taken."""
+    length current when it is taken. replicas_over=k: the micro-batches of the data-parallel rank k after this
+    one instead (a replay on other devices, rerun.py)."""
     if dataset is None:
         return None
+    replicas = parallel_state.get_data_parallel_world_size()
     samples = micro_batch_samples(dataset, consumed_samples, data.micro_batch_size,
-                                  parallel_state.get_data_parallel_rank(),
-                                  parallel_state.get_data_parallel_world_size(), data.num_workers)
+                                  (parallel_state.get_data_parallel_rank() + replicas_over) % replicas, replicas,
+                                  data.num_workers)
     if curriculum is None:
         return (model_batch(tokens, data, device) for tokens in samples)
     return (model_batch(tokens[:, :curriculum.length + 1], data, device) for tokens in samples)
