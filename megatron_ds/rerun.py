@@ -3,11 +3,14 @@ by computing the iteration again (Megatron-Core's rerun state machine, its flags
 
 Every iteration's optimizer step is held until its loss has been validated (finite with
 --check-for-nan-in-loss-and-grad, and with --check-for-spiky-loss at most --spiky-loss-factor x the largest loss
-of the last SPIKE_WINDOW iterations). When a validation fails, the step is dropped and the iteration computed
-again from the same state: the same weights (the step was never taken), the same data (the iterator rebuilt at
-the iteration's first sample) and the same random numbers (every generator restored). Then
+of the last SPIKE_WINDOW iterations) and, with --check-for-nan-in-loss-and-grad, its reduced gradients too (finite,
+as each rank's optimizer holds its share: a fault in the backward pass does not show in the loss). When a
+validation fails, the step is dropped and the iteration computed again from the same state: the same weights (the
+step was never taken), the same data (the iterator rebuilt at the iteration's first sample) and the same random
+numbers (every generator restored). Then
 - the replay differs: a transient fault; the ranks that computed it are named (those whose stage output changed
-  at the earliest pipeline stage where any did, else those whose loss changed) and the run exits with
+  at the earliest pipeline stage where any did, else those whose own parameter gradients, summed as backward
+  computes them, changed at the last stage where any did, else those whose loss changed) and the run exits with
   EXIT_RESUME_ELSEWHERE (16) without saving the iteration: the next launch resumes from the last checkpoint;
 - the replay gives the same failing result on the same ranks: the data's, the model's or a persistent fault of a
   device. Where the layout has another data-parallel replica (and no experts), the iteration is computed a third
@@ -41,12 +44,13 @@ import torch.distributed as dist
 
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.core import parallel_state
-from megatron_ds.core.deepspeed_internals import DeferredOptimizerStep
+from megatron_ds.core.deepspeed_internals import DeferredOptimizerStep, held_gradients
 from megatron_ds.glue.runtime import device, print_rank_0
 
 EXIT_RESUME_ELSEWHERE = 16     # Megatron-Core's EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_FAILED_VALIDATION = 17    # Megatron-Core's EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 SPIKE_WINDOW = 100
+GRADIENTS_NOT_FINITE = "the gradients hold a NaN or Inf (the loss passes)"
 
 
 class RerunExit(RuntimeError):
@@ -90,7 +94,7 @@ class ResultValidator:
         self.validation, self.engine = validation, engine
         self.recent = []            # the losses of the last SPIKE_WINDOW accepted iterations
         self.validations = 0
-        self.outputs = _OutputFingerprint(engine.module)
+        self.prints = _Fingerprint(engine.module)
 
     def run_iteration(self, iteration, compute, batch):
         """compute(): (loss, extra) of one global batch, the loss equal on every rank; batch: the iteration's
@@ -98,7 +102,7 @@ class ResultValidator:
         extra, whether the batch was skipped)."""
         rng, injected = collect_rng_state(), self._injection()
         with DeferredOptimizerStep(self.engine) as step:
-            loss, extra, first_outputs = self._computed(compute)
+            loss, extra, first_prints = self._computed(compute)
             first = self._seen(loss, injected, replay=False)
             problem = self._agreed_problem(first, injected)
             if problem is None:
@@ -106,14 +110,13 @@ class ResultValidator:
                 self._accept(loss)
                 return loss, extra, False
             step.discard()
-            loss, extra, outputs = self._computed_again(compute, rng, batch.rewind)
-            ranks = _gather_ranks(first, first_outputs, self._seen(loss, injected, replay=True), outputs)
-            replays = [rank.replay_loss for rank in ranks]
+            loss, extra, prints = self._computed_again(compute, rng, batch.rewind)
+            gradients_again = self._agreed_failures(None)[1]
+            ranks = _gather_ranks(first, first_prints, self._seen(loss, injected, replay=True), prints)
             if any(rank.changed for rank in ranks):
                 step.discard()
                 raise RerunExit(self._transient(iteration, problem, ranks), EXIT_RESUME_ELSEWHERE)
-            value, still = next(((value, reason) for value in replays if (reason := self._problem(value, None))),
-                                (loss, None))
+            value, still = self._still_failing(ranks, loss, gradients_again)
             if still is None:  # a false alarm: the check fired on a good result
                 print_rank_0(f"iteration {iteration}: {problem}; computed again: the same loss {loss!r}, which "
                              f"passes the check: training on with it")
@@ -121,7 +124,7 @@ class ResultValidator:
                 self._accept(loss)
                 return loss, extra, False
             step.discard()
-            where = self._reproduced_where(iteration, compute, (rng, batch), injected, first_outputs, (still, value))
+            where = self._reproduced_where(iteration, compute, (rng, batch), injected, first_prints, (still, value))
             step.discard()
             if still.startswith("spike") and self.validation.skip_spiky_batches:
                 print_rank_0(f"WARNING: iteration {iteration}: {still}, reproduced when computed again {where}; "
@@ -131,7 +134,15 @@ class ResultValidator:
                             f"batch: {batch.describe()}. Not saved; the last checkpoint is from before",
                             EXIT_FAILED_VALIDATION)
 
-    def _reproduced_where(self, iteration, compute, start, injected, first_outputs, failure):
+    def _still_failing(self, ranks, loss, gradients_again):
+        """(value, why) of a replay that reproduced the first computation: why it still fails, else None."""
+        for value in (rank.replay_loss for rank in ranks):
+            reason = self._problem(value, None)
+            if reason:
+                return value, reason
+        return loss, GRADIENTS_NOT_FINITE if gradients_again else None
+
+    def _reproduced_where(self, iteration, compute, start, injected, first_prints, failure):
         """Where a failing result reproduced, for the message (the same value on the same ranks, and where the
         layout allows on the next data-parallel replica's devices: each rank given the micro-batches of the rank
         at its place in the next replica, from the same state). A result that moves with those devices is a
@@ -144,19 +155,19 @@ class ResultValidator:
                     f"tell apart ({self.validation.no_other_replica})")
         restore_rng_state(rng)
         batch.rewind(replicas_over=1)
-        _, _, outputs = self._computed(compute)
+        _, _, prints = self._computed(compute)
         batch.pass_over()
-        pairs = _gather_replica_pairs(self._seen_output(first_outputs, injected, replay=False),
-                                      self._seen_output(outputs, injected, replay=True))
+        pairs = _gather_replica_pairs(self._seen_prints(first_prints, injected, replay=False),
+                                      self._seen_prints(prints, injected, replay=True))
         if any(pair.changed for pair in pairs):
             raise RerunExit(_persistent(iteration, why, pairs), EXIT_RESUME_ELSEWHERE)
         return f"{same} and on the next data-parallel replica's devices: the data's or the model's, not a device's"
 
     def _computed(self, compute):
-        """(loss, extra, this rank's output fingerprint) of one computation of the global batch."""
-        self.outputs.reset()
+        """(loss, extra, this rank's fingerprints) of one computation of the global batch."""
+        self.prints.reset()
         loss, extra = compute()
-        return loss, extra, self.outputs.read()
+        return loss, extra, self.prints.read()
 
     def _computed_again(self, compute, rng, rewind):
         """_computed from the iteration's starting state: every generator restored, the data set back."""
@@ -176,11 +187,11 @@ class ResultValidator:
             return loss
         return float("nan") if self.validation.check_nan else loss * self.validation.spiky_loss_factor * 10
 
-    def _seen_output(self, output, injected, replay):
-        """This rank's output fingerprint as the comparison across replicas sees it: an injected error that
-        corrupts the last rank's loss corrupts its output too (a persistent one on every computation: a fault of
-        its device, whichever data it computes)."""
-        return torch.full_like(output, float("nan")) if self._corrupts(injected, replay) else output
+    def _seen_prints(self, prints, injected, replay):
+        """This rank's fingerprints as the comparison across replicas sees them: an injected error that corrupts
+        the last rank's loss corrupts its output and gradients too (a persistent one on every computation: a fault
+        of its device, whichever data it computes)."""
+        return torch.full_like(prints, float("nan")) if self._corrupts(injected, replay) else prints
 
     def _corrupts(self, injected, replay):
         """Whether an injected error corrupts this rank's result (the last rank's; a transient error in the first
@@ -190,14 +201,33 @@ class ResultValidator:
                 and dist.get_rank() == dist.get_world_size() - 1)
 
     def _agreed_problem(self, loss, injected):
-        """_problem, decided the same on every rank: every rank judges the same loss unless an error is injected
-        into one, so only then is the world asked (one MAX all-reduce of a flag)."""
+        """_problem, else GRADIENTS_NOT_FINITE, decided the same on every rank."""
         reason = self._problem(loss, injected)
-        if not self.validation.injection_rate:
-            return reason
-        flag = torch.tensor([1.0 if reason else 0.0], device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return (reason or f"rank {dist.get_world_size() - 1}'s loss failed validation") if flag.item() else None
+        loss_failed, gradients_failed = self._agreed_failures(reason)
+        if loss_failed:
+            return reason or f"rank {dist.get_world_size() - 1}'s loss failed validation"
+        return GRADIENTS_NOT_FINITE if gradients_failed else None
+
+    def _agreed_failures(self, reason):
+        """(whether any rank's loss failed, whether any rank holds a gradient that is not finite): every rank
+        judges the same loss unless an error is injected into one, and each holds its share of the reduced
+        gradients, so the world is asked (one MAX all-reduce of two flags) when either can differ."""
+        checks_gradients = self.validation.check_nan
+        if not (self.validation.injection_rate or checks_gradients):
+            return reason is not None, False
+        flags = torch.tensor([float(reason is not None), float(checks_gradients and not self._gradients_finite())],
+                             device=device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss_failed, gradients_failed = flags.tolist()
+        return bool(loss_failed), bool(gradients_failed)
+
+    def _gradients_finite(self):
+        """Whether this rank's share of the gradients the held step would apply is finite (one sum: a NaN or Inf
+        anywhere makes it so; CPU offload's are not looked at)."""
+        gradients = held_gradients(self.engine)
+        if not gradients:
+            return True
+        return bool(torch.isfinite(torch.stack([grad.sum(dtype=torch.float64) for grad in gradients]).sum()))
 
     def _problem(self, loss, injected):
         """Why the loss fails validation, else None."""
@@ -240,11 +270,11 @@ class ReproducibilityStats(ResultValidator):
             return loss, extra, False
         rng, injected = collect_rng_state(), self._injection()
         with DeferredOptimizerStep(self.engine) as step:
-            first_loss, _, first_outputs = self._computed(compute)
+            first_loss, _, first_prints = self._computed(compute)
             step.discard()
-            loss, extra, outputs = self._computed_again(compute, rng, batch.rewind)
-            self._record(iteration, _gather_ranks(self._seen(first_loss, injected, replay=False), first_outputs,
-                                                  self._seen(loss, injected, replay=True), outputs))
+            loss, extra, prints = self._computed_again(compute, rng, batch.rewind)
+            self._record(iteration, _gather_ranks(self._seen(first_loss, injected, replay=False), first_prints,
+                                                  self._seen(loss, injected, replay=True), prints))
             step.apply()
         return loss, extra, False
 
@@ -272,18 +302,28 @@ class ReproducibilityStats(ResultValidator):
 
 
 def _culprits(ranks):
-    """(ranks, how) that computed a result which did not reproduce: those whose own output changed at the earliest
-    pipeline stage where any did (the later stages computed on what they received), else those whose loss
-    changed."""
-    moved = [rank for rank in ranks if rank.output_changed]
-    if moved:
-        stage = min(rank.stage for rank in moved)
-        culprits = [rank for rank in moved if rank.stage == stage]
-        return culprits, (f"the output of pipeline stage {stage} changed on rank(s) {_numbers(culprits)} (the ranks "
-                          f"downstream of it computed on what they received)")
+    """(ranks, how) that computed a result which did not reproduce: those whose own output (gradients) changed at
+    the first pipeline stage in the forward (backward) order where any did (the stages after it computed on what
+    they received), else those whose loss changed."""
+    changed = _first_change(ranks)
+    if changed:
+        stage, what, culprits = changed
+        return culprits, (f"the {what} of pipeline stage {stage} changed on rank(s) {_numbers(culprits)} (the ranks "
+                          f"{'downstream' if what == 'output' else 'upstream'} of it computed on what they received)")
     culprits = [rank for rank in ranks if rank.loss_changed]
     return culprits, "the loss changed on rank(s) " + "; ".join(
         f"{rank.number}: {rank.first_loss!r}, then {rank.replay_loss!r}" for rank in culprits)
+
+
+def _first_change(results):
+    """(stage, "output" or "gradients", the results there that changed) at the earliest stage whose output
+    changed, else the last stage whose gradients changed (backward runs from the last stage); None if neither."""
+    for what, changed, first in (("output", "output_changed", min), ("gradients", "gradients_changed", max)):
+        moved = [result for result in results if getattr(result, changed)]
+        if moved:
+            stage = first(result.stage for result in moved)
+            return stage, what, [result for result in moved if result.stage == stage]
+    return None
 
 
 def _persistent(iteration, why, pairs):
@@ -297,18 +337,17 @@ def _persistent(iteration, why, pairs):
 
 
 def _persistent_culprits(pairs):
-    """(ranks, how): at the earliest pipeline stage where a rank's output differed from what the rank at its
-    place in the next replica had computed from the same micro-batches, the replicas common to every such pair;
-    where two remain (two replicas), the one whose output was not finite both times."""
-    changed = [pair for pair in pairs if pair.changed]
-    stage = min(pair.stage for pair in changed)
-    at_stage = [pair for pair in changed if pair.stage == stage]
+    """(ranks, how): at the stage where the first change shows (_first_change: a rank's output or gradients
+    differing from what the rank at its place in the next replica had computed from the same micro-batches), the
+    replicas common to every such pair; where two remain (two replicas), the one whose results were not finite both
+    times."""
+    stage, what, at_stage = _first_change(pairs)
     replicas = set.intersection(*({pair.replica, pair.source_replica} for pair in at_stage))
     stayed = {pair.replica for pair in at_stage if pair.replica in replicas and pair.not_finite_both_times}
     replicas = stayed or replicas
     culprits = sorted(pair.number for pair in pairs if pair.stage == stage and pair.replica in replicas)
     moved = ", ".join(f"{pair.number} (computing rank {pair.source}'s micro-batches)" for pair in at_stage)
-    return culprits, f"the output of pipeline stage {stage} changed on rank(s) {moved}"
+    return culprits, f"the {what} of pipeline stage {stage} changed on rank(s) {moved}"
 
 
 def _relative_difference(first, replay):
@@ -319,24 +358,40 @@ def _relative_difference(first, replay):
     return abs(replay - first) / max(abs(first), 1e-30)
 
 
-class _OutputFingerprint:
-    """The sum of everything this rank's model (its pipeline stage) outputs in an iteration, kept on the device (no
-    synchronization per micro-batch)."""
+class _Fingerprint:
+    """Two sums of what this rank computes in an iteration, kept on the device (no synchronization per
+    micro-batch): everything its model (its pipeline stage) outputs, and every parameter gradient its backward
+    computes, as computed (before any accumulation or reduction). Each hook only appends its tensor's sum."""
 
     def __init__(self, module):
-        self.total = torch.zeros((), dtype=torch.float64, device=device())
-        self.hook = module.register_forward_hook(self._add)
+        self.outputs, self.gradients, self.hooks = [], [], []
+        self.attach(module)
 
-    def _add(self, module, inputs, output):
+    def attach(self, module):
+        self.hooks.append(module.register_forward_hook(self._add_output))
+        self.hooks.extend(param.register_hook(self._add_gradient) for param in module.parameters()
+                          if param.requires_grad)
+
+    def detach(self):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+    def _add_output(self, module, inputs, output):
         tensor = output[0] if isinstance(output, (tuple, list)) else output
         if torch.is_tensor(tensor) and tensor.is_floating_point():
-            self.total += tensor.detach().sum(dtype=torch.float64)
+            self.outputs.append(tensor.detach().sum(dtype=torch.float64))
+
+    def _add_gradient(self, gradient):
+        self.gradients.append(gradient.detach().sum(dtype=torch.float32))
 
     def reset(self):
-        self.total.zero_()
+        self.outputs, self.gradients = [], []
 
     def read(self):
-        return self.total.clone()
+        """tensor([output sum, gradient sum]), float64, on the device."""
+        zero = torch.zeros((), dtype=torch.float64, device=device())
+        return torch.stack([torch.stack(sums).sum() if sums else zero for sums in (self.outputs, self.gradients)])
 
 
 @dataclass(frozen=True)
@@ -346,7 +401,9 @@ class _RankResult:
     first_loss: float
     replay_loss: float
     first_output: float
+    first_gradients: float
     replay_output: float
+    replay_gradients: float
 
     @property
     def loss_changed(self):
@@ -357,58 +414,68 @@ class _RankResult:
         return _bits(self.first_output) != _bits(self.replay_output)
 
     @property
+    def gradients_changed(self):
+        return _bits(self.first_gradients) != _bits(self.replay_gradients)
+
+    @property
     def changed(self):
-        return self.loss_changed or self.output_changed
+        return self.loss_changed or self.output_changed or self.gradients_changed
 
 
-def _gather_ranks(first_loss, first_output, replay_loss, replay_output):
-    """Every rank's losses and output fingerprints of both computations, in rank order (one all-gather)."""
+def _gather_ranks(first_loss, first_prints, replay_loss, replay_prints):
+    """Every rank's losses and fingerprints of both computations, in rank order (one all-gather)."""
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    local = torch.stack([torch.tensor(float(value), dtype=torch.float64, device=device())
-                         for value in (stage, first_loss, replay_loss)] + [first_output, replay_output])
+    local = torch.cat([torch.tensor([stage, first_loss, replay_loss], dtype=torch.float64, device=device()),
+                       first_prints, replay_prints])
     values = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(values, local)
-    return [_RankResult(number, int(row[0]), *(float(value) for value in row[1:].tolist()))
-            for number, row in enumerate(values)]
+    return [_RankResult(number, int(row[0]), *row[1:]) for number, row in enumerate(value.tolist() for value in values)]
 
 
 @dataclass(frozen=True)
 class _ReplicaPair:
-    """A rank's output computed from the micro-batches of the rank at its place in the next data-parallel
-    replica (`source`), beside what that rank had computed from them, and its own first output."""
+    """A rank's fingerprints (output, gradients) computed from the micro-batches of the rank at its place in the
+    next data-parallel replica (`source`), beside what that rank had computed from them, and its own first ones."""
     number: int
     stage: int
     replica: int
     source: int
     source_replica: int
-    own_first_output: float
-    source_first_output: float
-    output: float
+    own_first: tuple
+    source_first: tuple
+    shifted: tuple
+
+    @property
+    def output_changed(self):
+        return _bits(self.source_first[0]) != _bits(self.shifted[0])
+
+    @property
+    def gradients_changed(self):
+        return _bits(self.source_first[1]) != _bits(self.shifted[1])
 
     @property
     def changed(self):
-        return _bits(self.source_first_output) != _bits(self.output)
+        return self.output_changed or self.gradients_changed
 
     @property
     def not_finite_both_times(self):
-        return not (math.isfinite(self.own_first_output) or math.isfinite(self.output))
+        return not (all(map(math.isfinite, self.own_first)) or all(map(math.isfinite, self.shifted)))
 
 
-def _gather_replica_pairs(first_output, shifted_output):
+def _gather_replica_pairs(first_prints, shifted_prints):
     """Every rank's _ReplicaPair (one all-gather)."""
     replicas = parallel_state.get_data_parallel_ranks()
     replica = parallel_state.get_data_parallel_rank()
     source = replicas[(replica + 1) % len(replicas)]
-    local = torch.stack([torch.tensor(float(value), dtype=torch.float64, device=device()) for value in
-                         (parallel_state.get_pipeline_model_parallel_rank(), replica, source)]
-                        + [first_output, shifted_output])
+    local = torch.cat([torch.tensor([parallel_state.get_pipeline_model_parallel_rank(), replica, source],
+                                    dtype=torch.float64, device=device()), first_prints, shifted_prints])
     rows = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, local)
     rows = [row.tolist() for row in rows]
     replica_of = {number: int(row[1]) for number, row in enumerate(rows)}
-    return [_ReplicaPair(number, int(stage), int(replica), int(source), replica_of[int(source)], first,
-                         rows[int(source)][3], shifted)
-            for number, (stage, replica, source, first, shifted) in enumerate(rows)]
+    return [_ReplicaPair(number, int(row[0]), int(row[1]), int(row[2]), replica_of[int(row[2])], tuple(row[3:5]),
+                         tuple(rows[int(row[2])][3:5]), tuple(row[5:7]))
+            for number, row in enumerate(rows)]
 
 
 def _numbers(ranks):

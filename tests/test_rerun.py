@@ -159,6 +159,31 @@ def test_a_real_corruption_is_traced_to_the_rank_whose_output_changed_first():
             "device(s) of rank(s) 1.") in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.e2e
+def test_a_fault_in_the_backward_pass_is_caught_before_the_step_and_traced_to_its_rank():
+    """Rank 1's first parameter gets a NaN gradient once at iteration 4 (the loss is finite): the held step's
+    gradients are checked, the replay's are finite, and rank 1 alone is named (its tied copy on stage 1 receives
+    the NaN in the reduction, not in its own backward)."""
+    result = launch(4, FLAGS, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@4:backward"))
+    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
+    assert ("iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+            "gradients of pipeline stage 0 changed on rank(s) 1 (the ranks upstream of it computed on what they "
+            "received): a transient fault of the device(s) of rank(s) 1.") in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("optimizer", [["--zero-stage", "0"], ["--zero-stage", "1"], ["--zero-stage", "2"],
+                                       ["--bf16"]], ids=["zero0", "zero1", "zero2", "bf16-zero1"])
+def test_a_nan_gradient_is_found_where_each_optimizer_holds_it_before_the_step(optimizer):
+    """DP 2 without a pipeline: the reduced gradients lie in the module (ZeRO 0), ZeRO 1/2's partitions or
+    BF16_Optimizer's fp32 buffers; rank 1's NaN gradient at iteration 3 is found there before the step."""
+    flags = [*COMMON, "--num-layers", "2", "--train-iters", "4", "--rerun-mode", "validate_results", *optimizer]
+    result = launch(2, flags, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@3:backward"))
+    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
+    assert ("iteration 3: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+            "gradients of pipeline stage 0 changed on rank(s) 1 ") in result.stdout, result.stdout[-4000:]
+
+
 # --- a real spike: a poisoned document --------------------------------------------------------------------
 
 DOCUMENTS, DOCUMENT_TOKENS, ITERATIONS, POISONED_ITERATION = 1200, 16, 140, 120

@@ -503,6 +503,23 @@ class DeferredOptimizerStep:
         self.held = None
 
 
+def held_gradients(engine):
+    """The gradients the held step (DeferredOptimizerStep) would apply, as this rank holds them once reduced
+    (0.19.8): ZeRO 1/2's partitions (averaged_gradients; None under CPU offload, whose gradients are already in
+    host buffers), BF16_Optimizer's fp32 buffers (get_grads_for_reduction), else the module's .grad."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if optimizer.cpu_offload:
+            return None
+        return [grad for grads in optimizer.averaged_gradients.values() for grad in grads or () if grad is not None]
+    if isinstance(optimizer, BF16_Optimizer):
+        dense, experts = optimizer.get_grads_for_reduction()
+        return [*dense, *(grad for grads in experts.values() for grad in grads)]
+    return [param.grad for param in engine.module.parameters() if param.grad is not None]
+
+
 def _discard_gradients(engine):
     """What each optimizer does with an overflowed step's gradients (0.19.8): ZeRO 1/2 also drops its reduced
     partitions; BF16_Optimizer's and the fp16 optimizers' zero_grad clear their 16-bit and fp32 gradients."""
