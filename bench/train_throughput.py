@@ -36,6 +36,9 @@ GEMM rate of the same minutes. A ratio is taken between the two sides' iteration
 the median of its --rotations-per-round rotations', and the median of --rounds rounds prints with their range, or
 "unstable" when the rounds lie more than --max-spread apart. Each side's time is its turn's: one iteration
 (forward, backward, gradient clipping, optimizer step), pretrain.py's logging and the loops' nothing outside it.
+--method pinned runs pretrain.py and one loop (the HF loop with --baseline hf) at the same time, each on a core of
+its own with one thread, the cores swapped every rotation: no GEMM rate, other layout or run without dropout (each
+would need a core of its own); bench/method_spread.py compares the methods' repeatability.
 """
 import argparse
 import os
@@ -51,8 +54,8 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
-                         sequential, total_rotations)
+from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, pinned, rounds_of,  # noqa: E402
+                         run_in_turns, sequential, total_rotations)
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
@@ -293,7 +296,10 @@ def micro_batches_per_iteration(args, pp):
 
 
 def baselines(args):
-    """{name: --side value} of the loops that pretrain.py is compared with."""
+    """{name: --side value} of the loops that pretrain.py is compared with (--method pinned: one, the HF loop
+    with --baseline hf: a core each for it and pretrain.py)."""
+    if pinned(args):
+        return {HF: "hf"} if args.baseline == "hf" else {PLAIN: "plain"}
     return {PLAIN: "plain", **({HF: "hf"} if args.baseline == "hf" else {})}
 
 
@@ -305,8 +311,11 @@ def sides(args):
     """{name: (command, processes)}: the GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other
     --layouts and (with dropout) without dropout."""
     side = [sys.executable, os.path.abspath(__file__), *args.argv, "--side"]
-    result = {GEMM: (side + [GEMM], 1), ENGINE: (engine_command(args, (1, 1)), 1)}
+    result = {ENGINE: (engine_command(args, (1, 1)), 1)}
     result.update({name: (side + [value], 1) for name, value in baselines(args).items()})
+    if pinned(args):  # two sides on two cores: no GEMM, other layout or run without dropout
+        return result
+    result[GEMM] = (side + [GEMM], 1)
     for tp, pp in (layout for layout in args.layouts if layout != (1, 1)):
         result[layout_name(tp, pp)] = (engine_command(args, (tp, pp)), tp * pp)
     if args.hidden_dropout or args.attention_dropout:
@@ -318,7 +327,7 @@ def sides(args):
 def measure(args):
     """Every side in turns: ({name: [seconds per turn]}, {name: parameter count})."""
     with tempfile.TemporaryDirectory() as folder:
-        seconds, outputs = run_in_turns(sides(args), folder, sequential=sequential(args))
+        seconds, outputs = run_in_turns(sides(args), folder, sequential=sequential(args), pinned=pinned(args))
     parameters = {ENGINE: engine_parameters(outputs[ENGINE])}
     parameters.update({name: int(re.search(r"^parameters (\d+)$", outputs[name], re.M)[1]) for name in baselines(args)})
     return seconds, parameters
@@ -339,8 +348,8 @@ def profile_table(args):
 
 
 def gemm_rates(args, seconds):
-    """TFLOP/s of each measured GEMM turn."""
-    return [2 * args.gemm_size ** 3 * args.gemm_repeats / turn / 1e12 for turn in seconds[GEMM][WARM_UP:]]
+    """TFLOP/s of each measured GEMM turn (none under --method pinned)."""
+    return [2 * args.gemm_size ** 3 * args.gemm_repeats / turn / 1e12 for turn in seconds.get(GEMM, [])[WARM_UP:]]
 
 
 def describe(args, parameters, gemm, device):
@@ -350,11 +359,12 @@ def describe(args, parameters, gemm, device):
     heads = f"{args.num_attention_heads} heads"
     if args.family == "llama":
         heads += f" / {args.num_key_value_heads} kv"
+    rate = (f"bf16 GEMM (n {args.gemm_size}) {statistics.median(gemm):.3f} TFLOP/s (turns {min(gemm):.3f}-"
+            f"{max(gemm):.3f})" if gemm else "no GEMM rate (it would need a core of its own)")
     return (f"{'LLaMA' if args.family == 'llama' else 'GPT-2'}-style model, {counted} parameters: "
             f"{args.num_layers} layers, h={args.hidden_size}, {heads}, ffn={args.ffn_hidden_size}, "
             f"s={args.seq_length}, b={args.micro_batch_size}, V={args.vocab_size}, dropout hidden "
-            f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type}; bf16 GEMM "
-            f"(n {args.gemm_size}) {statistics.median(gemm):.3f} TFLOP/s (turns {min(gemm):.3f}-{max(gemm):.3f}); "
+            f"{args.hidden_dropout:g} / attention {args.attention_dropout:g}, bf16, {device.type}; {rate}; "
             f"every side {method_words(args)}: {WARM_UP} warm-up rotations, then "
             f"{rounds_of(args.rounds, args.rotations_per_round)}")
 
@@ -364,7 +374,7 @@ def report(args, seconds, parameters, device):
     pretrain.py's tokens/s over each loop's."""
     flops = model_flops_per_sample(args) * args.micro_batch_size
     tokens = args.micro_batch_size * args.seq_length
-    gemm = statistics.median(gemm_rates(args, seconds))
+    gemm = statistics.median(gemm_rates(args, seconds) or [float("nan")])
     labels = {ENGINE: "pretrain.py (DeepSpeed, TP=PP=1)", PLAIN: "plain PyTorch loop",
               HF: f"HF transformers loop ({hf_class_name(args)})"}
     print(describe(args, parameters, gemm_rates(args, seconds), device))
@@ -456,6 +466,9 @@ def check_args(parser, args):
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.family == "gpt2" and args.num_key_value_heads not in (None, args.num_attention_heads):
         parser.error("--num-key-value-heads: GQA is for --family llama")
+    if pinned(args) and (args.layouts != [(1, 1)] or args.profile):
+        parser.error("--method pinned runs two sides, a core each: pretrain.py at TP=PP=1 and one loop (no "
+                     "--layouts, no --profile)")
     if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
         parser.error("--family llama --baseline hf: LlamaForCausalLM has no hidden dropout; use --hidden-dropout 0")
     args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
@@ -475,7 +488,8 @@ def main(argv=None):
     report(args, seconds, parameters, device)
     if args.profile:
         print(profile_table(args))
-    report_other_layouts(args, seconds, statistics.median(gemm_rates(args, seconds)))
+    if not pinned(args):
+        report_other_layouts(args, seconds, statistics.median(gemm_rates(args, seconds)))
     report_dropout_cost(args, seconds)
     return 0
 

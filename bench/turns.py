@@ -5,7 +5,11 @@ machine while it runs, and a slowdown of this shared host, which moves by 2x wit
 of every side alike instead of on whichever side ran during it.
 
 Why turns rather than running the sides concurrently, each pinned to its own core: a pipeline or a TP 2 side
-needs both cores of this host for one step.
+needs both cores of this host for one step, and where both methods apply (two single-process sides) turns gave
+the tighter spread when measured (bench/method_spread.py; the figures are in the README's performance section).
+`--method pinned` is that other method, for contrast and for hosts with a core per side: the sides step at the
+same time, each process on a core of its own with one thread (its threads' affinity set at each step), the cores
+swapped every rotation, each side's step timed from the common "go" to its own "done".
 
 The coordinator (TurnTaking, in the bench's process) times each turn from its "go" to the last process's
 "done"; ratios are taken between sides' steps of the same rotation, a round's ratio is the median of its
@@ -24,6 +28,7 @@ minutes apart. A process of a side:
 """
 import contextlib
 import os
+import selectors
 import signal
 import socket
 import statistics
@@ -36,7 +41,7 @@ ADDRESS, SIDE = "BENCH_TURNS_ADDRESS", "BENCH_TURNS_SIDE"
 # rotations a bench leaves out: training launches here ran their first iterations up to 50% slower (one-off costs,
 # torch.compile's worker processes starting beside them), settled by the sixth
 WARM_UP = 6
-METHODS = ("turns", "sequential")
+METHODS = ("turns", "sequential", "pinned")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,10 +75,15 @@ class _Connection:
 
 class TurnTaking:
     """The coordinator. sides: {name: number of processes that take each of its turns}; sequential: each side
-    takes all its turns before the next side takes any."""
+    takes all its turns before the next side takes any; pinned: every side steps at once, each on a core of its
+    own (single-process sides, no more than the cores this process may run on)."""
 
-    def __init__(self, sides, start_up_timeout=900, sequential=False):
+    def __init__(self, sides, start_up_timeout=900, sequential=False, pinned=False):
         self.sides, self.start_up_timeout, self.sequential = dict(sides), start_up_timeout, sequential
+        self.cores = sorted(os.sched_getaffinity(0)) if pinned else None
+        if pinned and (max(self.sides.values()) > 1 or len(self.sides) > len(self.cores)):
+            raise ValueError(f"--method pinned runs each side as one process on a core of its own: {self.sides} "
+                             f"on {len(self.cores)} core(s)")
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.turns = {name: [] for name in self.sides}  # seconds of each turn, in order
 
@@ -87,6 +97,12 @@ class TurnTaking:
         waiting = {name: [self._receive(name, connection, alive) for connection in members] for name, members in
                    connections.items()}  # every process's first request, before any turn is given
         running = list(self.sides)
+        while running and self.cores:
+            requests = {name: waiting.pop(name, None) or [self._receive(name, c, alive) for c in connections[name]]
+                        for name in running}
+            running = [name for name in running if requests[name] != ["finished"]]
+            if running:
+                self._together(running, {name: connections[name][0] for name in running}, alive)
         while running:
             for name in running[:1] if self.sequential else list(running):
                 requests = waiting.pop(name, None) or [self._receive(name, c, alive) for c in connections[name]]
@@ -129,6 +145,28 @@ class TurnTaking:
         except (EOFError, OSError) as error:
             raise SideFailed(f"a process of side {name} closed its connection ({type(error).__name__})") from error
 
+    def _together(self, names, connections, alive):
+        """One pinned rotation: every side goes at once on its core (the assignment turned by one each rotation);
+        each side's time runs to its own "done"."""
+        rotation = len(self.turns[names[0]])
+        start = time.perf_counter()
+        for index, name in enumerate(names):
+            connections[name].send(f"go {self.cores[(index + rotation) % len(self.cores)]}")
+        pending = dict(connections)
+        with selectors.DefaultSelector() as selector:
+            for name, connection in pending.items():
+                selector.register(connection.sock, selectors.EVENT_READ, name)
+            while pending:
+                events = selector.select(timeout=1.0)
+                if not events:
+                    alive()
+                for key, _ in events:
+                    reply = self._receive(key.data, pending.pop(key.data), alive)
+                    if reply != "done":
+                        raise SideFailed(f"side {key.data} answered its turn with {reply!r}")
+                    self.turns[key.data].append(time.perf_counter() - start)
+                    selector.unregister(key.fileobj)
+
     def _turn(self, name, members, alive):
         start = time.perf_counter()
         for connection in members:
@@ -139,12 +177,15 @@ class TurnTaking:
         return time.perf_counter() - start
 
 
-def run_in_turns(sides, folder, environment=None, sequential=False):
+def run_in_turns(sides, folder, environment=None, sequential=False, pinned=False):
     """sides: {name: (command, number of processes)}. Starts every side's command (from the repository, with its
     turn's environment over `environment`, its output to a file in folder), gives turns until all have finished and
     returns ({name: [seconds per turn]}, {name: output}). A side that fails stops everything, with its output.
-    sequential: TurnTaking's."""
-    turns = TurnTaking({name: processes for name, (_, processes) in sides.items()}, sequential=sequential)
+    sequential, pinned: TurnTaking's (pinned: one thread per process)."""
+    turns = TurnTaking({name: processes for name, (_, processes) in sides.items()}, sequential=sequential,
+                       pinned=pinned)
+    if pinned:
+        environment = {**(environment or os.environ), "OMP_NUM_THREADS": "1"}
     files = {name: os.path.join(folder, f"side{index}.txt") for index, name in enumerate(sides)}
     environment = environment or os.environ
     launches = {name: _start(command, files[name], {**environment, **_threads(environment, processes),
@@ -215,8 +256,18 @@ class Turn:
     def _ask(self, request):
         self.connection.send(request)
         reply = self.connection.receive(lambda: None)
-        if reply != "go":
+        word, _, core = reply.partition(" ")
+        if word != "go":
             raise RuntimeError(f"the turn coordinator answered {reply!r} to {request!r}")
+        if core:
+            _pin_threads(int(core))
+
+
+def _pin_threads(core):
+    """Every thread of this process onto one core (--method pinned)."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended since the listing
+            os.sched_setaffinity(int(thread), {core})
 
 
 @dataclass
@@ -290,7 +341,8 @@ def add_arguments(parser, rotations_per_round):
                         help="a ratio whose rounds lie further apart prints as unstable")
     parser.add_argument("--method", choices=METHODS, default="turns",
                         help="sequential: each side takes all its steps before the next (the former method, for "
-                             "contrast)")
+                             "contrast); pinned: the sides step at the same time, each on a core of its own with one "
+                             "thread (single-process sides, no more than the cores)")
 
 
 def sequential(args):
@@ -298,10 +350,16 @@ def sequential(args):
     return args.method == "sequential"
 
 
+def pinned(args):
+    """Whether the bench runs its sides at the same time, a core each (--method pinned)."""
+    return args.method == "pinned"
+
+
 def method_words(args):
     """How the sides ran, for a bench's header."""
-    return ("one after the other, each side all its steps (--method sequential)" if sequential(args)
-            else "in turns, iteration by iteration")
+    return {"sequential": "one after the other, each side all its steps (--method sequential)",
+            "pinned": "at the same time, each on a core of its own with one thread, the cores swapped every "
+                      "rotation (--method pinned)"}.get(args.method, "in turns, iteration by iteration")
 
 
 def total_rotations(args, warm_up=WARM_UP):

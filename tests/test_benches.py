@@ -43,6 +43,32 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--method pinned needs a core per side")
+def test_train_throughput_pinned_runs_pretrain_py_and_the_hf_loop_a_core_each():
+    command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf", "--method",
+               "pinned", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--num-key-value-heads", "2", "--seq-length", "32", "--vocab-size", "256", "--rounds", "1",
+               "--rotations-per-round", "2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "no GEMM rate (it would need a core of its own); every side at the same time, each on a core of its own " \
+           "with one thread, the cores swapped every rotation (--method pinned)" in out, out
+    assert "plain PyTorch loop" not in out and re.search(r"pretrain\.py / HF loop tokens/s: [0-9.]+x \(rounds", out)
+    refused = subprocess.run(command + ["--layouts", "1x1", "2x1"], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--method pinned runs two sides, a core each" in refused.stderr
+
+
+def test_method_spread_reads_each_runs_ratio_and_sums_up_each_method():
+    from bench.method_spread import compared_ratio, summary
+    output = ("  pretrain.py / plain loop tokens/s: 1.50x (rounds 1.45-1.52, 5 rounds of 8)\n"
+              "  pretrain.py / HF loop tokens/s: unstable: rounds 1.02-1.31 > 0.05 apart; about 40 rounds needed\n")
+    assert compared_ratio(output, ["--baseline", "hf"]) == (None, 1.02, 1.31)
+    assert compared_ratio(output, []) == (1.5, 1.45, 1.52)
+    assert summary("turns", [(1.5, 1.45, 1.52), (1.56, 1.5, 1.58)]) == (
+        "turns: medians 1.50x, 1.56x, 0.060 apart; widest spread of rounds within a run 0.080 (2 runs)")
+
+
 def test_ops_bench_times_an_op_s_backends_in_turns_and_prints_each_one_s_ratio_to_the_reference():
     command = [sys.executable, "bench/ops.py", "--size", "tiny", "--ops", "bias_dropout_add", "--backends",
                "reference", "compile", "--rounds", "2", "--rotations-per-round", "2", "--threads", "1"]

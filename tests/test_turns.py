@@ -66,6 +66,35 @@ def test_the_sequential_method_runs_every_step_of_one_side_before_the_next_side_
     assert a_exit >= max(end for _, end in b_steps)  # the first side still holds its exit
 
 
+def test_the_pinned_method_steps_the_sides_together_each_on_its_own_core_swapped_every_rotation(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    turns = TurnTaking({"a": 1, "b": 1}, pinned=True)
+    turns.cores = cores
+    side = SIDE.replace('log.write(f"{start} {time.monotonic()}\\n")',
+                        'log.write(f"{start} {time.monotonic()} {sorted(os.sched_getaffinity(0))[0]}\\n")')
+    side = side.replace("import sys, time", "import os, sys, time")
+    processes = {name: subprocess.Popen([sys.executable, "-c", side, "4", str(tmp_path / name), str(REPO)],
+                                        env={**os.environ, **turns.environment(name)}) for name in "ab"}
+    seconds = turns.run()
+    assert all(process.wait(timeout=60) == 0 for process in processes.values())
+    logs = {name: [line.split() for line in (tmp_path / name).read_text().splitlines()[:-1]] for name in "ab"}
+    for (a_start, a_end, a_core), (b_start, b_end, b_core) in zip(logs["a"], logs["b"]):
+        assert float(a_start) < float(b_end) and float(b_start) < float(a_end)  # the steps overlap
+        assert a_core != b_core
+    assert [int(core) for _, _, core in logs["a"]] == [cores[0], cores[1]] * 2
+    assert [len(seconds["a"]), len(seconds["b"])] == [4, 4] and min(seconds["a"] + seconds["b"]) >= 0.005
+
+
+def test_the_pinned_method_refuses_more_sides_than_cores_or_a_side_of_two_processes():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="--method pinned runs each side as one process on a core of its own"):
+        TurnTaking({f"side{n}": 1 for n in range(cores + 1)}, pinned=True)
+    with pytest.raises(ValueError, match=r"\{'a': 2\}"):
+        TurnTaking({"a": 2}, pinned=True)
+
+
 def test_a_side_whose_process_dies_is_named(tmp_path):
     turns = TurnTaking({"steady": 1, "dying": 1})
     steady = _start(turns, "steady", 4, tmp_path / "steady")
