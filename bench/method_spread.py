@@ -54,11 +54,14 @@ def run(method, flags):
 
 
 def summary(method, results):
+    """One line per method: each run's median (or "unstable") with its rounds' range, how far the stable runs'
+    medians lie apart, and the widest range of rounds within a run."""
+    runs = ", ".join(f"{f'{median:.2f}x' if median is not None else 'unstable'} ({low:.2f}-{high:.2f})"
+                     for median, low, high in results)
     medians = [median for median, _, _ in results if median is not None]
+    apart = f"; medians {max(medians) - min(medians):.3f} apart" if len(medians) > 1 else ""
     widest = max(high - low for _, low, high in results)
-    apart = (f"medians {', '.join(f'{m:.2f}x' for m in medians)}, {max(medians) - min(medians):.3f} apart"
-             if len(medians) > 1 else f"{len(medians)} of {len(results)} runs stable")
-    return f"{method}: {apart}; widest spread of rounds within a run {widest:.3f} ({len(results)} runs)"
+    return f"{method}: {runs}{apart}; widest range of rounds within a run {widest:.3f} ({len(results)} runs)"
 
 
 def main(argv=None):

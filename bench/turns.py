@@ -5,11 +5,13 @@ machine while it runs, and a slowdown of this shared host, which moves by 2x wit
 of every side alike instead of on whichever side ran during it.
 
 Why turns rather than running the sides concurrently, each pinned to its own core: a pipeline or a TP 2 side
-needs both cores of this host for one step, and where both methods apply (two single-process sides) turns gave
-the tighter spread when measured (bench/method_spread.py; the figures are in the README's performance section).
-`--method pinned` is that other method, for contrast and for hosts with a core per side: the sides step at the
-same time, each process on a core of its own with one thread (its threads' affinity set at each step), the cores
-swapped every rotation, each side's step timed from the common "go" to its own "done".
+needs both cores of this host for one step, and the benches' third and fourth sides (the GEMM roof, the run
+without dropout) would need cores of their own. Where both methods apply (two single-process sides) they were
+measured against each other (bench/method_spread.py, the LLaMA row, 3 runs of each alternated, 2026-12-05): the
+ranges of rounds within a run were 0.06, 0.01, 0.03 pinned and 0.03, 0.06, 0.09 in turns, so pinned repeats itself
+somewhat better on a pair; its ratio is of one thread per side. `--method pinned` is that method: the sides step
+at the same time, each process on a core of its own with one thread (its threads' affinity set at each step), the
+cores swapped every rotation, each side's step timed from the common "go" to its own "done".
 
 The coordinator (TurnTaking, in the bench's process) times each turn from its "go" to the last process's
 "done"; ratios are taken between sides' steps of the same rotation, a round's ratio is the median of its

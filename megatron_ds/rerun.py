@@ -391,7 +391,8 @@ class _Fingerprint:
     def read(self):
         """tensor([output sum, gradient sum]), float64, on the device."""
         zero = torch.zeros((), dtype=torch.float64, device=device())
-        return torch.stack([torch.stack(sums).sum() if sums else zero for sums in (self.outputs, self.gradients)])
+        return torch.stack([torch.stack(sums).sum(dtype=torch.float64) if sums else zero
+                            for sums in (self.outputs, self.gradients)])
 
 
 @dataclass(frozen=True)

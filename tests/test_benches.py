@@ -65,8 +65,9 @@ def test_method_spread_reads_each_runs_ratio_and_sums_up_each_method():
               "  pretrain.py / HF loop tokens/s: unstable: rounds 1.02-1.31 > 0.05 apart; about 40 rounds needed\n")
     assert compared_ratio(output, ["--baseline", "hf"]) == (None, 1.02, 1.31)
     assert compared_ratio(output, []) == (1.5, 1.45, 1.52)
-    assert summary("turns", [(1.5, 1.45, 1.52), (1.56, 1.5, 1.58)]) == (
-        "turns: medians 1.50x, 1.56x, 0.060 apart; widest spread of rounds within a run 0.080 (2 runs)")
+    assert summary("turns", [(1.5, 1.45, 1.52), (None, 1.4, 1.6), (1.56, 1.5, 1.58)]) == (
+        "turns: 1.50x (1.45-1.52), unstable (1.40-1.60), 1.56x (1.50-1.58); medians 0.060 apart; widest range of "
+        "rounds within a run 0.200 (3 runs)")
 
 
 def test_ops_bench_times_an_op_s_backends_in_turns_and_prints_each_one_s_ratio_to_the_reference():
