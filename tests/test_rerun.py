@@ -172,6 +172,19 @@ def test_a_fault_in_the_backward_pass_is_caught_before_the_step_and_traced_to_it
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+def test_a_backward_fault_is_traced_under_the_schedules_that_split_the_weight_gradients(schedule):
+    """ZB-H1 and DualPipeV compute the weight gradients in a phase of their own: the gradient sums see them there
+    too (PP 2: rank 1 is stage 1)."""
+    flags = [*COMMON, "--make-vocab-size-divisible-by", "128", "--pipeline-model-parallel-size", "2",
+             "--pipeline-schedule", schedule, "--rerun-mode", "validate_results"]
+    result = launch(2, flags, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@4:backward"))
+    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
+    assert ("iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+            "gradients of pipeline stage 1 changed on rank(s) 1 ") in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("optimizer", [["--zero-stage", "0"], ["--zero-stage", "1"], ["--zero-stage", "2"],
                                        ["--bf16"]], ids=["zero0", "zero1", "zero2", "bf16-zero1"])
 def test_a_nan_gradient_is_found_where_each_optimizer_holds_it_before_the_step(optimizer):
