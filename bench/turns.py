@@ -186,10 +186,8 @@ def run_in_turns(sides, folder, environment=None, sequential=False, pinned=False
     sequential, pinned: TurnTaking's (pinned: one thread per process)."""
     turns = TurnTaking({name: processes for name, (_, processes) in sides.items()}, sequential=sequential,
                        pinned=pinned)
-    if pinned:
-        environment = {**(environment or os.environ), "OMP_NUM_THREADS": "1"}
     files = {name: os.path.join(folder, f"side{index}.txt") for index, name in enumerate(sides)}
-    environment = environment or os.environ
+    environment = {**(environment or os.environ), **({"OMP_NUM_THREADS": "1"} if pinned else {})}
     launches = {name: _start(command, files[name], {**environment, **_threads(environment, processes),
                                                     **turns.environment(name)})
                 for name, (command, processes) in sides.items()}

@@ -425,12 +425,17 @@ class _RankResult:
 
 def _gather_ranks(first_loss, first_prints, replay_loss, replay_prints):
     """Every rank's losses and fingerprints of both computations, in rank order (one all-gather)."""
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    local = torch.cat([torch.tensor([stage, first_loss, replay_loss], dtype=torch.float64, device=device()),
-                       first_prints, replay_prints])
-    values = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, local)
-    return [_RankResult(number, int(row[0]), *row[1:]) for number, row in enumerate(value.tolist() for value in values)]
+    rows = _all_gather_rows([parallel_state.get_pipeline_model_parallel_rank(), first_loss, replay_loss],
+                            first_prints, replay_prints)
+    return [_RankResult(number, int(row[0]), *row[1:]) for number, row in enumerate(rows)]
+
+
+def _all_gather_rows(values, *tensors):
+    """Every rank's row (its values, then its float64 tensors), as lists in rank order: one all-gather."""
+    local = torch.cat([torch.tensor(values, dtype=torch.float64, device=device()), *tensors])
+    rows = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return [row.tolist() for row in rows]
 
 
 @dataclass(frozen=True)
@@ -468,11 +473,8 @@ def _gather_replica_pairs(first_prints, shifted_prints):
     replicas = parallel_state.get_data_parallel_ranks()
     replica = parallel_state.get_data_parallel_rank()
     source = replicas[(replica + 1) % len(replicas)]
-    local = torch.cat([torch.tensor([parallel_state.get_pipeline_model_parallel_rank(), replica, source],
-                                    dtype=torch.float64, device=device()), first_prints, shifted_prints])
-    rows = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, local)
-    rows = [row.tolist() for row in rows]
+    rows = _all_gather_rows([parallel_state.get_pipeline_model_parallel_rank(), replica, source], first_prints,
+                            shifted_prints)
     replica_of = {number: int(row[1]) for number, row in enumerate(rows)}
     return [_ReplicaPair(number, int(row[0]), int(row[1]), int(row[2]), replica_of[int(row[2])], tuple(row[3:5]),
                          tuple(rows[int(row[2])][3:5]), tuple(row[5:7]))

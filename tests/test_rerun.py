@@ -164,11 +164,10 @@ def test_a_fault_in_the_backward_pass_is_caught_before_the_step_and_traced_to_it
     """Rank 1's first parameter gets a NaN gradient once at iteration 4 (the loss is finite): the held step's
     gradients are checked, the replay's are finite, and rank 1 alone is named (its tied copy on stage 1 receives
     the NaN in the reduction, not in its own backward)."""
-    result = launch(4, FLAGS, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@4:backward"))
-    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
-    assert ("iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
-            "gradients of pipeline stage 0 changed on rank(s) 1 (the ranks upstream of it computed on what they "
-            "received): a transient fault of the device(s) of rank(s) 1.") in result.stdout, result.stdout[-4000:]
+    _assert_exits_16_saying(4, FLAGS, "1@4:backward", (
+        "iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+        "gradients of pipeline stage 0 changed on rank(s) 1 (the ranks upstream of it computed on what they "
+        "received): a transient fault of the device(s) of rank(s) 1."))
 
 
 @pytest.mark.e2e
@@ -178,10 +177,9 @@ def test_a_backward_fault_is_traced_under_the_schedules_that_split_the_weight_gr
     too (PP 2: rank 1 is stage 1)."""
     flags = [*COMMON, "--make-vocab-size-divisible-by", "128", "--pipeline-model-parallel-size", "2",
              "--pipeline-schedule", schedule, "--rerun-mode", "validate_results"]
-    result = launch(2, flags, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@4:backward"))
-    assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
-    assert ("iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
-            "gradients of pipeline stage 1 changed on rank(s) 1 ") in result.stdout, result.stdout[-4000:]
+    _assert_exits_16_saying(2, flags, "1@4:backward", (
+        "iteration 4: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+        "gradients of pipeline stage 1 changed on rank(s) 1 "))
 
 
 @pytest.mark.e2e
@@ -191,10 +189,16 @@ def test_a_nan_gradient_is_found_where_each_optimizer_holds_it_before_the_step(o
     """DP 2 without a pipeline: the reduced gradients lie in the module (ZeRO 0), ZeRO 1/2's partitions or
     BF16_Optimizer's fp32 buffers; rank 1's NaN gradient at iteration 3 is found there before the step."""
     flags = [*COMMON, "--num-layers", "2", "--train-iters", "4", "--rerun-mode", "validate_results", *optimizer]
-    result = launch(2, flags, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", "1@3:backward"))
+    _assert_exits_16_saying(2, flags, "1@3:backward", (
+        "iteration 3: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
+        "gradients of pipeline stage 0 changed on rank(s) 1 "))
+
+
+def _assert_exits_16_saying(ranks, flags, corruption, message):
+    """pretrain.py under tests/silent_corruption.py's `corruption` exits 16 with `message` in its output."""
+    result = launch(ranks, flags, env=REAL_LAUNCHER, program=("-m", "tests.silent_corruption", corruption))
     assert result.returncode != 0 and "exitcode  : 16" in result.stdout, result.stdout[-4000:]
-    assert ("iteration 3: the gradients hold a NaN or Inf (the loss passes); computed again from the same state, the "
-            "gradients of pipeline stage 0 changed on rank(s) 1 ") in result.stdout, result.stdout[-4000:]
+    assert message in result.stdout, result.stdout[-4000:]
 
 
 # --- a real spike: a poisoned document --------------------------------------------------------------------
