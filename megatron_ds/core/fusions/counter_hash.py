@@ -9,16 +9,22 @@ replay any draw, and a kernel can regenerate any element's bit from its index (n
 backward). An element is dropped when its hash < p * 2**32: the keep rate is 1 - p to within 2**-32.
 
 The hash is murmur3's 32-bit finaliser applied twice: fmix32(fmix32(row ^ seed) + column * 0x9E3779B9).
-PyTorch has no wrapping 32-bit multiply, so `keep_mask` multiplies int64 values by the constant's 16-bit
-halves (exact); `keep_tile`, for Triton kernels, multiplies uint32 values, which wrap.
+Its two halves are computed apart: the per-row hash and per-column mix once per row and column
+(`row_hashes`, `column_mixes`: int64 arithmetic, exact, the results held as int32 bit patterns), then the
+per-element finaliser in int32 lanes (`keep_from_mixes`), whose multiplies wrap as the hash needs. A compiled
+graph given the two small vectors as inputs hashes an element in a few vector instructions; computed inside
+the graph, inductor recomputes the row's hash for every 16 elements, which cost 3x the rest of the hash on a
+CPU. `keep_tile`, for Triton kernels, does the same in uint32.
 """
 import torch
 
 from megatron_ds.core.fusions._triton import tl, triton
 
 _M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
 _FMIX_1, _FMIX_2 = 0x85EBCA6B, 0xC2B2AE35
+_SIGN = 1 << 31
+_FMIX_1_I32, _FMIX_2_I32 = (constant - (1 << 32) for constant in (_FMIX_1, _FMIX_2))  # as int32 lanes hold them
+_GOLDEN = 0x9E3779B9
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -54,13 +60,42 @@ def _fmix32_(x):
     return x
 
 
+def _as_int32(x):
+    """int64 values in [0, 2**32) -> the int32 tensor of the same bits."""
+    return ((x ^ _SIGN) - _SIGN).to(torch.int32)
+
+
+def row_hashes(seed, rows):
+    """fmix32(row ^ seed) of int64 row indices, as int32 bits."""
+    return _as_int32(_fmix32_(rows ^ seed))
+
+
+def column_mixes(columns):
+    """column * 0x9E3779B9 mod 2**32 of int64 column indices, as int32 bits."""
+    return _as_int32((columns * _GOLDEN) & _M32)
+
+
+def _fmix32_lanes_(x):
+    """fmix32 of int32 bit patterns, in place: the multiplies wrap; >> shifts in sign bits, masked off."""
+    x ^= (x >> 16).bitwise_and_(0xFFFF)
+    x *= _FMIX_1_I32
+    x ^= (x >> 13).bitwise_and_(0x7FFFF)
+    x *= _FMIX_2_I32
+    x ^= (x >> 16).bitwise_and_(0xFFFF)
+    return x
+
+
+def keep_from_mixes(row_hash, column_mix, threshold: int):
+    """[len(row_hash), len(column_mix)] bool from row_hashes and column_mixes: hash >= threshold, compared as
+    unsigned (both sides' sign bits flipped)."""
+    mixed = _fmix32_lanes_(row_hash[:, None] + column_mix[None, :])
+    return mixed ^ -_SIGN >= threshold - _SIGN
+
+
 def keep_mask(seed, rows, columns, threshold: int):
     """[len(rows), len(columns)] bool: True where the (row, column) element is kept. rows and columns are int64
     index vectors."""
-    row_hash = _fmix32_(rows ^ seed)
-    mixed = row_hash[:, None] + ((columns * _GOLDEN) & _M32)[None, :]
-    mixed &= _M32
-    return _fmix32_(mixed) >= threshold
+    return keep_from_mixes(row_hashes(seed, rows), column_mixes(columns), threshold)
 
 
 def device_function(fn):

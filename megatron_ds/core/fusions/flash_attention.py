@@ -24,7 +24,8 @@ import torch
 
 from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
-from megatron_ds.core.fusions.counter_hash import device_function, drop_threshold, keep_mask, keep_tile
+from megatron_ds.core.fusions.counter_hash import (column_mixes, device_function, drop_threshold, keep_from_mixes,
+                                                   keep_tile, row_hashes)
 
 BLOCK_QUERIES = 128
 
@@ -41,27 +42,26 @@ def _block_probabilities(q, k, positions, sq, sk, lse=None):
     return torch.exp(scores - lse[..., None]), lse
 
 
-def _block_keep(rows, keys, seed, threshold):
-    """The keep mask [b, g, rows, keys] of one block, from its hash rows [b, g, rows]."""
-    key_index = torch.arange(keys, device=rows.device)
-    return keep_mask(seed, rows.reshape(-1), key_index, threshold).view(*rows.shape, keys)
+def _block_keep(row_hash, column_mix, threshold):
+    """The keep mask [b, g, rows, keys] of one block, from its rows' hashes [b, g, rows] and its keys' mixes."""
+    return keep_from_mixes(row_hash.reshape(-1), column_mix, threshold).view(*row_hash.shape, column_mix.numel())
 
 
-def _forward_block(q_block, k_part, v_part, positions, rows, sq, sk, seed, threshold, keep_scale):
+def _forward_block(q_block, k_part, v_part, positions, row_hash, column_mix, sq, sk, threshold, keep_scale):
     probs, lse = _block_probabilities(q_block, k_part, positions, sq, sk)
     if threshold:
-        probs = torch.where(_block_keep(rows, k_part.size(-2), seed, threshold), probs * keep_scale, 0.0)
+        probs = torch.where(_block_keep(row_hash, column_mix, threshold), probs * keep_scale, 0.0)
     return torch.matmul(probs.to(v_part.dtype), v_part), lse
 
 
-def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, rows, sq, sk, seed, threshold,
+def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, row_hash, column_mix, sq, sk, threshold,
                     keep_scale):
     """Gradients of one block: dq for its query rows, dk and dv contributions over its keys."""
     scale = 1.0 / math.sqrt(q_block.size(-1))
     probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, lse)
     grad_dropped = torch.matmul(grad_block, v_part.transpose(-1, -2)).float()
     if threshold:
-        keep = _block_keep(rows, k_part.size(-2), seed, threshold)
+        keep = _block_keep(row_hash, column_mix, threshold)
         dropped = torch.where(keep, probs * keep_scale, 0.0)
         grad_probs = torch.where(keep, grad_dropped * keep_scale, 0.0)
     else:
@@ -77,24 +77,32 @@ def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, rows, s
 class _Blocks:
     """The blocks of queries of one call, in the grouped layout: the heads that share a key and value head
     (GQA's group; one head without GQA) and a block of their queries form one matmul's rows, [b, g, hpg x bq].
-    Each block sees the keys up to its last query (causal); positions and hash rows are tensors (an int
-    position would make torch.compile specialise the first block on 0)."""
+    Each block sees the keys up to its last query (causal); positions are tensors (an int position would make
+    torch.compile specialise the first block on 0). With dropout, the hash's halves are computed once per call:
+    every row's hash (row = (batch * heads + head) * s + query) and every key's mix; a block takes its slices."""
 
-    def __init__(self, query, key):
+    def __init__(self, query, key, seed, threshold):
         self.b, heads, self.sq, self.d = query.shape
         self.groups, self.sk = key.size(1), key.size(2)
         self.per_group = heads // self.groups
         device = query.device
         self.positions = torch.arange(self.sq, device=device)
-        head = torch.arange(heads, device=device).view(1, self.groups, self.per_group)
-        self.head_rows = ((torch.arange(self.b, device=device).view(-1, 1, 1) * heads + head) * self.sq)[..., None]
+        self.row_hash = self.column_mix = None
+        if threshold:
+            rows = torch.arange(self.b * heads * self.sq, device=device).view(self.b, heads, self.sq)
+            self.row_hash = self.grouped(row_hashes(seed, rows))
+            self.column_mix = column_mixes(torch.arange(self.sk, device=device))
 
     def __iter__(self):
+        """(the block's queries, how many keys it sees, positions, its rows' hashes and its keys' mixes or None)."""
         for start in range(0, self.sq, BLOCK_QUERIES):
-            end = min(self.sq, start + BLOCK_QUERIES)
-            positions = self.positions[start:end]
-            rows = (self.head_rows + positions).reshape(self.b, self.groups, -1)
-            yield slice(start, end), min(self.sk, end + self.sk - self.sq), positions.repeat(self.per_group), rows
+            block = slice(start, min(self.sq, start + BLOCK_QUERIES))
+            keys = min(self.sk, block.stop + self.sk - self.sq)
+            positions = self.positions[block].repeat(self.per_group)
+            if self.row_hash is None:
+                yield block, keys, positions, None, None
+            else:
+                yield block, keys, positions, self.rows_of(self.row_hash, block), self.column_mix[:keys]
 
     def grouped(self, tensor):
         """[b, heads, s, ...] -> [b, g, hpg, s, ...] (a view)."""
@@ -112,15 +120,15 @@ class _BlockedAttention(torch.autograd.Function):
         forward_block = compiled(_forward_block) if compile_blocks else _forward_block
         # once here, not in every block's matmuls: the model passes [s, b, heads, d] tensors permuted to heads-first
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        blocks = _Blocks(query, key)
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+        blocks = _Blocks(query, key, seed, threshold)
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         grouped_query, grouped_out, grouped_lse = (blocks.grouped(t) for t in (query, out, lse))
-        for block, keys, positions, rows in blocks:
+        for block, keys, positions, row_hash, column_mix in blocks:
             out_rows, lse_rows = forward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys],
-                                               value[:, :, :keys], positions, rows, blocks.sq, blocks.sk, seed,
-                                               threshold, keep_scale)
+                                               value[:, :, :keys], positions, row_hash, column_mix, blocks.sq,
+                                               blocks.sk, threshold, keep_scale)
             grouped_out[:, :, :, block] = out_rows.view_as(grouped_out[:, :, :, block])
             grouped_lse[:, :, :, block] = lse_rows.view_as(grouped_lse[:, :, :, block])
         ctx.save_for_backward(query, key, value, lse, seed)
@@ -131,16 +139,17 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, lse, seed = ctx.saved_tensors
         backward_block = compiled(_backward_block) if ctx.compile_blocks else _backward_block
-        blocks = _Blocks(query, key)
+        blocks = _Blocks(query, key, seed, ctx.threshold)
         grad_q = torch.empty_like(query)
         grad_k = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
         grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
         grouped = [blocks.grouped(t) for t in (query, grad_out.contiguous(), lse, grad_q)]
         grouped_query, grouped_grad_out, grouped_lse, grouped_grad_q = grouped
-        for block, keys, positions, rows in blocks:
+        for block, keys, positions, row_hash, column_mix in blocks:
             dq, dk, dv = backward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys], value[:, :, :keys],
                                         blocks.rows_of(grouped_grad_out, block), blocks.rows_of(grouped_lse, block),
-                                        positions, rows, blocks.sq, blocks.sk, seed, ctx.threshold, ctx.keep_scale)
+                                        positions, row_hash, column_mix, blocks.sq, blocks.sk, ctx.threshold,
+                                        ctx.keep_scale)
             grouped_grad_q[:, :, :, block] = dq.view_as(grouped_grad_q[:, :, :, block])
             grad_k[:, :, :keys] += dk
             grad_v[:, :, :keys] += dv

@@ -4,8 +4,9 @@ runs PyTorch's kernels in that dtype, the compiled and triton paths compute in f
 Every backend keeps the elements the model's one dropout mask keeps (dropout.py: the counter hash of a seed
 drawn per call and the element's index), so the mask is the same for the same generator state whatever the
 backend, and activation recompute and the TP RNG tracker replay it. The reference saves that mask (bool, 1 byte
-per element) for backward; the compiled path makes it inside its graph from the seed; the Triton kernels make it
-in registers in forward and again in backward, and keep only the seed.
+per element) for backward; the compiled path makes it inside its graph from the seed's row hashes and column
+mixes, computed before it; the Triton kernels make it in registers in forward and again in backward, and keep only
+the seed.
 Not training, or p == 0: residual + x + bias, no mask and no draw.
 """
 import torch
@@ -13,15 +14,16 @@ import torch
 from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, row_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 from megatron_ds.core.fusions.counter_hash import draw_seed, drop_threshold, keep_tile
-from megatron_ds.core.fusions.dropout import dropout, tensor_keep_mask
+from megatron_ds.core.fusions.dropout import dropout, element_mixes, tensor_keep_mask
 
 
-def _bda_math(x, bias, residual, seed, threshold: int, scale: float):
-    """residual + keep * (x + bias) * scale in fp32, in the promoted dtype; seed None means no dropout."""
+def _bda_math(x, bias, residual, mixes, threshold: int, scale: float):
+    """residual + keep * (x + bias) * scale in fp32, in the promoted dtype; mixes (dropout.element_mixes) None
+    means no dropout."""
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     y = x.float() if bias is None else x.float() + bias.float()
-    if seed is not None:
-        y = torch.where(tensor_keep_mask(x, seed, threshold), y * scale, 0.0)
+    if mixes is not None:
+        y = torch.where(tensor_keep_mask(x, mixes, threshold), y * scale, 0.0)
     return (residual.float() + y).to(out_dtype)
 
 
@@ -39,9 +41,9 @@ def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
     return residual + dropout(x, p, training)
 
 
-def _bda_input_grad(grad_output, seed, threshold: int, scale: float, x_dtype: torch.dtype, with_bias: bool):
-    """(dx, db or None) of _bda_math: the mask hashed again from the seed."""
-    dx = torch.where(tensor_keep_mask(grad_output, seed, threshold), grad_output.float() * scale, 0.0)
+def _bda_input_grad(grad_output, mixes, threshold: int, scale: float, x_dtype: torch.dtype, with_bias: bool):
+    """(dx, db or None) of _bda_math: the mask hashed again from the seed's mixes."""
+    dx = torch.where(tensor_keep_mask(grad_output, mixes, threshold), grad_output.float() * scale, 0.0)
     db = dx.reshape(-1, dx.size(-1)).sum(0) if with_bias else None
     return dx.to(x_dtype), db
 
@@ -55,13 +57,14 @@ class _CompiledBiasDropoutAdd(torch.autograd.Function):
         ctx.save_for_backward(seed)
         ctx.threshold, ctx.scale, ctx.x_dtype = threshold, scale, x.dtype
         ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
-        return compiled(_bda_math)(x, bias, residual, seed, threshold, scale)
+        return compiled(_bda_math)(x, bias, residual, element_mixes(x, seed), threshold, scale)
 
     @staticmethod
     def backward(ctx, grad_output):
         (seed,) = ctx.saved_tensors
         with_bias = ctx.bias_dtype is not None
-        dx, db = compiled(_bda_input_grad)(grad_output, seed, ctx.threshold, ctx.scale, ctx.x_dtype, with_bias)
+        dx, db = compiled(_bda_input_grad)(grad_output, element_mixes(grad_output, seed), ctx.threshold, ctx.scale,
+                                           ctx.x_dtype, with_bias)
         return dx, db.to(ctx.bias_dtype) if with_bias else None, grad_output.to(ctx.residual_dtype), None, None, None
 
 

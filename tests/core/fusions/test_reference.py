@@ -11,7 +11,7 @@ from megatron_ds.core import fusions, parallel_state
 from megatron_ds.core.fusions import fused_cross_entropy
 from megatron_ds.core.fusions._triton import interpreter_problem
 from megatron_ds.core.fusions.counter_hash import draw_seed, drop_threshold
-from megatron_ds.core.fusions.dropout import HASH_CHUNK_ELEMENTS, dropout, tensor_keep_mask
+from megatron_ds.core.fusions.dropout import HASH_CHUNK_ELEMENTS, dropout, element_mixes, tensor_keep_mask
 from megatron_ds.core.tensor_parallel.random import RNGStatesTracker
 from megatron_ds.core.transformer.attention import local_attention
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
@@ -181,7 +181,7 @@ def test_the_plain_pytorch_mask_is_hashed_in_chunks_with_the_one_piece_mask_s_bi
     torch.manual_seed(3)
     chunked = fusions.dropout_keep_mask(x, 0.25)
     torch.manual_seed(3)
-    assert torch.equal(chunked, tensor_keep_mask(x, draw_seed("cpu"), drop_threshold(0.25)))
+    assert torch.equal(chunked, tensor_keep_mask(x, element_mixes(x, draw_seed("cpu")), drop_threshold(0.25)))
     saved = saved_tensors(dropout, x.requires_grad_(), 0.25, True)
     assert [t.dtype for t in saved] == [torch.bool]
     assert dropout(x, 0.25, False) is x and dropout(x, 0.0, True) is x
