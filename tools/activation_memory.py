@@ -152,7 +152,7 @@ def planner_bytes(args, scheme):
     tp = args.tensor_model_parallel_size if scheme.tp else 1
     layout = Layout(tp, 1, 1, args.micro_batch_size, args.micro_batch_size, sequence_parallel=scheme.sequence_parallel,
                     recompute=scheme.recompute, distribute_saved_activations=scheme.partition, ulysses=scheme.ulysses)
-    return layer_activation_bytes(model, layout, scheme.recompute, experts=args.num_experts)
+    return layer_activation_bytes(model, layout, scheme.recompute, experts=args.num_experts, device="cpu")
 
 
 def _layer_bytes(args, scheme):

@@ -29,7 +29,9 @@ attention's output (the projection's input, w a d), q, k and v, and the attentio
   checkpoint; the local path's matmuls for multi-head, whose reshapes stay views), that output stays whole,
   w(a + 2g)d, beside RoPE's rotated q and k (k expanded, 2wad); otherwise q, k and v are copies of a heads each,
   3wad (GQA's expansions, the local matmuls' copies of grouped views, the flash_attention op's contiguous copies,
-  Ulysses' all-to-alls).
+  Ulysses' all-to-alls). On a CPU (device "cpu", what tools/activation_memory.py measures) sdpa's causal flash
+  kernel takes GQA's k and v heads as views: the QKV output whole, w(a + 2g)d, beside RoPE's rotated q and k,
+  w(a + g)d, or without RoPE q's copy, wad, where q is no view.
 - the kernel: the local path's softmax output over s keys per head, w a s, and with attention dropout its
   1-byte mask and output, (2w + 1) a s (the paper's 5as/h term); a flash kernel (sdpa's, the op's) its fp32
   log-sum-exp per head, 4a; selective recompute keeps neither.
@@ -113,17 +115,19 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
     return layer_activation_bytes(model, layout, layout.recompute)
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1) -> float:
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1, device="cuda") -> float:
     """As activation_bytes_per_layer, for recompute None, "selective" or "full", of a dense layer or one with
     `experts` experts: the module docstring's count from the layer's config, s/U tokens per rank (s/(tU) outside
-    TP regions with SP) and attention over the whole s for a/(tU) heads."""
+    TP regions with SP) and attention over the whole s for a/(tU) heads; on a GPU, or with device "cpu" as a CPU
+    runs it (tools/activation_memory.py)."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
     width = _activation_width(model)
     replicated_tokens, split_tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
     attention = (replicated_tokens * _replicated_attention_bytes_per_token(config, width)
-                 + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width) / layout.tp)
+                 + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width, device)
+                 / layout.tp)
     if experts > 1:
         mlp = _moe_mlp_bytes(model, layout, replicated_tokens, experts, width)
     else:
@@ -149,11 +153,11 @@ def _mlp_bytes_per_token(config, width, ffn_hidden_size=None):
     return (3 if config.gated_linear_unit else 2) * width * (ffn_hidden_size or config.ffn_hidden_size)
 
 
-def _split_attention_bytes_per_token(config, layout, s, recompute, width):
+def _split_attention_bytes_per_token(config, layout, s, recompute, width, device):
     """Inside the TP region, before the split over t: q, k, v, the projection's input (attention's output) and
     the attention kernel's own."""
     heads_width = config.num_attention_heads * config.kv_channels
-    kernel = attention_kernel(config)
+    kernel = attention_kernel(config, device)
     attention = 0.0 if recompute == "selective" else attention_term(config, s, kernel, width)
     return _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width) + width * heads_width + attention
 
@@ -181,11 +185,14 @@ def _moe_mlp_bytes(model, layout, tokens, experts, width):
     return gate + combine + slots * (width * h + _mlp_bytes_per_token(config, width, ffn)) + 4
 
 
-def attention_kernel(config) -> str:
-    """The attention a GPU runs for this config: "local" (explicit scores), "flash_op" (megatron_ds's
-    flash_attention op) or "sdpa" (torch's kernels)."""
+def attention_kernel(config, device="cuda") -> str:
+    """The attention a GPU (or a CPU) runs for this config: "local" (explicit scores), "flash_op" (megatron_ds's
+    flash_attention op), "sdpa" (torch's kernels) or "sdpa_grouped" (torch's CPU flash kernel, which takes GQA's
+    key and value heads as they are)."""
     if config.attention_backend == "local":
         return "local"
+    if device == "cpu":
+        return "flash_op" if runs_flash_attention(config) else "sdpa_grouped"
     return "flash_op" if runs_flash_attention(config, cuda_op_backend) else "sdpa"
 
 
@@ -194,6 +201,10 @@ def _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width):
     it, kept as given) or copies, 3ad."""
     a, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     q_is_view = layout.ulysses == 1 and (g == a or g == layout.tp)
+    if kernel == "sdpa_grouped" and layout.ulysses == 1:  # k and v views: the QKV output whole
+        if config.position_embedding_type == "rope":
+            return width * (a + 2 * g) * d + width * (a + g) * d  # beside RoPE's rotated q and k
+        return width * (a + 2 * g) * d + (0 if q_is_view else width * a * d)
     kept_as_given = recompute == "selective" or kernel == "sdpa" or (kernel == "local" and g == a)
     if not (q_is_view and kept_as_given):
         return 3 * width * a * d

@@ -2,9 +2,9 @@
 rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads.
 With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
 the TP rank's heads, through DeepSpeed's DistributedAttention. The flash backend, and the sdpa backend where
---fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model), run causal
-attention through that op: blocked, with a hashed dropout mask drawn as one seed per call; batches with a
-document mask (--reset-attention-mask) go through sdpa."""
+--fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model with attention
+dropout), run causal attention through that op: blocked, with a hashed dropout mask drawn as one seed per
+call; batches with a document mask (--reset-attention-mask) go through sdpa."""
 import math
 
 import torch
@@ -37,10 +37,12 @@ def local_attention(query, key, value, attention_mask, dropout_p, training, soft
 
 def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softmax=None):
     """torch's scaled_dot_product_attention (flash / memory-efficient kernels where available; it draws its
-    own dropout mask). softmax is unused."""
+    own dropout mask). softmax is unused. Causal attention on a CPU may get GQA's grouped key and value heads
+    (SelfAttention.takes_grouped_heads): the CPU flash kernel takes them as they are."""
     dropout_p = dropout_p if training else 0.0
     if attention_mask is None:
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=key.size(1) != query.size(1))
     return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p)
 
 
@@ -92,9 +94,7 @@ class SelfAttention(torch.nn.Module):
 
     def forward(self, hidden_states, attention_mask=None):
         mixed, _ = self.linear_qkv(hidden_states)
-        # the flash op takes GQA's key and value heads as they are; the other paths want one per query head
-        grouped = self.flash_attention is not None and self.ulysses is None and attention_mask is None
-        query, key, value = self._split_qkv(mixed, expand=not grouped)
+        query, key, value = self._split_qkv(mixed, expand=not self.takes_grouped_heads(mixed, attention_mask))
         if self.rotary is not None:  # each token at its place in the whole sequence (Ulysses: after the slices before)
             s = query.size(0)
             cos, sin = self.rotary(s, query.device, offset=self.sequence_rank * s)
@@ -105,6 +105,16 @@ class SelfAttention(torch.nn.Module):
             context = self.ulysses(query, key, value, 1, None, attention_mask)
         s, b = context.shape[:2]
         return self.linear_proj(context.reshape(s, b, self.num_heads * self.head_dim))
+
+    def takes_grouped_heads(self, mixed, attention_mask):
+        """Whether core attention takes GQA's key and value heads as they are, not expanded to every query head:
+        the flash op does, and so does sdpa's causal CPU flash kernel (the GPU's memory-efficient kernel takes no
+        groups; the dry run's fake tensors stand for a GPU's)."""
+        if self.ulysses is not None or attention_mask is not None:
+            return False
+        if self.flash_attention is not None:
+            return True
+        return self.config.attention_backend == "sdpa" and mixed.device.type == "cpu" and not is_fake(mixed)
 
     def _attention_of_heads(self, query, key, value, attention_mask):
         """Core attention on [s, b, heads, d] tensors (the layout DeepSpeed's DistributedAttention exchanges)."""

@@ -25,7 +25,7 @@ def _config(rotary_percent, **overrides):
 
 
 def _attention_qk(config):
-    """(q, k before RoPE, q, k after it) [s, b, heads, d], as SelfAttention.forward computes them."""
+    """(q, k before RoPE, q, k after it) [s, b, heads or groups, d], as SelfAttention.forward computes them."""
     model_parallel_cuda_manual_seed(1234)
     attention = SelfAttention(config, layer_number=1)
     generator = torch.Generator().manual_seed(0)
@@ -36,13 +36,14 @@ def _attention_qk(config):
 
     def core_attention(query, key, value, *rest):  # [b, heads, s, d]
         seen["query"], seen["key"] = query.permute(2, 0, 1, 3), key.permute(2, 0, 1, 3)
-        return value
+        return query
 
     attention.core_attention = core_attention
     hidden = torch.randn(S, B, HIDDEN, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         attention(hidden)
-        query, key, _ = attention._split_qkv(attention.linear_qkv(hidden)[0])
+        # GQA's key heads as grouped as the attention gets them
+        query, key, _ = attention._split_qkv(attention.linear_qkv(hidden)[0], expand=False)
     return query, key, seen["query"], seen["key"]
 
 
