@@ -53,10 +53,11 @@ class _State:
 _STATE = _State()
 
 
-def compiled(fn: Callable) -> Callable:
-    """torch.compile(fn), built once per function (dynamic shapes, so new sizes reuse the compiled code)."""
+def compiled(fn: Callable, dynamic: bool = True) -> Callable:
+    """torch.compile(fn), built once per function: with dynamic shapes, so new sizes reuse the compiled code, or
+    (dynamic False) specialised to each call's sizes, for a function whose Python loops depend on them."""
     if fn not in _STATE.compiled:
-        _STATE.compiled[fn] = torch.compile(fn, dynamic=True)
+        _STATE.compiled[fn] = torch.compile(fn, dynamic=dynamic)
     return _STATE.compiled[fn]
 
 

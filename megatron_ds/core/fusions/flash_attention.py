@@ -21,6 +21,7 @@ delta = rowsum(dO * O), then one for dK and dV over key blocks; both regenerate 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
@@ -78,59 +79,90 @@ class _Blocks:
     """The blocks of queries of one call, in the grouped layout: the heads that share a key and value head
     (GQA's group; one head without GQA) and a block of their queries form one matmul's rows, [b, g, hpg x bq].
     Each block sees the keys up to its last query (causal); positions are tensors (an int position would make
-    torch.compile specialise the first block on 0). With dropout, the hash's halves are computed once per call:
-    every row's hash (row = (batch * heads + head) * s + query) and every key's mix; a block takes its slices."""
+    torch.compile specialise on it)."""
 
-    def __init__(self, query, key, seed, threshold):
+    def __init__(self, query, key):
         self.b, heads, self.sq, self.d = query.shape
         self.groups, self.sk = key.size(1), key.size(2)
         self.per_group = heads // self.groups
-        device = query.device
-        self.positions = torch.arange(self.sq, device=device)
-        self.row_hash = self.column_mix = None
-        if threshold:
-            rows = torch.arange(self.b * heads * self.sq, device=device).view(self.b, heads, self.sq)
-            self.row_hash = self.grouped(row_hashes(seed, rows))
-            self.column_mix = column_mixes(torch.arange(self.sk, device=device))
+        self.positions = torch.arange(self.sq, device=query.device)
 
     def __iter__(self):
-        """(the block's queries, how many keys it sees, positions, its rows' hashes and its keys' mixes or None)."""
+        """(the block's query slice, how many keys it sees, its rows' positions)."""
         for start in range(0, self.sq, BLOCK_QUERIES):
             block = slice(start, min(self.sq, start + BLOCK_QUERIES))
-            keys = min(self.sk, block.stop + self.sk - self.sq)
-            positions = self.positions[block].repeat(self.per_group)
-            if self.row_hash is None:
-                yield block, keys, positions, None, None
-            else:
-                yield block, keys, positions, self.rows_of(self.row_hash, block), self.column_mix[:keys]
+            yield block, min(self.sk, block.stop + self.sk - self.sq), self.positions[block].repeat(self.per_group)
 
     def grouped(self, tensor):
         """[b, heads, s, ...] -> [b, g, hpg, s, ...] (a view)."""
         return tensor.view(self.b, self.groups, self.per_group, *tensor.shape[2:])
 
-    def rows_of(self, grouped, block):
-        """The block's [b, g, hpg x bq, ...] rows of a grouped tensor."""
-        part = grouped[:, :, :, block]
+    def rows_of(self, tensor, block):
+        """The block's [b, g, hpg x bq, ...] rows of a [b, heads, s, ...] tensor (None stays None)."""
+        if tensor is None:
+            return None
+        part = self.grouped(tensor)[:, :, :, block]
         return part.reshape(self.b, self.groups, -1, *part.shape[4:])
+
+    def joined(self, parts):
+        """The blocks' [b, g, hpg x bq, ...] results, in order, as one [b, heads, s, ...] tensor."""
+        whole = torch.cat([part.view(self.b, self.groups, self.per_group, -1, *part.shape[3:]) for part in parts], 3)
+        return whole.view(self.b, self.groups * self.per_group, self.sq, *whole.shape[4:])
+
+
+def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, keep_scale: float):
+    """The output and the fp32 log-sum-exp per row of every block, in one function (one compiled graph for the
+    compile backend: no per-block dispatch, and the blocks' results written in place of a concatenation).
+    row_hash [b, heads, s] and column_mix [sk]: the dropout hash's halves, None without dropout."""
+    blocks = _Blocks(query, key)
+    outs, lses = [], []
+    for block, keys, positions in blocks:
+        out, lse = _forward_block(blocks.rows_of(query, block), key[:, :, :keys], value[:, :, :keys], positions,
+                                  blocks.rows_of(row_hash, block), None if column_mix is None else column_mix[:keys],
+                                  blocks.sq, blocks.sk, threshold, keep_scale)
+        outs.append(out)
+        lses.append(lse)
+    return blocks.joined(outs), blocks.joined(lses)
+
+
+def _backward_blocks(query, key, value, grad_out, lse, row_hash, column_mix, threshold: int, keep_scale: float):
+    """dq, dk, dv of every block, in one function; dk and dv summed over the blocks in fp32."""
+    blocks = _Blocks(query, key)
+    grad_queries = []
+    grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    for block, keys, positions in blocks:
+        rows = (blocks.rows_of(t, block) for t in (query, grad_out, lse, row_hash))
+        q_rows, grad_rows, lse_rows, hash_rows = rows
+        dq, dk, dv = _backward_block(q_rows, key[:, :, :keys], value[:, :, :keys], grad_rows, lse_rows, positions,
+                                     hash_rows, None if column_mix is None else column_mix[:keys], blocks.sq,
+                                     blocks.sk, threshold, keep_scale)
+        grad_queries.append(dq)
+        unseen = (0, 0, 0, blocks.sk - keys)  # the keys after the block's last query get nothing from it
+        grad_key = grad_key + F.pad(dk.float(), unseen)
+        grad_value = grad_value + F.pad(dv.float(), unseen)
+    return blocks.joined(grad_queries), grad_key.to(key.dtype), grad_value.to(value.dtype)
+
+
+def _hash_halves(query, key, seed, threshold):
+    """With dropout, the hash's halves, computed once per call outside any compiled graph: every row's hash
+    (row = (batch * heads + head) * s + query) [b, heads, s] and every key's mix [sk]; (None, None) without."""
+    if not threshold:
+        return None, None
+    b, heads, sq = query.shape[:3]
+    rows = torch.arange(b * heads * sq, device=query.device).view(b, heads, sq)
+    return row_hashes(seed, rows), column_mixes(torch.arange(key.size(2), device=query.device))
 
 
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, dropout_p, seed, compile_blocks):
-        forward_block = compiled(_forward_block) if compile_blocks else _forward_block
+        forward_blocks = compiled(_forward_blocks, dynamic=False) if compile_blocks else _forward_blocks
         # once here, not in every block's matmuls: the model passes [s, b, heads, d] tensors permuted to heads-first
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
-        blocks = _Blocks(query, key, seed, threshold)
-        out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-        grouped_query, grouped_out, grouped_lse = (blocks.grouped(t) for t in (query, out, lse))
-        for block, keys, positions, row_hash, column_mix in blocks:
-            out_rows, lse_rows = forward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys],
-                                               value[:, :, :keys], positions, row_hash, column_mix, blocks.sq,
-                                               blocks.sk, threshold, keep_scale)
-            grouped_out[:, :, :, block] = out_rows.view_as(grouped_out[:, :, :, block])
-            grouped_lse[:, :, :, block] = lse_rows.view_as(grouped_lse[:, :, :, block])
+        out, lse = forward_blocks(query, key, value, *_hash_halves(query, key, seed, threshold), threshold,
+                                  keep_scale)
         ctx.save_for_backward(query, key, value, lse, seed)
         ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
         return out
@@ -138,22 +170,10 @@ class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, lse, seed = ctx.saved_tensors
-        backward_block = compiled(_backward_block) if ctx.compile_blocks else _backward_block
-        blocks = _Blocks(query, key, seed, ctx.threshold)
-        grad_q = torch.empty_like(query)
-        grad_k = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
-        grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-        grouped = [blocks.grouped(t) for t in (query, grad_out.contiguous(), lse, grad_q)]
-        grouped_query, grouped_grad_out, grouped_lse, grouped_grad_q = grouped
-        for block, keys, positions, row_hash, column_mix in blocks:
-            dq, dk, dv = backward_block(blocks.rows_of(grouped_query, block), key[:, :, :keys], value[:, :, :keys],
-                                        blocks.rows_of(grouped_grad_out, block), blocks.rows_of(grouped_lse, block),
-                                        positions, row_hash, column_mix, blocks.sq, blocks.sk, ctx.threshold,
-                                        ctx.keep_scale)
-            grouped_grad_q[:, :, :, block] = dq.view_as(grouped_grad_q[:, :, :, block])
-            grad_k[:, :, :keys] += dk
-            grad_v[:, :, :keys] += dv
-        return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None
+        backward_blocks = compiled(_backward_blocks, dynamic=False) if ctx.compile_blocks else _backward_blocks
+        grads = backward_blocks(query, key, value, grad_out.contiguous(), lse,
+                                *_hash_halves(query, key, seed, ctx.threshold), ctx.threshold, ctx.keep_scale)
+        return (*grads, None, None, None)
 
 
 def _check(query, key, value):
