@@ -2,9 +2,9 @@
 rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads.
 With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
 the TP rank's heads, through DeepSpeed's DistributedAttention. The flash backend, and the sdpa backend where
---fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model with attention
-dropout), run causal attention through that op: blocked, with a hashed dropout mask drawn as one seed per
-call; batches with a document mask (--reset-attention-mask) go through sdpa."""
+--fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model), run causal
+attention through that op: blocked, with a hashed dropout mask drawn as one seed per call; batches with a
+document mask (--reset-attention-mask) go through sdpa."""
 import math
 
 import torch

@@ -55,14 +55,10 @@ def fusion_errors(config):
 
 def runs_flash_attention(config, backend_of=op_backend):
     """Whether causal attention runs the flash_attention op: asked for, or sdpa's where the op is compiled
-    or a kernel (not its eager reference, slower than sdpa's own), except that `auto` leaves attention without
-    dropout to sdpa, whose CPU flash kernel is faster than the compiled op (with dropout sdpa falls back to its
-    math path). backend_of: op_backend (this machine) or cuda_op_backend (a GPU's)."""
-    if config.attention_backend != "sdpa":
-        return config.attention_backend == "flash"
-    if config.fusion_backend == "auto" and not config.attention_dropout:
-        return False
-    return backend_of(config, "flash_attention") != "reference"
+    or a kernel (not its eager reference, slower than sdpa's own). backend_of: op_backend (this machine) or
+    cuda_op_backend (a GPU's)."""
+    return config.attention_backend == "flash" or (
+        config.attention_backend == "sdpa" and backend_of(config, "flash_attention") != "reference")
 
 
 def model_ops(config):
