@@ -112,8 +112,8 @@ class _Blocks:
 
 def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, keep_scale: float):
     """The output and the fp32 log-sum-exp per row of every block, in one function (one compiled graph for the
-    compile backend: no per-block dispatch, and the blocks' results written in place of a concatenation).
-    row_hash [b, heads, s] and column_mix [sk]: the dropout hash's halves, None without dropout."""
+    compile backend: one dispatch per call, not one per block). row_hash [b, heads, s] and column_mix [sk]: the
+    dropout hash's halves, None without dropout."""
     blocks = _Blocks(query, key)
     outs, lses = [], []
     for block, keys, positions in blocks:
