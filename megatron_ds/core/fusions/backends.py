@@ -46,7 +46,7 @@ class _State:
     """The package's only mutable state: compiled callables and the warnings already given."""
 
     def __init__(self):
-        self.compiled: Dict[Callable, Callable] = {}
+        self.compiled: Dict[Tuple[Callable, bool], Callable] = {}
         self.warned = set()
 
 
@@ -56,9 +56,9 @@ _STATE = _State()
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     """torch.compile(fn), built once per function: with dynamic shapes, so new sizes reuse the compiled code, or
     (dynamic False) specialised to each call's sizes, for a function whose Python loops depend on them."""
-    if fn not in _STATE.compiled:
-        _STATE.compiled[fn] = torch.compile(fn, dynamic=dynamic)
-    return _STATE.compiled[fn]
+    if (fn, dynamic) not in _STATE.compiled:
+        _STATE.compiled[fn, dynamic] = torch.compile(fn, dynamic=dynamic)
+    return _STATE.compiled[fn, dynamic]
 
 
 @functools.lru_cache(maxsize=None)

@@ -104,6 +104,11 @@ class _Blocks:
         part = self.grouped(tensor)[:, :, :, block]
         return part.reshape(self.b, self.groups, -1, *part.shape[4:])
 
+    @staticmethod
+    def keys_of(column_mix, keys):
+        """The mixes of the first `keys` keys (None stays None)."""
+        return None if column_mix is None else column_mix[:keys]
+
     def joined(self, parts):
         """The blocks' [b, g, hpg x bq, ...] results, in order, as one [b, heads, s, ...] tensor."""
         whole = torch.cat([part.view(self.b, self.groups, self.per_group, -1, *part.shape[3:]) for part in parts], 3)
@@ -118,7 +123,7 @@ def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, kee
     outs, lses = [], []
     for block, keys, positions in blocks:
         out, lse = _forward_block(blocks.rows_of(query, block), key[:, :, :keys], value[:, :, :keys], positions,
-                                  blocks.rows_of(row_hash, block), None if column_mix is None else column_mix[:keys],
+                                  blocks.rows_of(row_hash, block), blocks.keys_of(column_mix, keys),
                                   blocks.sq, blocks.sk, threshold, keep_scale)
         outs.append(out)
         lses.append(lse)
@@ -135,7 +140,7 @@ def _backward_blocks(query, key, value, grad_out, lse, row_hash, column_mix, thr
         rows = (blocks.rows_of(t, block) for t in (query, grad_out, lse, row_hash))
         q_rows, grad_rows, lse_rows, hash_rows = rows
         dq, dk, dv = _backward_block(q_rows, key[:, :, :keys], value[:, :, :keys], grad_rows, lse_rows, positions,
-                                     hash_rows, None if column_mix is None else column_mix[:keys], blocks.sq,
+                                     hash_rows, blocks.keys_of(column_mix, keys), blocks.sq,
                                      blocks.sk, threshold, keep_scale)
         grad_queries.append(dq)
         unseen = (0, 0, 0, blocks.sk - keys)  # the keys after the block's last query get nothing from it
