@@ -82,7 +82,7 @@ def test_cross_entropy(dtype):
 
 
 def test_flash_attention_with_dropout():
-    """Blocks of 128 queries and a shorter last one, two heads sharing a key and value head (GQA); the
+    """Blocks of 64 queries and a shorter last one, two heads sharing a key and value head (GQA); the
     compiled blocks draw the reference's mask."""
     query = leaf((1, 2, 140, 8), torch.float32, DEVICE)
     key, value = (leaf((1, 1, 140, 8), torch.float32, DEVICE, seed=seed) for seed in (1, 2))

@@ -38,16 +38,22 @@ def test_keep_rate_is_one_minus_p_and_each_seed_gives_its_own_mask():
     assert _mask(1, 1, 4, 4, torch.tensor(1), 0.0).all()
 
 
-@pytest.mark.parametrize("b, heads, sq, sk, d", [(2, 3, 300, 300, 16), (1, 2, 5, 141, 8), (1, 1, 1, 1, 4)])
+@pytest.mark.parametrize("b, heads, sq, sk, d", [(2, 3, 300, 300, 16), (1, 1, 600, 600, 4), (1, 2, 5, 141, 8),
+                                                 (1, 1, 1, 1, 4)])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_reference_is_the_textbook_attention(b, heads, sq, sk, d, dropout_p):
-    """Blocks of 128 queries (300 = 128 + 128 + 44), queries fewer than keys, a single token."""
+    """Blocks of 64 queries (300 = 4 x 64 + 44), of 128 past 8 blocks of 64 (600 = 4 x 128 + 88), queries fewer
+    than keys, a single token."""
     query, key, value = _qkv(b, heads, sq, sk, d)
     seed = torch.tensor(987654321)
     keep = _mask(b, heads, sq, sk, seed, dropout_p) if dropout_p else None
     assert_matches(fa.flash_attention_reference,
                    lambda q, k, v, p, s: textbook_causal_attention(q, k, v, keep, p),
                    [query, key, value, dropout_p, seed])
+
+
+def test_blocks_are_multiples_of_64_queries_and_at_most_8_per_call():
+    assert [fa.queries_per_block(sq) for sq in (1, 64, 512, 513, 2048, 2049)] == [64, 64, 64, 128, 256, 320]
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
