@@ -1,6 +1,12 @@
 """Causal attention with dropout on the probabilities, computed in blocks of queries so that the [s, s]
 probabilities of all heads are never held at once, flash-style: forward saves q, k, v, the output and one
-fp32 log-sum-exp per query row; backward recomputes the probabilities block by block.
+fp32 log-sum-exp per query row; backward recomputes the probabilities block by block. Without dropout it takes
+the softmax gradient's row term as delta = rowsum(dO * O), once per call, as the triton kernels do: summed as
+rowsum(P * dP) over each block's keys, inductor wrote the fp32 probabilities out and read them twice (1.4x the
+backward's time at the LLaMA row's shapes). With dropout that sum costs the same as delta, and it stays: it is
+the more accurate one (O is rounded to the input dtype), and the triton kernels are tested against it.
+The output is stored [s, b, heads, d] (returned as a [b, heads, s, d] view), so the model's reshape of it for
+the output projection is a view and the saved output costs no memory of its own.
 
     flash_attention(query, key, value, dropout_p, seed) -> context [b, heads, sq, d]
 
@@ -62,9 +68,10 @@ def _forward_block(q_block, k_part, v_part, positions, row_hash, column_mix, sq,
     return torch.matmul(probs.to(v_part.dtype), v_part), lse
 
 
-def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, row_hash, column_mix, sq, sk, threshold,
+def _backward_block(q_block, k_part, v_part, grad_block, lse, delta, positions, row_hash, column_mix, sq, sk, threshold,
                     keep_scale):
-    """Gradients of one block: dq for its query rows, dk and dv contributions over its keys."""
+    """Gradients of one block: dq for its query rows, dk and dv contributions over its keys (delta: its rows'
+    rowsum(dO * O), None with dropout)."""
     scale = 1.0 / math.sqrt(q_block.size(-1))
     probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, lse)
     grad_dropped = torch.matmul(grad_block, v_part.transpose(-1, -2)).float()
@@ -74,7 +81,8 @@ def _backward_block(q_block, k_part, v_part, grad_block, lse, positions, row_has
         grad_probs = torch.where(keep, grad_dropped * keep_scale, 0.0)
     else:
         dropped, grad_probs = probs, grad_dropped
-    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True)) * scale
+    row_term = (probs * grad_probs).sum(-1, keepdim=True) if delta is None else delta.unsqueeze(-1)
+    grad_scores = probs * (grad_probs - row_term) * scale
     grad_scores = grad_scores.to(q_block.dtype)
     grad_q = torch.matmul(grad_scores, k_part)
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_block)
@@ -142,21 +150,22 @@ def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, kee
                                   blocks.sq, blocks.sk, threshold, keep_scale)
         outs.append(out)
         lses.append(lse)
-    return blocks.joined(outs), blocks.joined(lses)
+    return blocks.joined(outs).permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3), blocks.joined(lses)
 
 
-def _backward_blocks(query, key, value, grad_out, lse, row_hash, column_mix, threshold: int, keep_scale: float):
+def _backward_blocks(query, key, value, out, grad_out, lse, row_hash, column_mix, threshold: int, keep_scale: float):
     """dq, dk, dv of every block, in one function; dk and dv summed over the blocks in fp32."""
     blocks = _Blocks(query, key)
     grad_queries = []
     grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    delta = None if threshold else (grad_out.float() * out.float()).sum(-1)  # [b, heads, s]
     for block, keys, positions in blocks:
-        rows = (blocks.rows_of(t, block) for t in (query, grad_out, lse, row_hash))
-        q_rows, grad_rows, lse_rows, hash_rows = rows
-        dq, dk, dv = _backward_block(q_rows, *blocks.first_keys(key, value, keys), grad_rows, lse_rows, positions,
-                                     hash_rows, blocks.keys_of(column_mix, keys), blocks.sq,
-                                     blocks.sk, threshold, keep_scale)
+        rows = (blocks.rows_of(t, block) for t in (query, grad_out, lse, delta, row_hash))
+        q_rows, grad_rows, lse_rows, delta_rows, hash_rows = rows
+        dq, dk, dv = _backward_block(q_rows, *blocks.first_keys(key, value, keys), grad_rows, lse_rows, delta_rows,
+                                     positions, hash_rows, blocks.keys_of(column_mix, keys), blocks.sq, blocks.sk,
+                                     threshold, keep_scale)
         grad_queries.append(dq)
         unseen = (0, 0, 0, blocks.sk - keys)  # the keys after the block's last query get nothing from it
         grad_key = grad_key + F.pad(dk.float(), unseen)
@@ -183,15 +192,15 @@ class _BlockedAttention(torch.autograd.Function):
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
         out, lse = forward_blocks(query, key, value, *_hash_halves(query, key, seed, threshold), threshold,
                                   keep_scale)
-        ctx.save_for_backward(query, key, value, lse, seed)
+        ctx.save_for_backward(query, key, value, out, lse, seed)
         ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, lse, seed = ctx.saved_tensors
+        query, key, value, out, lse, seed = ctx.saved_tensors
         backward_blocks = compiled(_backward_blocks, dynamic=False) if ctx.compile_blocks else _backward_blocks
-        grads = backward_blocks(query, key, value, grad_out.contiguous(), lse,
+        grads = backward_blocks(query, key, value, out, grad_out, lse,
                                 *_hash_halves(query, key, seed, ctx.threshold), ctx.threshold, ctx.keep_scale)
         return (*grads, None, None, None)
 

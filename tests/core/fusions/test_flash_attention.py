@@ -75,6 +75,16 @@ def test_reference_in_bf16_tracks_sdpa_without_dropout():
                    [query, key, value, 0.0, torch.tensor(0)])
 
 
+@pytest.mark.parametrize("op", [fa.flash_attention_reference, fa.flash_attention_compile], ids=["reference", "compile"])
+def test_output_is_stored_sequence_first_so_the_projection_input_is_a_view(op):
+    """The model permutes the output to [s, b, heads, d] and flattens the heads for the output projection: no
+    copy, so the output the op saves for backward is the projection's input itself."""
+    query, key, value = _qkv(2, 3, 40, 40, 8)
+    out = op(query, key, value, 0.0, torch.tensor(0))
+    projection_input = out.permute(2, 0, 1, 3).reshape(40, 2, 3 * 8)
+    assert projection_input.data_ptr() == out.data_ptr() and projection_input._base is not None
+
+
 def test_recompute_replays_the_mask_through_the_seed_draw():
     query, key, value = _qkv(1, 2, 64, 64, 8)
 
