@@ -1,10 +1,10 @@
 """Causal attention with dropout on the probabilities, computed in blocks of queries so that the [s, s]
-probabilities of all heads are never held at once, flash-style: forward saves q, k, v, the output and one
-fp32 log-sum-exp per query row; backward recomputes the probabilities block by block. Without dropout it takes
-the softmax gradient's row term as delta = rowsum(dO * O), once per call, as the triton kernels do: summed as
-rowsum(P * dP) over each block's keys, inductor wrote the fp32 probabilities out and read them twice (1.4x the
-backward's time at the LLaMA row's shapes). With dropout that sum costs the same as delta, and it stays: it is
-the more accurate one (O is rounded to the input dtype), and the triton kernels are tested against it.
+probabilities of all heads are never held at once, flash-style: forward saves q, k, v and one fp32 log-sum-exp
+per query row, and without dropout the output; backward recomputes the probabilities block by block. Without
+dropout it takes the softmax gradient's row term as delta = rowsum(dO * O), once per call, as the triton kernels
+do: summed as rowsum(P * dP) over each block's keys, inductor wrote the fp32 probabilities out and read them
+twice (1.4x the backward's time at the LLaMA row's shapes). With dropout that sum costs the same as delta, and it
+stays: it is the more accurate one (O is rounded to the input dtype), and the triton kernels are tested against it.
 The output is stored [s, b, heads, d] (returned as a [b, heads, s, d] view), so the model's reshape of it for
 the output projection is a view and the saved output costs no memory of its own.
 
@@ -192,7 +192,7 @@ class _BlockedAttention(torch.autograd.Function):
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
         out, lse = forward_blocks(query, key, value, *_hash_halves(query, key, seed, threshold), threshold,
                                   keep_scale)
-        ctx.save_for_backward(query, key, value, out, lse, seed)
+        ctx.save_for_backward(query, key, value, None if threshold else out, lse, seed)  # out: for delta
         ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
         return out
 
