@@ -36,7 +36,7 @@ from megatron_ds.core.fusions.counter_hash import (column_mixes, device_function
 
 # Queries per block: a multiple of 64, and at most 8 blocks per call. On a 2-core CPU (bf16, s 512) blocks of 64
 # took 0.70-0.84x the backward time of blocks of 128 (the forward's within 3%); the cap bounds the one compiled
-# graph per call, which unrolls every block (at s 2048, 56 s to compile 16 blocks, 101 s for 32).
+# graph per call, which unrolls every block (at s 2048, 56 s to compile 16 blocks, 101 s for 32; one run each).
 BLOCK_MULTIPLE, MAX_BLOCKS = 64, 8
 
 

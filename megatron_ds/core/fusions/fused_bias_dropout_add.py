@@ -73,9 +73,9 @@ def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
     without dropout and bias, residual + x."""
     seed, threshold, scale = _dropout_args(x, p, training)
     if seed is None and bias is None and x.dtype == residual.dtype:
-        # PyTorch's add rounds the fp32 sum once, as the graph would; and its backward passes the gradient on
-        # where the graph's copies it (bf16 -> fp32 -> bf16) for x and for residual
-        return residual + x
+        # the reference is then one PyTorch add, which rounds the fp32 sum once as the graph would, and whose
+        # backward passes the gradient on where the graph's copies it (bf16 -> fp32 -> bf16) for x and residual
+        return bias_dropout_add_reference(x, bias, residual, p, training)
     if seed is None:
         return compiled(_bda_math)(x, bias, residual, None, 0, 1.0)
     return _CompiledBiasDropoutAdd.apply(x, bias, residual, seed, threshold, scale)
