@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
-                         sequential, total_rotations)
+from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
+                         run_in_turns, sequential, total_rotations)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
@@ -90,7 +90,7 @@ def main(argv=None):
         dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], total_rotations(args))
         moe = _command(args, _moe_flags(args, profile_dir), total_rotations(args) + 2)
         seconds, outputs = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
-                                        {**os.environ, "OMP_NUM_THREADS": "1"}, sequential(args))
+                                        {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
     timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import (Ratio, add_arguments, alternate, method_words, rounds_of, sequential,  # noqa: E402
-                         total_rotations)
+from bench.turns import (Ratio, add_arguments, alternate, keep_freed_memory, method_words, rounds_of,  # noqa: E402
+                         sequential, total_rotations)
 from megatron_ds.core import fusions  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
@@ -180,6 +180,7 @@ def main(argv=None):
                              "set OMP_WAIT_POLICY=PASSIVE so that idle OpenMP threads do not spin)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = parser.parse_args(argv)
+    keep_freed_memory(args)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)

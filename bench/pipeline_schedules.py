@@ -31,8 +31,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, rounds_of, run_in_turns,  # noqa: E402
-                         sequential, total_rotations)
+from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
+                         run_in_turns, sequential, total_rotations)
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
@@ -78,7 +78,8 @@ def command(args, schedule, micro_batches, folder):
 def run_schedules(args, micro_batches, schedules, folder):
     """{schedule: ([seconds per iteration], [idle share per stage])} of one launch per schedule, in turns."""
     sides = {schedule: (command(args, schedule, micro_batches, folder), 2) for schedule in schedules}
-    seconds, outputs = run_in_turns(sides, folder, {**os.environ, "OMP_NUM_THREADS": "1"}, sequential(args))
+    environment = {**bench_environment(args), "OMP_NUM_THREADS": "1"}
+    seconds, outputs = run_in_turns(sides, folder, environment, sequential(args))
     return {schedule: (seconds[schedule], _idle_shares(outputs[schedule])) for schedule in schedules}
 
 

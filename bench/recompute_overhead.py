@@ -18,8 +18,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
-from bench.turns import (Ratio, add_arguments, alternate, method_words, rounds_of, sequential,  # noqa: E402
-                         total_rotations)
+from bench.turns import (Ratio, add_arguments, alternate, keep_freed_memory, method_words, rounds_of,  # noqa: E402
+                         sequential, total_rotations)
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
@@ -55,6 +55,7 @@ def main(argv=None):
     parser.add_argument("--num-layers", type=int, default=4)
     add_arguments(parser, rotations_per_round=8)
     args = parser.parse_args(argv)
+    keep_freed_memory(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, method_words, pinned, rounds_of,  # noqa: E402
-                         run_in_turns, sequential, total_rotations)
+from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, pinned,  # noqa: E402
+                         rounds_of, run_in_turns, sequential, total_rotations)
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
@@ -327,7 +327,7 @@ def sides(args):
 def measure(args):
     """Every side in turns: ({name: [seconds per turn]}, {name: parameter count})."""
     with tempfile.TemporaryDirectory() as folder:
-        seconds, outputs = run_in_turns(sides(args), folder, sequential=sequential(args), pinned=pinned(args))
+        seconds, outputs = run_in_turns(sides(args), folder, bench_environment(args), sequential(args), pinned(args))
     parameters = {ENGINE: engine_parameters(outputs[ENGINE])}
     parameters.update({name: int(re.search(r"^parameters (\d+)$", outputs[name], re.M)[1]) for name in baselines(args)})
     return seconds, parameters

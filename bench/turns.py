@@ -27,8 +27,16 @@ minutes apart. A process of a side:
 `turn = Turn.from_environment()`, then `with turn.taken(): step()` per step and
 `turn.finish()` at the end. `python bench/turns.py <pretrain.py flags>` is pretrain.py with each iteration a turn
 (the rank script of a launch; TurnTaking.environment(side) is the environment to launch it with).
+
+Every side runs with glibc's malloc keeping the memory it frees (`--malloc keep`, the default: MALLOC_KEEP). With
+glibc's defaults each block over its mmap threshold (at most 32 MB) is mapped afresh at every allocation and its pages
+faulted in by the kernel: the GPT-2 row's loops took ~450,000 page faults per iteration, whose cost moved with the
+state of the machine's memory over a run (the plain loop's iterations drifted from 2.9 s to 2.3 s within one run),
+so that the rounds of a ratio spread by 10-20% however the sides took turns. Kept, a side faults in its memory in
+its first iterations (the warm-up) and none after: the same row's rounds lay within 2%, on 2026-12-06.
 """
 import contextlib
+import ctypes
 import os
 import selectors
 import signal
@@ -44,6 +52,10 @@ ADDRESS, SIDE = "BENCH_TURNS_ADDRESS", "BENCH_TURNS_SIDE"
 # torch.compile's worker processes starting beside them), settled by the sixth
 WARM_UP = 6
 METHODS = ("turns", "sequential", "pinned")
+# glibc malloc's settings that keep freed memory for reuse: no block mapped afresh (M_MMAP_MAX 0), the heap's top
+# handed back to the kernel only past 2 GiB free (M_TRIM_THRESHOLD; the largest value mallopt takes). Environment
+# variable: (mallopt parameter, value)
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": (-4, 0), "MALLOC_TRIM_THRESHOLD_": (-1, 2**31 - 1)}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -343,6 +355,30 @@ def add_arguments(parser, rotations_per_round):
                         help="sequential: each side takes all its steps before the next (the former method, for "
                              "contrast); pinned: the sides step at the same time, each on a core of its own with one "
                              "thread (single-process sides, no more than the cores)")
+    parser.add_argument("--malloc", choices=("keep", "system"), default="keep",
+                        help="keep: every side's glibc malloc keeps the memory it frees for reuse (no block mapped "
+                             "and faulted in afresh at each allocation); system: glibc's defaults")
+
+
+def bench_environment(args, environment=None):
+    """The environment of the sides of a bench (os.environ's by default) with --malloc keep's settings, where it
+    does not set them itself."""
+    environment = dict(os.environ if environment is None else environment)
+    if args.malloc == "keep":
+        environment = {**{name: str(value) for name, (_, value) in MALLOC_KEEP.items()}, **environment}
+    return environment
+
+
+def keep_freed_memory(args):
+    """--malloc keep for a bench whose sides run in its own process: mallopt on this process (glibc only)."""
+    if args.malloc != "keep":
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        raise SystemExit("--malloc keep needs glibc's mallopt, which this C library lacks: run with --malloc system")
+    for name, (parameter, value) in MALLOC_KEEP.items():
+        if name not in os.environ and mallopt(parameter, value) != 1:
+            raise SystemExit(f"--malloc keep: mallopt({parameter}, {value}) ({name}) failed")
 
 
 def sequential(args):
@@ -357,9 +393,10 @@ def pinned(args):
 
 def method_words(args):
     """How the sides ran, for a bench's header."""
-    return {"sequential": "one after the other, each side all its steps (--method sequential)",
-            "pinned": "at the same time, each on a core of its own with one thread, the cores swapped every "
-                      "rotation (--method pinned)"}.get(args.method, "in turns, iteration by iteration")
+    method = {"sequential": "one after the other, each side all its steps (--method sequential)",
+              "pinned": "at the same time, each on a core of its own with one thread, the cores swapped every "
+                        "rotation (--method pinned)"}.get(args.method, "in turns, iteration by iteration")
+    return method + (", glibc malloc keeping freed memory" if args.malloc == "keep" else ", glibc malloc's defaults")
 
 
 def total_rotations(args, warm_up=WARM_UP):

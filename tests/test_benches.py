@@ -76,7 +76,8 @@ def test_ops_bench_times_an_op_s_backends_in_turns_and_prints_each_one_s_ratio_t
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
-    assert "an op's backends in turns, iteration by iteration: 3 warm-up rotations, then 2 rounds of 2" in out, out
+    assert ("an op's backends in turns, iteration by iteration, glibc malloc keeping freed memory: 3 warm-up "
+            "rotations, then 2 rounds of 2") in out, out
     assert re.search(r"^bias_dropout_add +reference +[0-9.]+ +[0-9.]+ +[0-9.]+ +0\.00 +1\.00$", out, re.M), out
     compiled = re.search(r"^bias_dropout_add +compile .* ([0-9.]+x \(rounds [0-9.]+-[0-9.]+, 2 rounds of 2\)|"
                          r"unstable: rounds .*)$", out, re.M)

@@ -1,7 +1,8 @@
 """bench/turns.py, the benches' measurement method, with real processes on a local socket: sides take turns step
 by step (no two sides' steps overlap, every process of a side steps in the same turn), a side that finishes early
 holds its exit until the last side's last step, a side whose process dies is named; the in-process alternation;
-the round ratios and their "unstable" verdict."""
+the round ratios and their "unstable" verdict; --malloc keep's effect on page faults."""
+import argparse
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from bench.turns import Ratio, SideFailed, TurnTaking, alternate, run_in_turns
+from bench.turns import Ratio, SideFailed, TurnTaking, alternate, bench_environment, run_in_turns
 from tests.launch import REPO
 
 SIDE = textwrap.dedent("""
@@ -140,3 +141,72 @@ def test_a_sides_processes_share_the_cores_unless_the_environment_sets_the_threa
     assert outputs["one"].split() == [str(cores)] and outputs["two"].split() == [str(max(1, cores // 2))] * 2
     _, outputs = run_in_turns(sides, tmp_path, {**unset, "OMP_NUM_THREADS": "3"})
     assert outputs["two"].split() == ["3", "3"]
+
+
+FAULTS = textwrap.dedent("""
+    import resource, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from bench.turns import Turn
+    turn = Turn.from_environment()
+    faults = []
+    for step in range(6):
+        with turn.taken():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(4):
+                block = torch.ones(16 << 20)  # 64 MB, over glibc's largest mmap threshold
+                del block
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    turn.finish()
+    print(*faults)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_with_malloc_keep_a_side_faults_its_memory_in_once_and_with_system_at_every_allocation(tmp_path):
+    sides = {"side": ([sys.executable, "-c", FAULTS, str(REPO)], 1)}
+    unset = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    faults = {}
+    for malloc in ("keep", "system"):
+        environment = bench_environment(argparse.Namespace(malloc=malloc), unset)
+        _, outputs = run_in_turns(sides, tmp_path, environment)
+        faults[malloc] = [int(count) for count in outputs["side"].split()]
+    pages = 4 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")  # of the blocks allocated in one step
+    # kept: glibc's heap grows over the first steps' allocations (faulted in), then serves them all
+    assert faults["keep"][0] >= pages // 8 and max(faults["keep"][3:]) < pages // 100, faults
+    assert min(faults["system"]) >= pages // 2, faults
+
+
+def test_the_sides_environment_keeps_what_the_user_set():
+    keep = argparse.Namespace(malloc="keep")
+    assert bench_environment(keep, {"PATH": "/bin"}) == {"PATH": "/bin", "MALLOC_MMAP_MAX_": "0",
+                                                         "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+    assert bench_environment(keep, {"MALLOC_MMAP_MAX_": "65536"})["MALLOC_MMAP_MAX_"] == "65536"
+    assert bench_environment(argparse.Namespace(malloc="system"), {"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+IN_PROCESS = textwrap.dedent("""
+    import argparse, resource, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from bench.turns import keep_freed_memory
+    keep_freed_memory(argparse.Namespace(malloc=sys.argv[2]))
+    faults = []
+    for step in range(6):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(4):
+            block = torch.ones(16 << 20)
+            del block
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(*faults)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_keep_freed_memory_sets_malloc_keep_in_a_bench_s_own_process():
+    unset = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    faults = {malloc: [int(count) for count in subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, str(REPO), malloc], env=unset, capture_output=True, text=True,
+        check=True).stdout.split()] for malloc in ("keep", "system")}
+    pages = 4 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert max(faults["keep"][3:]) < pages // 100 and min(faults["system"]) >= pages // 2, faults
