@@ -305,21 +305,22 @@ class Ratio:
 
     @property
     def spread(self):
-        return max(self.rounds) - min(self.rounds)
+        """How far apart the rounds lie, as a fraction of their median (0.05: 5%)."""
+        return (max(self.rounds) - min(self.rounds)) / self.median
 
     def text(self, max_spread, digits=2):
         """'1.02x (rounds 0.99-1.04, 5 rounds of 6)', or 'unstable: ...' with the rounds it would take when the
-        rounds spread by more than max_spread."""
+        rounds lie more than max_spread (a fraction of their median) apart."""
         span = f"{min(self.rounds):.{digits}f}-{max(self.rounds):.{digits}f}"
         if self.spread > max_spread:
-            return (f"unstable: rounds {span} > {max_spread:.2f} apart; about {self.rounds_needed(max_spread)} "
-                    f"rounds needed")
+            return (f"unstable: rounds {span} lie {100 * self.spread:.1f}% apart (> {100 * max_spread:g}%); about "
+                    f"{self.rounds_needed(max_spread)} rounds needed")
         return (f"{self.median:.{digits}f}x (rounds {span}, "
                 f"{rounds_of(len(self.rounds), self.rotations_per_round)})")
 
     def rounds_needed(self, max_spread):
         """Rounds for the median's standard error to fall under a quarter of max_spread (normal approximation)."""
-        deviation = statistics.stdev(self.rounds) if len(self.rounds) > 1 else 0.0
+        deviation = statistics.stdev(self.rounds) / self.median if len(self.rounds) > 1 else 0.0
         return max(len(self.rounds) + 1, int((4 * deviation / max_spread) ** 2) + 1)
 
 
@@ -350,7 +351,8 @@ def add_arguments(parser, rotations_per_round):
     parser.add_argument("--rotations-per-round", type=int, default=rotations_per_round,
                         help="rotations (one step of every side) per round; a round's ratio is their median")
     parser.add_argument("--max-spread", type=float, default=0.05,
-                        help="a ratio whose rounds lie further apart prints as unstable")
+                        help="a ratio whose rounds lie further apart than this fraction of their median (0.05: 5%%) "
+                             "prints as unstable")
     parser.add_argument("--method", choices=METHODS, default="turns",
                         help="sequential: each side takes all its steps before the next (the former method, for "
                              "contrast); pinned: the sides step at the same time, each on a core of its own with one "

@@ -114,7 +114,10 @@ def test_round_ratios_are_medians_of_their_rotations_and_a_wide_spread_is_unstab
     ratio = Ratio.of(numerator, [1.0] * 8, rounds=2, warm_up=2)
     assert ratio.rounds == [1.1, 1.2] and ratio.rotations_per_round == 3
     assert ratio.text(max_spread=0.15) == "1.15x (rounds 1.10-1.20, 2 rounds of 3)"
-    assert ratio.text(max_spread=0.05).startswith("unstable: rounds 1.10-1.20 > 0.05 apart; about ")
+    assert ratio.spread == pytest.approx(0.1 / 1.15)
+    assert ratio.text(max_spread=0.05).startswith("unstable: rounds 1.10-1.20 lie 8.7% apart (> 5%); about ")
+    far_from_one = Ratio.of([2.1, 2.16], [1.0, 1.0], rounds=2, warm_up=0)  # 2.8% apart, 0.06 in ratio units
+    assert far_from_one.text(max_spread=0.05) == "2.13x (rounds 2.10-2.16, 2 rounds of 1)"
     with pytest.raises(ValueError, match="1 rotations after the 2 warm-up ones cannot make 2 rounds"):
         Ratio.of([1.0] * 3, [1.0] * 3, rounds=2, warm_up=2)
 
