@@ -33,7 +33,8 @@ glibc's defaults each block over its mmap threshold (at most 32 MB) is mapped af
 faulted in by the kernel: the GPT-2 row's loops took ~450,000 page faults per iteration, whose cost moved with the
 state of the machine's memory over a run (the plain loop's iterations drifted from 2.9 s to 2.3 s within one run),
 so that the rounds of a ratio spread by 10-20% however the sides took turns. Kept, a side faults in its memory in
-its first iterations (the warm-up) and none after: the same row's rounds lay within 2%, on 2026-12-06.
+its first iterations (the warm-up) and none after: the same row's rounds lay within 2-3.5% of their median in
+each of four runs, on 2026-12-06.
 """
 import contextlib
 import ctypes
