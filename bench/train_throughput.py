@@ -34,8 +34,9 @@ is a process of its own, all started together, taking turns iteration by iterati
 --gemm-repeats matmuls), so that a slowdown of this shared host falls on every side alike and MFU divides by the
 GEMM rate of the same minutes. A ratio is taken between the two sides' iterations of one rotation, a round's is
 the median of its --rotations-per-round rotations', and the median of --rounds rounds prints with their range, or
-"unstable" when the rounds lie more than --max-spread (of their median) apart. Each side's time is its turn's: one iteration
-(forward, backward, gradient clipping, optimizer step), pretrain.py's logging and the loops' nothing outside it.
+"unstable" when the rounds lie more than --max-spread (of their median) apart. Each side's time is its turn's: one
+iteration (forward, backward, gradient clipping, optimizer step), pretrain.py's logging and the loops' nothing
+outside it.
 Every side's glibc malloc keeps the memory it frees (--malloc keep, the default; bench/turns.py says why): the
 loops otherwise fault their large tensors in afresh at every iteration.
 --method pinned runs pretrain.py and one loop (the HF loop with --baseline hf) at the same time, each on a core of
