@@ -42,8 +42,8 @@ def parse_args(argv=None):
                         help="the gradient sums cost one read of each gradient per micro-batch: their share of a "
                              "step falls as the tokens per micro-batch grow")
     parser.add_argument("--max-spread", type=float, default=0.05,
-                        help="print a ratio only when the rounds' ratios lie within this fraction of their median of each "
-                             "other")
+                        help="print a ratio only when the rounds' ratios lie within this fraction of their "
+                             "median")
     return parser.parse_args(argv)
 
 

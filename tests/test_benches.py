@@ -62,7 +62,8 @@ def test_train_throughput_pinned_runs_pretrain_py_and_the_hf_loop_a_core_each():
 def test_method_spread_reads_each_runs_ratio_and_sums_up_each_method():
     from bench.method_spread import compared_ratio, summary
     output = ("  pretrain.py / plain loop tokens/s: 1.50x (rounds 1.45-1.52, 5 rounds of 8)\n"
-              "  pretrain.py / HF loop tokens/s: unstable: rounds 1.02-1.31 lie 24.8% apart (> 5%); about 40 rounds needed\n")
+              "  pretrain.py / HF loop tokens/s: unstable: rounds 1.02-1.31 lie 24.8% apart (> 5%); about 40 rounds "
+              "needed\n")
     assert compared_ratio(output, ["--baseline", "hf"]) == (None, 1.02, 1.31)
     assert compared_ratio(output, []) == (1.5, 1.45, 1.52)
     assert summary("turns", [(1.5, 1.45, 1.52), (None, 1.4, 1.6), (1.56, 1.5, 1.58)]) == (
