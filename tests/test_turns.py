@@ -147,34 +147,41 @@ def test_a_sides_processes_share_the_cores_unless_the_environment_sets_the_threa
 
 
 FAULTS = textwrap.dedent("""
-    import resource, sys
+    import argparse, contextlib, resource, sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from bench.turns import Turn
+    from bench.turns import Turn, keep_freed_memory
     turn = Turn.from_environment()
+    if turn is None:  # a bench's own process: sys.argv[2] is its --malloc
+        keep_freed_memory(argparse.Namespace(malloc=sys.argv[2]))
     faults = []
     for step in range(6):
-        with turn.taken():
+        with turn.taken() if turn else contextlib.nullcontext():
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for _ in range(4):
                 block = torch.ones(16 << 20)  # 64 MB, over glibc's largest mmap threshold
                 del block
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    turn.finish()
+    if turn:
+        turn.finish()
     print(*faults)
 """)
+PAGES_PER_STEP = 4 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")  # of the blocks FAULTS allocates in one step
+
+
+def _without_malloc_settings():
+    return {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_with_malloc_keep_a_side_faults_its_memory_in_once_and_with_system_at_every_allocation(tmp_path):
     sides = {"side": ([sys.executable, "-c", FAULTS, str(REPO)], 1)}
-    unset = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
     faults = {}
     for malloc in ("keep", "system"):
-        environment = bench_environment(argparse.Namespace(malloc=malloc), unset)
+        environment = bench_environment(argparse.Namespace(malloc=malloc), _without_malloc_settings())
         _, outputs = run_in_turns(sides, tmp_path, environment)
         faults[malloc] = [int(count) for count in outputs["side"].split()]
-    pages = 4 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")  # of the blocks allocated in one step
+    pages = PAGES_PER_STEP
     # kept: glibc's heap grows over the first steps' allocations (faulted in), then serves them all
     assert faults["keep"][0] >= pages // 8 and max(faults["keep"][3:]) < pages // 100, faults
     assert min(faults["system"]) >= pages // 2, faults
@@ -188,28 +195,10 @@ def test_the_sides_environment_keeps_what_the_user_set():
     assert bench_environment(argparse.Namespace(malloc="system"), {"PATH": "/bin"}) == {"PATH": "/bin"}
 
 
-IN_PROCESS = textwrap.dedent("""
-    import argparse, resource, sys
-    sys.path.insert(0, sys.argv[1])
-    import torch
-    from bench.turns import keep_freed_memory
-    keep_freed_memory(argparse.Namespace(malloc=sys.argv[2]))
-    faults = []
-    for step in range(6):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(4):
-            block = torch.ones(16 << 20)
-            del block
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(*faults)
-""")
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_keep_freed_memory_sets_malloc_keep_in_a_bench_s_own_process():
-    unset = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
     faults = {malloc: [int(count) for count in subprocess.run(
-        [sys.executable, "-c", IN_PROCESS, str(REPO), malloc], env=unset, capture_output=True, text=True,
-        check=True).stdout.split()] for malloc in ("keep", "system")}
-    pages = 4 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+        [sys.executable, "-c", FAULTS, str(REPO), malloc], env=_without_malloc_settings(), capture_output=True,
+        text=True, check=True).stdout.split()] for malloc in ("keep", "system")}
+    pages = PAGES_PER_STEP
     assert max(faults["keep"][3:]) < pages // 100 and min(faults["system"]) >= pages // 2, faults
