@@ -135,7 +135,8 @@ def test_alternate_calls_every_step_once_per_rotation_in_a_rotated_order():
 def test_a_sides_processes_share_the_cores_unless_the_environment_sets_the_threads(tmp_path):
     script = tmp_path / "report.py"
     script.write_text("import os, sys; sys.path.insert(0, sys.argv[1]); from bench.turns import Turn; "
-                      "turn = Turn.from_environment(); print(os.environ['OMP_NUM_THREADS']); turn.finish()")
+                      "turn = Turn.from_environment(); os.write(1, (os.environ['OMP_NUM_THREADS'] + '\\n').encode()); "
+                      "turn.finish()")  # one write: two processes share the output file, maybe unbuffered
     one = f"'{sys.executable}' {script} {REPO}"
     sides = {"one": (["bash", "-c", one], 1), "two": (["bash", "-c", f"{one} & {one}; wait"], 2)}
     cores = len(os.sched_getaffinity(0))
