@@ -1,6 +1,6 @@
 """Dense model vs Mixture of Experts with the same active parameters, through pretrain.py on CPU ranks.
 
-    python bench/moe.py [--ranks 4] [--experts 8] [--topk 2] [--hidden-size 256] [--ffn-hidden-size 1024] ...
+    python bench/moe.py [--ranks 2] [--experts 8] [--topk 2] [--hidden-size 256] [--ffn-hidden-size 1024] ...
 
 The MoE replaces the MLP of every other layer by `--experts` experts of FFN width ffn / topk, so a token's
 active MLP parameters equal the dense model's (plus the router); experts are spread over all ranks (EP =
@@ -11,6 +11,14 @@ after the timed ones: dispatch and combine, forward and backward).
 Method (bench/turns.py): both launches start together and take turns iteration by iteration, so that a slowdown of
 this shared host falls on both alike; the ratio is taken within each rotation, a round's is the median of its
 rotations', and the median of --rounds rounds prints with their range, or "unstable" beyond --max-spread.
+
+Rounds are 24 rotations long, not 8 as elsewhere: each side's iteration time jitters by ~4% from one turn to the
+next, with no drift (cause not isolated: pinning each rank to a core of its own did not remove it). Measured on the
+2-core host (2026-12-06): one rotation's MoE / dense ratio varies by ~5% (robust standard deviation) at 2 ranks and
+~6% at 4; rounds of 8 made half the runs unstable, more rounds of 8 did not help (each round's median stays as
+noisy), rounds of 24 at 2 ranks gave three runs in a row within 4%. 2 ranks, one per core, is the default for the
+same reason: at 4 ranks (EP 4, two ranks per core) resampling one run's rotations puts 1 run in 3 unstable at rounds
+of 24, 1 in 12 at 48.
 """
 import argparse
 import json
@@ -72,7 +80,7 @@ def _all_to_all_share(profile_dir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -82,7 +90,7 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    add_arguments(parser, rotations_per_round=8)
+    add_arguments(parser, rotations_per_round=24)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length
     with tempfile.TemporaryDirectory() as folder:
