@@ -23,7 +23,6 @@ of 24, 1 in 12 at 48.
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -35,17 +34,14 @@ from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, metho
                          run_in_turns, sequential, total_rotations)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
-LINE = re.compile(r" iteration\s+\d+/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?TFLOP/s per device: "
-                  r"(\S+) \|")
-
 
 def _flags(args, iterations):
     return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
             "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
             str(args.micro_batch_size * args.ranks), "--train-iters", str(iterations), "--lr", "1e-3",
-            "--mock-data", "--vocab-size", str(args.vocab_size), "--log-interval", "1", "--eval-interval", "0",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--mock-data", "--vocab-size", str(args.vocab_size), "--make-vocab-size-divisible-by", "1",
+            "--log-interval", "1", "--eval-interval", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def _moe_flags(args, profile_dir):
@@ -62,10 +58,16 @@ def _command(args, flags, iterations):
             str(free_port()), "bench/turns.py", *_flags(args, iterations), *flags]
 
 
-def _teraflop_per_rank(output):
-    """Model TFLOP of one iteration per rank, from the iteration line (its rate times its time)."""
-    rate, milliseconds = map(float, LINE.search(output).groups())
-    return rate * milliseconds / 1000
+def _teraflop_per_rank_per_iteration(args, moe):
+    """Model TFLOP of one iteration per rank, by the formula MFU uses (the MoE's: its active parameters)."""
+    from megatron_ds.core.models.gpt import model_flops_per_iteration
+    from megatron_ds.core.transformer import TransformerConfig
+    experts = dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, num_experts=(args.experts,),
+                   moe_router_topk=args.topk) if moe else dict(ffn_hidden_size=args.ffn_hidden_size)
+    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                               num_attention_heads=args.num_attention_heads, **experts)
+    return model_flops_per_iteration(config, args.vocab_size, args.micro_batch_size * args.ranks,
+                                     args.seq_length) / args.ranks / 1e12
 
 
 def _all_to_all_share(profile_dir):
@@ -97,8 +99,8 @@ def main(argv=None):
         profile_dir = os.path.join(folder, "profile")
         dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], total_rotations(args))
         moe = _command(args, _moe_flags(args, profile_dir), total_rotations(args) + 2)
-        seconds, outputs = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
-                                        {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
+        seconds, _ = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
+                                  {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
     timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "
@@ -108,7 +110,7 @@ def main(argv=None):
                         ("moe", f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, "
                                 f"top-{args.topk}, every 2nd layer, EP {args.ranks})")):
         print(f"{label}: {tokens / timed[name]:,.0f} tokens/s, "
-              f"{_teraflop_per_rank(outputs[name]) / timed[name]:.4f} TFLOP/s per rank")
+              f"{_teraflop_per_rank_per_iteration(args, name == 'moe') / timed[name]:.4f} TFLOP/s per rank")
     ratio = Ratio.of(seconds["dense"], seconds["moe"], args.rounds, WARM_UP).text(args.max_spread)
     print(f"MoE / dense tokens/s: {ratio}; all-to-all share of the MoE's rank 0 time: {100 * share:.1f}%")
 
