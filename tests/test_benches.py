@@ -157,3 +157,9 @@ def test_pipeline_schedules_bench_prints_every_schedule_with_the_planners_bubble
     row = r"[0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)" + shares
     for schedule, planned in (("zbh1", "7.7%"), ("dualpipev", "4.0%"), ("interleaved", "11.1%")):
         assert re.search(row + re.escape(planned), rows[schedule]), rows[schedule]
+
+
+def test_the_gpu_script_is_valid_bash():
+    """bench/gpu.sh runs only where a GPU is lent; here at least its syntax is checked."""
+    result = subprocess.run(["bash", "-n", "bench/gpu.sh"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
