@@ -92,6 +92,7 @@ def setup_engine(args, config, building_model=contextlib.nullcontext):
                                            mpu=None if pipelined else ModelParallelUnit(),
                                            dist_init_required=False)
     deepspeed_internals.mend_zero_stage_0(engine)
+    deepspeed_internals.zero_bf16_fp32_gradients_once(engine.optimizer)
     if pipelined:
         parallel_state.assert_matches_deepspeed_grid(engine.grid)
         install_schedule(engine, args.pipeline_schedule, args.virtual_pipeline_stages)

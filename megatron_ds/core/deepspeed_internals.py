@@ -34,7 +34,7 @@ OWNED_NAMES = (
     "_is_checkpoint_valid", "loss_scale_config", "custom_loss_scaler", "external_loss_scale",
     "_global_grad_norm", "clip_fp32_gradients", "ds_pipe_replicated", "fp32_groups_flat", "fp16_groups_flat",
     "fp32_groups", "_take_model_step", "_force_grad_boundary", "averaged_gradients", "all_grad_tensors",
-    "_release_preflattened_grad_buffers", "reset_cpu_buffers",
+    "_release_preflattened_grad_buffers", "reset_cpu_buffers", "_update_hp_grad", "clear_hp_grads",
 )
 
 
@@ -641,6 +641,38 @@ def dense_bf16_flat_gradients(optimizer):
     if not isinstance(optimizer, BF16_Optimizer) or optimizer.has_moe_layers:
         return None
     return optimizer.non_expert_gradients
+
+
+def zero_bf16_fp32_gradients_once(optimizer):
+    """BF16_Optimizer.step() ends by zeroing its flat fp32 gradients (clear_hp_grads), and the engine's
+    _take_model_step calls its zero_grad() right after, which zeroes them again (0.19.8): one more pass over 4 bytes
+    per parameter each step, ~2% of a 32M-parameter model's step on a CPU. Wrapped on this optimizer: zero_grad()
+    leaves the fp32 gradients alone while nothing has been added to them since step() zeroed them (every addition
+    goes through _update_hp_grad, also under immediate_grad_update). Returns whether it wrapped."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if not isinstance(optimizer, BF16_Optimizer):
+        return False
+    step, add_gradient, zero_grad = optimizer.step, optimizer._update_hp_grad, optimizer.zero_grad
+    zeroed = [False]  # the fp32 gradients are zero since the last step()
+
+    def step_then_note(*args, **kwargs):
+        zeroed[0] = False
+        result = step(*args, **kwargs)
+        zeroed[0] = True
+        return result
+
+    def note_then_add(*args, **kwargs):
+        zeroed[0] = False
+        return add_gradient(*args, **kwargs)
+
+    def zero_grad_once(set_to_none=True):
+        if zeroed[0]:
+            optimizer.clear_lp_grads(set_to_none)
+        else:
+            zero_grad(set_to_none)
+
+    optimizer.step, optimizer._update_hp_grad, optimizer.zero_grad = step_then_note, note_then_add, zero_grad_once
+    return True
 
 
 def loss_scale(optimizer):
