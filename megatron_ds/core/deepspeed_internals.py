@@ -646,7 +646,7 @@ def dense_bf16_flat_gradients(optimizer):
 def zero_bf16_fp32_gradients_once(optimizer):
     """BF16_Optimizer.step() ends by zeroing its flat fp32 gradients (clear_hp_grads), and the engine's
     _take_model_step calls its zero_grad() right after, which zeroes them again (0.19.8): one more pass over 4 bytes
-    per parameter each step, ~2% of a 32M-parameter model's step on a CPU. Wrapped on this optimizer: zero_grad()
+    per parameter each step, 1-2% of a 32M-parameter model's step on a CPU. Wrapped on this optimizer: zero_grad()
     leaves the fp32 gradients alone while nothing has been added to them since step() zeroed them (every addition
     goes through _update_hp_grad, also under immediate_grad_update). Returns whether it wrapped."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
