@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
-                         run_in_turns, sequential, total_rotations)
+                         host_line, run_in_turns, sequential, total_rotations)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 
@@ -106,6 +106,7 @@ def main(argv=None):
     print(f"{args.ranks} ranks, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, micro batch "
           f"{args.micro_batch_size} per rank; both launches {method_words(args)}: {WARM_UP} warm-up "
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
+    print(host_line())
     for name, label in (("dense", f"dense  (FFN {args.ffn_hidden_size})"),
                         ("moe", f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, "
                                 f"top-{args.topk}, every 2nd layer, EP {args.ranks})")):

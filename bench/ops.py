@@ -17,6 +17,8 @@ Memory: bytes of the tensors autograd saves for backward (unique storages, via s
 every device; on CUDA also the peak of max_memory_allocated over forward + backward above what was allocated
 before. Memory ratios are fused / reference (< 1 is better).
 Triton is timed on CUDA only (its CPU interpreter checks numerics, it is not a kernel).
+--backends sdpa adds torch's scaled_dot_product_attention (causal, the same dropout) to flash_attention's rows, and
+each flash_attention backend's step prints over SDPA's too: the kernel a model gets without the op.
 """
 import argparse
 import math
@@ -32,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import (Ratio, add_arguments, alternate, keep_freed_memory, method_words, rounds_of,  # noqa: E402
-                         sequential, total_rotations)
+from bench.turns import (Ratio, add_arguments, alternate, host_line, keep_freed_memory, method_words,  # noqa: E402
+                         rounds_of, sequential, total_rotations)
 from megatron_ds.core import fusions  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
@@ -173,7 +175,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--size", default=None, choices=list(SIZES), help="default: large on CUDA, small on CPU")
     parser.add_argument("--ops", nargs="*", default=None)
-    parser.add_argument("--backends", nargs="*", default=["reference", "compile", "triton", "apex"])
+    parser.add_argument("--backends", nargs="*", default=["reference", "compile", "triton", "apex", "sdpa"],
+                        choices=BENCH_BACKENDS)
     add_arguments(parser, rotations_per_round=4)
     parser.add_argument("--clock", default="wall", choices=["wall", "process"],
                         help="process: this process's CPU seconds (steadier than wall time on a loaded CPU host; "
@@ -191,6 +194,7 @@ def main(argv=None):
     print(f"device {device}, {args.dtype}, size {size_name} {SIZES[size_name]}, threads {torch.get_num_threads()}, "
           f"an op's backends {method_words(args)}: {WARM_UP_CALLS} warm-up rotations, then "
           f"{rounds_of(args.rounds, args.rotations_per_round)}, {args.clock} clock")
+    print(host_line(device))
     header = (f"{'op':<19}{'backend':<10}{'first s':>8}{'fwd ms':>9}{'fwd+bwd ms':>11}"
               f"{'saved MiB':>10}{'x ref':>7}" + (f"{'peak MiB':>9}{'x ref':>7}" if device.type == "cuda" else "")
               + "  fwd+bwd x ref")
@@ -205,11 +209,30 @@ def main(argv=None):
         print_op(name, case, rows, measured, device, args)
 
 
+def sdpa_flash_attention(query, key, value, dropout_p, seed):
+    """flash_attention's signature on torch's SDPA (causal; SDPA draws its own dropout mask, seed unused)."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True)
+
+
+BENCH_BACKENDS = ("reference", "compile", "triton", "apex", "sdpa")
+
+
+def implementations(name):
+    """{backend: callable} the bench can time for op `name`: the registry's, and SDPA for flash_attention."""
+    found = dict(fusions.registered_ops()[name].implementations)
+    if name == "flash_attention":
+        found["sdpa"] = sdpa_flash_attention
+    return found
+
+
 def available_backends(name, requested, device):
     """{backend: implementation} of op `name` among `requested` that can be timed here; a line for each other."""
     rows = {}
-    for backend in ("reference", "compile", "triton", "apex"):
-        if backend not in requested or backend not in fusions.registered_ops()[name].implementations:
+    for backend in BENCH_BACKENDS:
+        if backend not in requested or backend not in implementations(name):
+            continue
+        if backend == "sdpa":
+            rows[backend] = sdpa_flash_attention
             continue
         reason = fusions.unavailable_reason(name, backend, device)
         if backend == "triton" and device.type != "cuda":
@@ -234,6 +257,9 @@ def print_op(name, case, rows, measured, device, args):
             line += f"{peak / 2**20:9.1f}{peak / ref_peak if ref_peak else float('nan'):7.2f}"
         if reference and backend != "reference":
             line += "  " + Ratio.of(steps, reference[1], args.rounds, WARM_UP_CALLS).text(args.max_spread)
+        if "sdpa" in measured and backend not in ("sdpa", "reference"):
+            sdpa = Ratio.of(steps, measured["sdpa"][1], args.rounds, WARM_UP_CALLS)
+            line += f"; x sdpa {sdpa.text(args.max_spread)}"
         print(line)
 
 

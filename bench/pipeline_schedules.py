@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
-                         run_in_turns, sequential, total_rotations)
+                         host_line, run_in_turns, sequential, total_rotations)
 from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
                                                  split_micro_batch)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
@@ -97,6 +97,7 @@ def main(argv=None):
     print(f"PP 2, one rank per core, h {args.hidden_size}, {args.num_layers} layers, s {args.seq_length}, "
           f"micro batch {args.micro_batch_size}; per m every schedule's launch {method_words(args)}: "
           f"{WARM_UP} warm-up rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
+    print(host_line())
     print(f"{'m':>3} {'schedule':>12} {'step ms':>9} {'vs 1F1B':>40} {'idle stage 0':>13} {'idle stage 1':>13} "
           f"{'measured bubble':>16} {'planner bubble':>15}")
     for m in args.micro_batches:

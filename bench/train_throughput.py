@@ -58,7 +58,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, pinned,  # noqa: E402
-                         rounds_of, run_in_turns, sequential, total_rotations)
+                         host_line, rounds_of, run_in_turns, sequential, total_rotations)
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
@@ -303,7 +303,8 @@ def baselines(args):
     with --baseline hf: a core each for it and pretrain.py)."""
     if pinned(args):
         return {HF: "hf"} if args.baseline == "hf" else {PLAIN: "plain"}
-    return {PLAIN: "plain", **({HF: "hf"} if args.baseline == "hf" else {})}
+    plain = {} if args.no_plain_loop else {PLAIN: "plain"}
+    return {**plain, **({HF: "hf"} if args.baseline == "hf" else {})}
 
 
 def layout_name(tp, pp):
@@ -381,6 +382,7 @@ def report(args, seconds, parameters, device):
     labels = {ENGINE: "pretrain.py (DeepSpeed, TP=PP=1)", PLAIN: "plain PyTorch loop",
               HF: f"HF transformers loop ({hf_class_name(args)})"}
     print(describe(args, parameters, gemm_rates(args, seconds), device))
+    print(host_line(device))
     if len(set(parameters.values())) > 1:
         print("  warning: the parameter counts differ: the models are not the same shape")
     for name in (ENGINE, *baselines(args)):
@@ -442,9 +444,13 @@ def parse_args(argv):
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
                              "transformers model of the same shapes in the same loop")
     add_arguments(parser, rotations_per_round=8)
-    parser.add_argument("--gemm-size", type=int, default=2048,
-                        help="the square bf16 matmul the GEMM rate is measured on (a CPU without bf16 matmul "
-                             "instructions takes seconds for each at 2048)")
+    parser.add_argument("--no-plain-loop", action="store_true",
+                        help="with --baseline hf: leave the plain loop out (one 80 GB GPU holds pretrain.py and one "
+                             "fp32-master loop of a 1.3B model side by side, not two)")
+    parser.add_argument("--gemm-size", type=int, default=None,
+                        help="the square bf16 matmul the GEMM rate is measured on; default 8192 on a GPU (ten "
+                             "2048^3 products take ~0.3 ms there, too short against a turn's round trip), 2048 on a "
+                             "CPU (one without bf16 matmul instructions takes seconds for each at 2048)")
     parser.add_argument("--gemm-repeats", type=int, default=10, help="matmuls in each GEMM turn")
     parser.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1)],
                         help="TPxPP layouts of pretrain.py to measure (1x1 is always compared with the loops), "
@@ -474,6 +480,9 @@ def check_args(parser, args):
                      "--layouts, no --profile)")
     if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
         parser.error("--family llama --baseline hf: LlamaForCausalLM has no hidden dropout; use --hidden-dropout 0")
+    if args.no_plain_loop and args.baseline != "hf":
+        parser.error("--no-plain-loop leaves pretrain.py nothing to be compared with; add --baseline hf")
+    args.gemm_size = args.gemm_size or (8192 if torch.cuda.is_available() else 2048)
     args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
     args.ffn_hidden_size = args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, args.family == "llama")
     try:

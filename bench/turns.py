@@ -402,6 +402,18 @@ def method_words(args):
     return method + (", glibc malloc keeping freed memory" if args.malloc == "keep" else ", glibc malloc's defaults")
 
 
+def host_line(device=None):
+    """The bench's host, for its header: the CPU's model and the extensions that decide a 16-bit matmul's speed on it
+    (megatron_ds/glue/cpu_features.py; a bf16 figure from a CPU without avx512_bf16 / amx_bf16 is many times an fp32
+    one's) and the cores this process may use; a GPU's name where the device (default: CUDA when available) is one."""
+    import torch
+
+    from megatron_ds.glue.cpu_features import host_description
+    cpu = f"CPU {host_description(len(os.sched_getaffinity(0)))}"
+    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    return f"host: GPU {torch.cuda.get_device_name()}; {cpu}" if on_gpu else f"host: {cpu}"
+
+
 def total_rotations(args, warm_up=WARM_UP):
     """Steps each side takes: the warm-up, then --rounds x --rotations-per-round."""
     return warm_up + args.rounds * args.rotations_per_round

@@ -19,6 +19,13 @@ and writes the scalars. Scalar names are Megatron's:
                                      (variance: Adam's exp_avg_sq, momentum: exp_avg, weight: fp32 master)
     --log-timers-to-tensorboard      iteration-time and <timer>-time (seconds per iteration, slowest rank)
 
+After the first iteration that logs, Megatron's memory lines, once: the logging rank prints the planner's prediction
+for its pipeline stage ("Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB",
+the total being tools/plan.py's peak without its runtime overhead; from the rank that printed the iteration line, so
+that the two never share a line of a launcher's merged output) and, on CUDA, the first data-parallel rank of every TP
+rank and stage what the allocator saw ("[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated:
+... | reserved: ... | max reserved: ..."), the logging rank's right after its prediction.
+
 Norms and counts cover the whole model once: parameters that every TP rank holds count on TP rank 0,
 the tied embedding's copy on the last pipeline stage not at all, and pieces of a ZeRO partition on the
 data-parallel rank that owns them.
@@ -320,8 +327,9 @@ class MetricsLogger:
     """Megatron's iteration line on the logging rank, its timers, and the scalars (see the module docstring).
     With the engine given, the statistics and timers the flags ask for are set up on it."""
 
-    def __init__(self, config, model, peak_tflops, engine=None):
-        """config: the run's LoggingConfig; model: its TransformerConfig."""
+    def __init__(self, config, model, peak_tflops, engine=None, predicted_memory=None):
+        """config: the run's LoggingConfig; model: its TransformerConfig; predicted_memory: the planner's
+        StageMemory for the logging rank's pipeline stage, for the memory lines (None: no theoretical line)."""
         self.config = config
         # model FLOPs of one sample by sequence length (one length, or the curriculum's few)
         self.flops_per_sample = functools.lru_cache(maxsize=None)(
@@ -332,6 +340,7 @@ class MetricsLogger:
         cuda = torch.cuda.is_available() and device().type == "cuda"
         self.timers = Timers(config.timing_log_level, torch.cuda.synchronize if cuda else None)
         self.memory = config.log_memory_to_tensorboard and cuda
+        self.memory_report = MemoryReport(predicted_memory, cuda)
         self.optimizer_statistics = False  # the optimizer's layout is one optimizer_pieces knows
         self.zero_counter = None
         if engine is not None:
@@ -401,6 +410,7 @@ class MetricsLogger:
                 print(_timers_text(timers), flush=True)
             if self.writers is not None:
                 self.writers.write({**scalars, **self._tensorboard_only(batch_size, seconds, timers)}, iteration)
+        self.memory_report.once(iteration)
         self._start_interval()
 
     def _statistics(self, engine):
@@ -463,6 +473,42 @@ class MetricsLogger:
     def close(self):
         if self.writers is not None:
             self.writers.close()
+
+
+MIB = 2 ** 20
+
+
+class MemoryReport:
+    """Megatron's memory lines (see the module docstring), printed once, when the optimizer's states exist."""
+
+    def __init__(self, predicted, cuda):
+        self.predicted, self.cuda, self.done = predicted, cuda, False
+
+    def once(self, iteration):
+        if self.done:
+            return
+        self.done = True
+        if self.predicted is not None and is_logging_rank():
+            print(theoretical_memory_line(self.predicted), flush=True)
+        if self.cuda and parallel_state.get_sequence_data_parallel_rank() == 0:
+            measured = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                        torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved())
+            print(f"[Rank {dist.get_rank()}] {measured_memory_text(iteration, *measured)}", flush=True)
+
+
+def theoretical_memory_line(stage_memory):
+    """Megatron's line for the planner's StageMemory: model states, activations, and the peak (without the
+    runtime overhead the allocator does not see)."""
+    states = stage_memory.model_states + stage_memory.teacher
+    return (f"Theoretical memory footprints: weight and optimizer={states / MIB:.2f} MB, "
+            f"activation={stage_memory.activations / MIB:.2f} MB, "
+            f"total={(stage_memory.total - stage_memory.overhead) / MIB:.2f} MB")
+
+
+def measured_memory_text(iteration, allocated, max_allocated, reserved, max_reserved):
+    """Megatron's report_memory text for the CUDA allocator's byte counts."""
+    return (f"(after {iteration} iterations) memory (MB) | allocated: {allocated / MIB} | max allocated: "
+            f"{max_allocated / MIB} | reserved: {reserved / MIB} | max reserved: {max_reserved / MIB}")
 
 
 def _timers_text(timers):

@@ -81,10 +81,15 @@ class IterationProfiler:
         partial = f"{path}.tmp"
         recorder.export_chrome_trace(partial)
         os.replace(partial, path)
-        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = recorder.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
+        table = recorder.key_averages().table(sort_by=table_sort_key(torch.cuda.is_available()), row_limit=TABLE_ROWS)
         print(f"megatron_ds [rank {self.rank}]: profile of iterations {self.start}-{self.stop - 1} "
               f"(trace: {path}):\n{table}", flush=True)
+
+
+def table_sort_key(cuda):
+    """The column the table is sorted by: the operators' own time on the GPU on GPUs (torch 2.4 renamed the
+    self_cuda_time_total of the events to self_device_time_total), else their own CPU time."""
+    return "self_device_time_total" if cuda else "self_cpu_time_total"
 
 
 def _activities():

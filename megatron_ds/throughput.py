@@ -4,27 +4,33 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ds.planning.devices import DEVICES
+from megatron_ds.planning.devices import device_for_cuda_name
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def known_gpu_peak_tflops():
-    """The dense 16-bit peak of this GPU from the planner's device table (the one source of device facts),
-    matched by model name (A100, H100, H200); None for other devices."""
+def known_gpu_peak_tflops(dtype):
+    """The dense peak in `dtype` of this GPU from the planner's device table (the one source of device facts),
+    looked up by the name CUDA gives it; None for devices the table does not hold."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for spec in DEVICES.values():
-        model = spec.name.split()[-1].split("-")[0]
-        if spec.name.startswith("NVIDIA") and model in name:
-            return spec.peak_16bit_tflops
-    return None
+    spec = device_for_cuda_name(torch.cuda.get_device_name())
+    return None if spec is None else spec.peak_tflops(sixteen_bit=dtype in SIXTEEN_BIT)
 
 
-def measure_matmul_tflops(dtype, device, size=768, repeats=6):
+PROBE_SIZE = 256  # a CPU whose 16-bit matmuls are emulated (~2 GFLOP/s) spends ~15 ms on one of these
+
+
+def measure_matmul_tflops(dtype, device, size=768, repeats=6, budget_s=0.5):
     """TFLOP/s of a square matmul in `dtype`, measured on every rank at once (so ranks sharing a CPU
-    are measured sharing it) and averaged over the world."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    are measured sharing it) and averaged over the world. Where a first small product says the measurement would
+    take more than budget_s (16-bit on a CPU without 16-bit matrix instructions: seconds per launch), the small
+    product is measured instead."""
+    if device.type == "cpu" and size > PROBE_SIZE and _seconds_per_matmul(dtype, device, PROBE_SIZE) * (
+            size / PROBE_SIZE) ** 3 * (repeats + 1) > budget_s:
+        size = PROBE_SIZE
+    generator = torch.Generator().manual_seed(0)  # not the global one: the size chosen above depends on timing
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     torch.matmul(a, b)
     if dist.is_initialized():
         dist.barrier()
@@ -33,18 +39,32 @@ def measure_matmul_tflops(dtype, device, size=768, repeats=6):
         torch.matmul(a, b)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    rate = torch.tensor([2.0 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12])
-    if dist.is_initialized():
-        dist.all_reduce(rate)
-        rate /= dist.get_world_size()
-    return rate.item()
+    rate = 2.0 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
+    return _mean_over_world(rate, device)
+
+
+def _seconds_per_matmul(dtype, device, size):
+    a = torch.full((size, size), 0.5, device=device, dtype=dtype)
+    torch.matmul(a, a)
+    start = time.perf_counter()
+    torch.matmul(a, a)
+    return time.perf_counter() - start
+
+
+def _mean_over_world(value, device):
+    """`value` averaged over every rank, reduced on `device`: NCCL reduces only GPU tensors."""
+    if not dist.is_initialized():
+        return value
+    total = torch.tensor([value], device=device)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def peak_tflops_per_device(user_value, dtype, device):
     """(peak, where it came from) for the MFU column."""
     if user_value is not None:
         return user_value, "--peak-tflops"
-    known = known_gpu_peak_tflops()
+    known = known_gpu_peak_tflops(dtype)
     if known is not None:
         return known, f"table ({torch.cuda.get_device_name()})"
     return measure_matmul_tflops(dtype, device), f"measured {str(dtype).replace('torch.', '')} matmul"

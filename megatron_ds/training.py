@@ -31,6 +31,7 @@ from megatron_ds.core.transformer.transformer_layer import TransformerLayer, ass
 from megatron_ds.data.builder import batch_iterator, build_datasets, data_problems, describe_samples, will_evaluate
 from megatron_ds.distillation import DistillationLoss, attach_teacher, distillation_loss_of
 from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
+from megatron_ds.glue.cpu_features import sixteen_bit_warning_here
 from megatron_ds.glue.curriculum import SequenceLengthCurriculum
 from megatron_ds.glue.ds_config import deepspeed_train_batch_size
 from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
@@ -38,7 +39,8 @@ from megatron_ds.glue.launcher_env import Attempt, read_attempt
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.pipeline_schedules import install_schedule, pipeline_module_class
-from megatron_ds.glue.runtime import device, init_distributed, local_world_size, print_rank_0
+from megatron_ds.glue.runtime import (deepspeed_device_arguments, device, init_distributed,
+                                     local_rank_naming_the_device, local_world_size, print_rank_0)
 from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
@@ -47,7 +49,7 @@ from megatron_ds.metrics import MetricsLogger, is_logging_rank, logging_rank, lo
 from megatron_ds.optimizer import build_optimizer, optimizer_description
 from megatron_ds.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.pipeline_timeline import pipeline_timeline
-from megatron_ds.planning.cli import model_spec
+from megatron_ds.planning.cli import model_spec, predicted_stage_memory
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
@@ -82,13 +84,14 @@ def build_optimizer_and_scheduler(optimization, model):
 
 
 def setup_engine(args, config, building_model=contextlib.nullcontext):
-    with building_model():
+    with building_model(), local_rank_naming_the_device():
         model = build_model(args, config)
     model = model.to(device())
     optimizer, scheduler = build_optimizer_and_scheduler(args.optimization, model)
     pipelined = args.pipeline_model_parallel_size > 1
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=copy.deepcopy(args.effective_deepspeed_config),  # DeepSpeed may edit it
+    engine, _, _, _ = deepspeed.initialize(args=deepspeed_device_arguments(), model=model, optimizer=optimizer,
+                                           lr_scheduler=scheduler,
+                                           config=copy.deepcopy(args.effective_deepspeed_config),  # it may edit it
                                            mpu=None if pipelined else ModelParallelUnit(),
                                            dist_init_required=False)
     deepspeed_internals.mend_zero_stage_0(engine)
@@ -227,12 +230,13 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
         progress.consumed_train_tokens += plan.tokens
+        grad_norm = _grad_norm_to_check(args, engine)  # before the log line, which then reads the same float
         logger.iteration(plan, loss, lr, engine, progress, other_losses)
         if iteration % args.logging.log_interval == 0:
             stragglers.report(iteration, is_logging_rank(), logger.writers)
             _report_reproducibility(validator, iteration)
         _log_compile(compile_line)
-        _stop_on_non_finite(args, engine, iteration, loss, checkpoints)
+        _stop_on_non_finite(args, iteration, loss, grad_norm, checkpoints)
         _stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
@@ -349,14 +353,22 @@ class NonFiniteTraining(RuntimeError):
     """The loss or gradient norm of an iteration is NaN or Inf (Megatron's --check-for-nan-in-loss-and-grad)."""
 
 
-def _stop_on_non_finite(args, engine, iteration, loss, checkpoints):
-    """Every rank sees the same loss (averaged over the replicas) and global gradient norm, so all stop at
-    the same iteration; that iteration is never saved. fp16 is left to DeepSpeed's loss scaling, whose
-    skipped steps are normal."""
-    if not args.check_for_nan_in_loss_and_grad or args.fp16:
+def _checks_non_finite(args):
+    return args.check_for_nan_in_loss_and_grad and not args.fp16
+
+
+def _grad_norm_to_check(args, engine):
+    """The gradient norm _stop_on_non_finite checks (None where it checks none)."""
+    return deepspeed_internals.host_global_grad_norm(engine) if _checks_non_finite(args) else None
+
+
+def _stop_on_non_finite(args, iteration, loss, grad_norm, checkpoints):
+    """Every rank sees the same loss (averaged over the replicas) and global gradient norm (the float of
+    _grad_norm_to_check), so all stop at the same iteration; that iteration is never saved. fp16 is left to
+    DeepSpeed's loss scaling, whose skipped steps are normal."""
+    if not _checks_non_finite(args):
         return
-    grad_norm = engine.get_global_grad_norm()
-    values = {"lm loss": loss, "grad norm": float(grad_norm) if grad_norm is not None else None}
+    values = {"lm loss": loss, "grad norm": grad_norm}
     bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
     if not bad:
         return
@@ -588,11 +600,13 @@ def _attach_teacher(args, engine, watchdog):
 
 
 def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Attempt()):
+    _warn_of_16_bit_on_this_cpu(args)
     engine, peak = start_up(args, watchdog, all_reduce_note)
     config = args.model
     watchdog.activity = "building the datasets"
     datasets = build_datasets(args.data)
-    logger = MetricsLogger(args.logging, config, peak, engine)
+    logger = MetricsLogger(args.logging, config, peak, engine,
+                           predicted_stage_memory(args, config, stage=args.pipeline_model_parallel_size - 1))
     checkpoints = CheckpointManager(args, engine, args.effective_deepspeed_config, start_time)
     watchdog.activity = "loading the checkpoint"
     try:
@@ -617,6 +631,16 @@ def _pretrain(args, watchdog, start_time=None, all_reduce_note=None, attempt=Att
         return error.exit_code
     logger.close()
     return 0
+
+
+def _warn_of_16_bit_on_this_cpu(args):
+    """On a CPU, --bf16 / --fp16 without the CPU's matrix unit for it (glue/cpu_features.py) runs its matmuls many
+    times slower than fp32 (85x for bf16 on an AVX2-only EPYC): rank 0 says so, with the slowdown it measures (only
+    then). Not in start_up(): tools/dry_run.py's ranks train nothing here."""
+    if device().type == "cpu" and dist.get_rank() == 0:
+        text = sixteen_bit_warning_here(args.params_dtype)
+        if text:
+            print_rank_0(f"WARNING: {text}")
 
 
 def _announce_restart(attempt, watchdog, progress):

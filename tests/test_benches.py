@@ -159,7 +159,31 @@ def test_pipeline_schedules_bench_prints_every_schedule_with_the_planners_bubble
         assert re.search(row + re.escape(planned), rows[schedule]), rows[schedule]
 
 
-def test_the_gpu_script_is_valid_bash():
-    """bench/gpu.sh runs only where a GPU is lent; here at least its syntax is checked."""
-    result = subprocess.run(["bash", "-n", "bench/gpu.sh"], cwd=REPO, capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["bench/gpu.sh", "bench/gpu_wheels.sh", "bench/gpu_rehearsal.sh"])
+def test_the_gpu_scripts_are_valid_bash(script):
+    """bench/gpu.sh runs only where a GPU is lent (scripts/test.sh rehearses it on this CPU after the suite, through
+    bench/gpu_rehearsal.sh); here their syntax is checked."""
+    result = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_memory_vs_plan_reads_the_lines_pretrain_prints():
+    """bench/memory_vs_plan.py parses Megatron's memory lines as megatron_ds.metrics writes them: the planner's peak
+    and, on CUDA, the allocator's maximum, and their ratio; a CUDA run without the measured line fails."""
+    from bench.memory_vs_plan import compare
+    from megatron_ds.metrics import MIB, measured_memory_text, theoretical_memory_line
+    from megatron_ds.planning.memory import StageMemory
+    predicted = StageMemory(stage=0, parameters=10, in_flight_micro_batches=1, weights=100 * MIB, gradients=100 * MIB,
+                            grad_accumulation=200 * MIB, optimizer=600 * MIB, activations=500 * MIB,
+                            overhead=2048 * MIB)
+    theoretical = theoretical_memory_line(predicted)
+    assert theoretical == ("Theoretical memory footprints: weight and optimizer=1000.00 MB, activation=500.00 MB, "
+                           "total=1500.00 MB")
+    measured = "[Rank 0] " + measured_memory_text(5, 900 * MIB, 1650 * MIB, 1800 * MIB, 2000 * MIB)
+    lines, status = compare(f"noise\n{theoretical}\n iteration 5/20 |\n{measured}\n", expect_measured=True)
+    assert status == 0 and lines[-1] == "memory max allocated / predicted: 1.100", lines
+    assert "max allocated 1650 MiB, max reserved 2000 MiB" in lines[1]
+    assert compare(theoretical, expect_measured=True)[1] == 1
+    assert compare(theoretical, expect_measured=False)[1] == 0
+    assert compare(measured, expect_measured=False)[1] == 1  # no prediction: the run did not get that far
+    assert compare(f"{measured}\n{theoretical}", expect_measured=True)[1] == 1  # another rank's, before it

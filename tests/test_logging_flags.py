@@ -7,6 +7,8 @@ import json
 import math
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ OPTIMIZER_SCALARS = [f"optimizer/{kind}_{norm}" for kind in ("variance", "varian
 ADDED_FIELDS = re.compile(r" grad norm: [0-9.]+ \| num zeros: (\d+)\.0 \| params norm: ([0-9.]+) \| tokens per second:")
 TIMER_ROW = re.compile(r"^    (\S+) \.+: \(([0-9.]+), ([0-9.]+)\)$", re.MULTILINE)
 ITERATIONS = 3
+REPO = Path(__file__).resolve().parents[1]
 WANDB = importlib.util.find_spec("wandb") is not None  # in requirements.txt; optional for pretrain.py
 
 
@@ -107,6 +110,25 @@ def test_iteration_line_and_timers(logged_run):
                            r"([0-9.E+-]+) \|", output)
     assert float(validation.group(2)) == pytest.approx(math.exp(float(validation.group(1))), rel=1e-5)
     assert output.count("--log-memory-to-tensorboard: no CUDA device") == 1  # CPU: said once
+
+
+def test_the_theoretical_memory_line_is_the_planners_for_the_runs_flags(logged_run, tmp_path):
+    """Megatron's "Theoretical memory footprints" line, once, from the logging rank: tools/plan.py's memory for its
+    pipeline stage, the last, with the same flags (its peak without the runtime overhead); no measured line on a
+    CPU."""
+    _, output = logged_run
+    lines = re.findall(r"^Theoretical memory footprints: .*$", output, re.MULTILINE)
+    assert len(lines) == 1, lines
+    flags = TINY + layout_flags(2, 2) + ["--train-iters", str(ITERATIONS)]
+    plan = subprocess.run([sys.executable, "tools/plan.py", *flags, "--world-size", "4", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    stage = json.loads(plan.stdout)["plan"]["memory"]["per_stage"][-1]
+    states = stage["weights"] + stage["gradients"] + stage["grad_accumulation"] + stage["optimizer"]
+    assert lines[0] == (f"Theoretical memory footprints: weight and optimizer={states / 2**20:.2f} MB, "
+                        f"activation={stage['activations'] / 2**20:.2f} MB, "
+                        f"total={(stage['total'] - stage['overhead']) / 2**20:.2f} MB")
+    assert "memory (MB) | allocated:" not in output
 
 
 def test_tensorboard_scalars_of_each_flag(logged_run):

@@ -675,6 +675,16 @@ def zero_bf16_fp32_gradients_once(optimizer):
     return True
 
 
+def host_global_grad_norm(engine):
+    """The last step's global gradient norm as a Python float (None: not computed), copied from the device once and
+    kept by the engine in place of the tensor (its _global_grad_norm, which get_global_grad_norm() returns and types
+    Optional[float]), so that the log line and any later reader of the same step share this one host sync."""
+    norm = engine.get_global_grad_norm()
+    if hasattr(norm, "item"):
+        norm = engine._global_grad_norm = norm.item()
+    return norm
+
+
 def loss_scale(optimizer):
     """The fp16 optimizer's current loss scale: cur_scale (FP16_Optimizer, ZeRO) or loss_scale, else 1 (0.19.8)."""
     return float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))

@@ -183,7 +183,7 @@ def build_datasets(data):
 def model_batch(tokens, data, device):
     """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes. With Ulysses each
     sequence-parallel rank keeps its slice of the tokens, labels, loss mask and (global) position ids."""
-    tokens = tokens.to(device)
+    tokens = tokens.to(device, non_blocking=True)  # from the loader's pinned memory: no wait for the copy
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     sliced = parallel_state.get_sequence_parallel_world_size() > 1
     if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss or sliced):

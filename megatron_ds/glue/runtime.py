@@ -3,14 +3,17 @@
 Imports nothing heavy at module level: `prepare_host()` must run before DeepSpeed is imported, because
 DeepSpeed picks its accelerator at import time.
 """
+import contextlib
 import datetime
 import faulthandler
 import os
 import signal
 import socket
+import types
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from megatron_ds.core import deepspeed_internals
 from megatron_ds.glue.launcher_env import (export_launcher_environment, read_attempt, read_launcher,
@@ -39,6 +42,44 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def cuda_device_index(local_rank, device_count):
+    """The GPU, among the `device_count` this process sees, of the rank with this local rank: the local rank under
+    torchrun (every rank sees the node's GPUs); under srun or mpirun with one GPU per task (CUDA_VISIBLE_DEVICES
+    set per task) the local rank runs past the count, and wraps round as in Megatron-LM."""
+    return local_rank % device_count
+
+
+def deepspeed_device_arguments():
+    """deepspeed.initialize's `args` that put its engine on this rank's GPU (device_rank), where it would otherwise
+    take cuda:LOCAL_RANK, past the GPUs a task sees under a one-GPU-per-task launcher; None on CPUs."""
+    return types.SimpleNamespace(device_rank=torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+@contextlib.contextmanager
+def local_rank_naming_the_device():
+    """While DeepSpeed's PipelineModule is built (it moves itself to cuda:LOCAL_RANK), LOCAL_RANK names this rank's
+    GPU. Restored afterwards: DeepSpeed's engine reads it again and checks it against Open MPI's local rank."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK")
+        else:
+            os.environ["LOCAL_RANK"] = saved
+
+
+def binds_device(backend, world_size, torch_version=torch.__version__):
+    """Whether the default process group is bound to this rank's GPU (init_process_group's device_id: NCCL
+    connects at once, later groups split from its communicator). Not for a world of one rank (no peer; DeepSpeed
+    skips it too), nor on torch 2.6.x-2.7.0, where binding hangs (pytorch#153960)."""
+    return backend == "nccl" and world_size > 1 and not "2.6.0" < TorchVersion(torch_version) < "2.7.1"
+
+
 def print_rank_0(message):
     if dist.get_rank() == 0:
         print(f"megatron_ds: {message}", flush=True)
@@ -56,15 +97,18 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     shared_memory = (not torch.cuda.is_available() and launcher.local_world_size <= available_cores() and
                      launcher.world_size == launcher.local_world_size == tensor_parallel_size > 1)
     if torch.cuda.is_available():
-        torch.cuda.set_device(launcher.local_rank)
+        torch.cuda.set_device(cuda_device_index(launcher.local_rank, torch.cuda.device_count()))
     elif shared_memory:
         os.environ["LOCAL_SIZE"] = str(launcher.local_world_size)  # what DeepSpeed's op reads for "all local"
     else:
         deepspeed_internals.skip_shared_memory_comm_build()  # its JIT build would serve nothing
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    device_id = device() if binds_device(backend, launcher.world_size) else None
     if store_hosted_by_launcher():
-        _init_process_group_of_this_launch(backend, timeout, launcher)
+        _init_process_group_of_this_launch(backend, timeout, launcher, device_id)
+    elif torch.cuda.is_available():  # not DeepSpeed's: it binds cuda:LOCAL_RANK, out of range for a 1-GPU task
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     if shared_memory:
         dist.barrier()  # every rank has mapped every other's segment
@@ -72,7 +116,7 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     return _use_shared_memory_all_reduce() if shared_memory else None
 
 
-def _init_process_group_of_this_launch(backend, timeout, launcher):
+def _init_process_group_of_this_launch(backend, timeout, launcher, device_id):
     """torchrun's agent keeps its store across --max-restarts, and torch keys the process groups' rendezvous in it
     the same way in every launch: the ranks of a launch started again would read the addresses the previous
     launch's ranks left there (gloo: connection refused). So every launch under torchrun keys its groups under a
@@ -81,7 +125,7 @@ def _init_process_group_of_this_launch(backend, timeout, launcher):
     store = dist.TCPStore(launcher.master_addr, launcher.master_port, launcher.world_size, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"megatron_ds/launch{attempt}", store),
-                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout)
+                            rank=launcher.rank, world_size=launcher.world_size, timeout=timeout, device_id=device_id)
 
 
 def _use_shared_memory_all_reduce():

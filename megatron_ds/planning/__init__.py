@@ -13,5 +13,6 @@ volume and an estimated iteration time for a model on a cluster, with a search o
     planner.py        one layout -> a JSON-ready plan
     search.py         every layout, ranked (Ulysses where a layout needs it)
     meta.py           stages built on the meta device with the real model code, checked against the formulas
-    cli.py            tools/plan.py's flags and output
+    cli.py            tools/plan.py's flags and output; the prediction pretrain.py prints beside its measured memory
+    collective_devices.py  collectives on CPU tensors, which NCCL refuses, recorded from a CPU run
 """

@@ -18,10 +18,10 @@ from megatron_ds.core.transformer.transformer_config import (DEFAULT_RECOMPUTE_M
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
-from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES
+from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES, stage_memory
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 from megatron_ds.planning.performance import PerformanceAssumptions
-from megatron_ds.planning.parameters import active_parameters, total_parameters
+from megatron_ds.planning.parameters import active_parameters, rank_parameters, total_parameters
 from megatron_ds.planning.planner import make_plan, moe_section
 from megatron_ds.planning.search import search_layouts
 
@@ -138,6 +138,13 @@ def layout_from_args(args) -> Layout:
                   distribute_saved_activations=args.distribute_saved_activations,
                   ulysses=args.ds_sequence_parallel_size, pipeline_schedule=args.pipeline_schedule,
                   virtual_stages=args.virtual_pipeline_stages)
+
+
+def predicted_stage_memory(args, config, stage=0):
+    """The planner's memory for one device of pipeline rank `stage` of a run (what tools/plan.py prints for it)."""
+    model = model_spec(args, config)
+    layout = layout_from_args(args)
+    return stage_memory(model, layout, rank_parameters(model, layout)[stage])
 
 
 def model_summary(model: ModelSpec) -> dict:

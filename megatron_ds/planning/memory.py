@@ -30,8 +30,9 @@ attention's output (the projection's input, w a d), q, k and v, and the attentio
   w(a + 2g)d, beside RoPE's rotated q and k (k expanded, 2wad); otherwise q, k and v are copies of a heads each,
   3wad (GQA's expansions, the local matmuls' copies of grouped views, the flash_attention op's contiguous copies,
   Ulysses' all-to-alls). On a CPU (device "cpu", what tools/activation_memory.py measures) sdpa's causal flash
-  kernel takes GQA's k and v heads as views: the QKV output whole, w(a + 2g)d, beside RoPE's rotated q and k,
-  w(a + g)d, or without RoPE q's copy, wad, where q is no view.
+  kernel takes GQA's k and v heads as views, and so does an sm80+ GPU's flash attention for fp16 and bf16 (head
+  dim up to 256; fp32 goes to a kernel that takes no groups, so they are expanded): the QKV output whole,
+  w(a + 2g)d, beside RoPE's rotated q and k, w(a + g)d, or without RoPE q's copy, wad, where q is no view.
 - the kernel: the local path's softmax output over s keys per head, w a s, and with attention dropout its
   1-byte mask and output, (2w + 1) a s (the paper's 5as/h term); a flash kernel (sdpa's, the op's) its fp32
   log-sum-exp per head, 4a; selective recompute keeps neither.
@@ -67,6 +68,7 @@ from typing import List
 
 from megatron_ds.core.fusions.fused_cross_entropy import default_chunk_rows
 from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
+from megatron_ds.core.transformer.attention import gpu_sdpa_takes_grouped_heads
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
 from megatron_ds.planning.communication import expert_capacity
@@ -187,13 +189,16 @@ def _moe_mlp_bytes(model, layout, tokens, experts, width):
 
 def attention_kernel(config, device="cuda") -> str:
     """The attention a GPU (or a CPU) runs for this config: "local" (explicit scores), "flash_op" (megatron_ds's
-    flash_attention op), "sdpa" (torch's kernels) or "sdpa_grouped" (torch's CPU flash kernel, which takes GQA's
-    key and value heads as they are)."""
+    flash_attention op), "sdpa" (torch's kernels, GQA's key and value heads expanded to every query head) or
+    "sdpa_grouped" (torch's kernels taking those heads as they are: the CPU's flash kernel, and an sm80+ GPU's
+    flash attention for fp16 and bf16, core/transformer/attention.gpu_sdpa_takes_grouped_heads)."""
     if config.attention_backend == "local":
         return "local"
     if device == "cpu":
         return "flash_op" if runs_flash_attention(config) else "sdpa_grouped"
-    return "flash_op" if runs_flash_attention(config, cuda_op_backend) else "sdpa"
+    if runs_flash_attention(config, cuda_op_backend):
+        return "flash_op"
+    return "sdpa_grouped" if gpu_sdpa_takes_grouped_heads(config.params_dtype, config.kv_channels) else "sdpa"
 
 
 def _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width):

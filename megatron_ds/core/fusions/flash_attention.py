@@ -248,12 +248,13 @@ class _KernelFootprint(torch.autograd.Function):
 def flash_attention_footprint(query, key, value, copies=False):
     """For fake tensors (tools/dry_run.py), which have no values for the blocks' math to work on: the memory a
     GPU's flash attention holds, whose blocks stay on chip (the CPU's math path would keep fp32 s x s scores).
-    Grouped key and value heads are repeated to one per query head, as the kernels take them. copies: the
-    flash_attention op's triton kernel, which saves contiguous copies of q, k and v (sdpa's kernels save the
-    tensors they are given, views included)."""
+    copies: the flash_attention op's triton kernel, which saves contiguous copies of q, k and v, grouped key and
+    value heads repeated to one per query head as it takes them; else sdpa's kernels, which save the tensors they
+    are given, views included, and grouped heads as they are (enable_gqa: attention.sdpa_takes_grouped_heads)."""
     _check(query, key, value)
-    if copies:
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    if not copies:
+        return _KernelFootprint.apply(query, key, value)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     return _KernelFootprint.apply(query, *_per_query_head(query, key, value))
 
 

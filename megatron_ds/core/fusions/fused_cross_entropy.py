@@ -42,8 +42,11 @@ def _local_stats(chunk):
 def _grad_chunk(chunk, lse, local_target, grad_loss):
     """(softmax - one_hot(local_target)) * grad_loss in the logits' dtype; local_target -1 = not on this rank."""
     grad = (chunk.float() - lse.unsqueeze(-1)).exp_().mul_(grad_loss.unsqueeze(-1))
-    rows = torch.nonzero(local_target >= 0).squeeze(-1)
-    grad[rows, local_target[rows]] -= grad_loss[rows]
+    # the target column of every row, minus grad_loss where the target is on this rank (minus 0 elsewhere: the same
+    # value back); gather and scatter keep the shapes fixed, so no nonzero makes the host wait for the device
+    column = local_target.clamp(min=0).unsqueeze(-1)
+    subtracted = torch.where(local_target >= 0, grad_loss, 0.0).unsqueeze(-1)
+    grad.scatter_(-1, column, grad.gather(-1, column) - subtracted)
     return grad.to(chunk.dtype)
 
 

@@ -35,14 +35,60 @@ def local_attention(query, key, value, attention_mask, dropout_p, training, soft
     return torch.matmul(dropout(probs, dropout_p, training), value)
 
 
+# what SDPA's dispatch (torch._fused_sdp_choice) may pick that takes GQA's grouped key and value heads as they are:
+# flash attention and cuDNN (torch 2.11-2.13: sdp_utils.cpp's check_batch_size_and_num_heads_dense<true>); the
+# memory-efficient kernel refuses them there (<false>: SDPA would fall back to its math path) and takes them in
+# later releases, so the choice is asked, not assumed
+_FUSED_SDPA_BACKENDS = {int(backend) for backend in (torch.backends.cuda.SDPBackend.FLASH_ATTENTION,
+                                                     torch.backends.cuda.SDPBackend.EFFICIENT_ATTENTION,
+                                                     torch.backends.cuda.SDPBackend.CUDNN_ATTENTION)}
+FLASH_MAX_HEAD_DIM = 256  # torch's flash attention: head dims up to 256
+
+
+def gpu_sdpa_takes_grouped_heads(dtype, head_dim):
+    """Whether SDPA on an sm80+ GPU (A100, H100: what the planner and the dry run stand for), causal without a mask,
+    takes GQA's grouped key and value heads in a fused kernel: its flash attention does, for fp16 and bf16 with head
+    dims up to 256 (torch 2.11-2.13; on sm86/89/120 it also refuses training at head dims over 192). fp32 goes to
+    the memory-efficient kernel, which takes no groups there."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim <= FLASH_MAX_HEAD_DIM
+
+
+def sdpa_takes_grouped_heads(query, key, value, dropout_p=0.0):
+    """Whether F.scaled_dot_product_attention, causal and without a mask, runs GQA's grouped key and value heads
+    (query [b, heads, s, d], key and value [b, groups, s, d]) with enable_gqa=True in a kernel that takes them as
+    they are, so that expanding them to every query head first would only copy them. On a CPU its flash kernel
+    does; on CUDA the kernel SDPA's own dispatch picks for them (flash or cuDNN; not the memory-efficient one of
+    torch 2.11-2.13, whose refusal sends SDPA to its math path). Fake tensors (the dry run's, on whatever device
+    this machine has) have no kernel to ask and stand for an sm80+ GPU's (gpu_sdpa_takes_grouped_heads)."""
+    if is_fake(query):
+        return gpu_sdpa_takes_grouped_heads(query.dtype, query.size(-1))
+    if query.device.type == "cpu":
+        return True
+    if query.device.type != "cuda":
+        return False
+    choice = torch._fused_sdp_choice(query, key, value, None, dropout_p, True, enable_gqa=True)
+    return choice in _FUSED_SDPA_BACKENDS
+
+
+def _repeat_heads(tensor, heads):
+    """[b, groups, s, d] -> [b, heads, s, d], each group's head repeated for its query heads (a copy, unless a
+    TP rank holds one group, where it stays a stride-0 view)."""
+    b, groups, s, d = tensor.shape
+    return tensor.unsqueeze(2).expand(b, groups, heads // groups, s, d).reshape(b, heads, s, d)
+
+
 def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softmax=None):
-    """torch's scaled_dot_product_attention (flash / memory-efficient kernels where available; it draws its
-    own dropout mask). softmax is unused. Causal attention on a CPU may get GQA's grouped key and value heads
-    (SelfAttention.takes_grouped_heads): the CPU flash kernel takes them as they are."""
+    """torch's scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels where available; it draws
+    its own dropout mask). softmax is unused. Causal attention may get GQA's grouped key and value heads
+    (SelfAttention.takes_grouped_heads): they go in as they are (enable_gqa=True) where the kernel SDPA picks
+    takes them (sdpa_takes_grouped_heads), else repeated to every query head first."""
     dropout_p = dropout_p if training else 0.0
     if attention_mask is None:
+        grouped = key.size(1) != query.size(1)
+        if grouped and not sdpa_takes_grouped_heads(query, key, value, dropout_p):
+            key, value, grouped = _repeat_heads(key, query.size(1)), _repeat_heads(value, query.size(1)), False
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True,
-                                              enable_gqa=key.size(1) != query.size(1))
+                                              enable_gqa=grouped)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p)
 
 
@@ -108,13 +154,20 @@ class SelfAttention(torch.nn.Module):
 
     def takes_grouped_heads(self, mixed, attention_mask):
         """Whether core attention takes GQA's key and value heads as they are, not expanded to every query head:
-        the flash op does, and so does sdpa's causal CPU flash kernel (the GPU's memory-efficient kernel takes no
-        groups; the dry run's fake tensors stand for a GPU's)."""
+        the flash op does; so does sdpa, causal, where the kernel it picks takes them (sdpa_takes_grouped_heads:
+        a CPU's flash kernel; on CUDA flash attention or cuDNN, asked at the call, which repeats the heads itself
+        where the pick refuses them; the dry run's fake tensors stand for an sm80+ GPU's, decided here by dtype and
+        head dim, as the planner's memory model does). Ulysses' all-to-all and masked batches take every head
+        expanded."""
         if self.ulysses is not None or attention_mask is not None:
             return False
         if self.flash_attention is not None:
             return True
-        return self.config.attention_backend == "sdpa" and mixed.device.type == "cpu" and not is_fake(mixed)
+        if self.config.attention_backend != "sdpa" or self.heads_per_group == 1:
+            return False
+        if is_fake(mixed):
+            return gpu_sdpa_takes_grouped_heads(mixed.dtype, self.head_dim)
+        return mixed.device.type in ("cpu", "cuda")
 
     def _attention_of_heads(self, query, key, value, attention_mask):
         """Core attention on [s, b, heads, d] tensors (the layout DeepSpeed's DistributedAttention exchanges)."""
