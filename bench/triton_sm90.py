@@ -11,7 +11,7 @@ How: each op's own triton backend runs bench/ops.py's case at --size (forward, t
 - `kernel[grid](...)` run as JITFunction.run(..., warmup=True): compiled through triton's whole pipeline (TTIR,
   TTGIR, LLVM IR, PTX, and the cubin by the ptxas triton bundles), never launched;
 - the launch code's device-dependent choices (gpu_choices below: check_device, parallel_programs, row_programs,
-  flash_attention._meta) answered as on a CUDA device, so that the kernels get the GPU's tiles and constexprs, not
+  flash_attention._meta, dropout.hash_chunk_elements) answered as on a CUDA device, so that the kernels get the GPU's tiles and constexprs, not
   the interpreter's; the script refuses to run if a fusion module compares with "cuda" anywhere else.
 Meta tensors' data_ptr() is 0, so pointer arguments specialize as 16-byte aligned, as fresh CUDA allocations do.
 Registers and spills: triton fills n_regs/n_spills only when it loads a binary on a device, so the kernel's PTX goes
@@ -95,9 +95,9 @@ class StandInDriver:
 def gpu_choices(arch):
     """{(module, name): replacement} for the fusion helpers that choose by device type: the choice a CUDA device
     gets (the originals called with a CUDA device where they take one)."""
-    from megatron_ds.core.fusions import _triton, flash_attention
+    from megatron_ds.core.fusions import _triton, dropout, flash_attention
     cuda = torch.device("cuda")
-    row_programs, meta = _triton.row_programs, flash_attention._meta
+    row_programs, meta, chunk = _triton.row_programs, flash_attention._meta, dropout.hash_chunk_elements
 
     def check_device(*tensors, op):  # meta tensors stand for CUDA ones
         return None
@@ -110,6 +110,7 @@ def gpu_choices(arch):
         (_triton, "parallel_programs"): parallel_programs,
         (_triton, "row_programs"): lambda rows, block_m, device: row_programs(rows, block_m, cuda),
         (flash_attention, "_meta"): lambda threshold, device, d: meta(threshold, cuda, d),
+        (dropout, "hash_chunk_elements"): lambda device: chunk(cuda),  # plain PyTorch's dropout: no kernel
     }
 
 

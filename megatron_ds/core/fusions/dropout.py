@@ -14,6 +14,15 @@ import torch
 from megatron_ds.core.fusions.counter_hash import column_mixes, draw_seed, drop_threshold, keep_from_mixes, row_hashes
 
 HASH_CHUNK_ELEMENTS = 1 << 20
+# a GPU launches some 15 small kernels per chunk: 16 per embedding dropout of a 1.3B model's micro batch (16.8M
+# elements) in 1M chunks, one in these (their int32 temporaries, 8 bytes an element, 512 MiB at most)
+CUDA_HASH_CHUNK_ELEMENTS = 1 << 26
+
+
+def hash_chunk_elements(device):
+    """Elements hashed at once in plain PyTorch on `device`: a bound on the hash's temporaries on a CPU, a few
+    launches per mask on a GPU."""
+    return CUDA_HASH_CHUNK_ELEMENTS if torch.device(device).type == "cuda" else HASH_CHUNK_ELEMENTS
 
 
 def element_rows_and_columns(x):
@@ -38,12 +47,12 @@ def tensor_keep_mask(x, mixes, threshold: int):
 
 def dropout_keep_mask(x, p: float):
     """Bool keep-mask shaped like x (True = keep, probability 1 - p), from a seed drawn from the current
-    device's generator. Hashed HASH_CHUNK_ELEMENTS at a time: plain PyTorch's hash holds two int32 temporaries per
+    device's generator. Hashed hash_chunk_elements() at a time: plain PyTorch's hash holds two int32 temporaries per
     element it hashes, 8 bytes against the mask's 1 (for the local attention's s x s scores, more than the scores)."""
     threshold, seed = drop_threshold(p), draw_seed(x.device)
     rows, columns = element_rows_and_columns(x)
     keep = torch.empty((rows, columns), dtype=torch.bool, device=x.device)
-    step = max(1, HASH_CHUNK_ELEMENTS // max(columns, 1))
+    step = max(1, hash_chunk_elements(x.device) // max(columns, 1))
     row_hash, column_mix = element_mixes(x, seed)
     for start in range(0, rows, step):
         keep[start:start + step] = keep_from_mixes(row_hash[start:start + step], column_mix, threshold)

@@ -408,6 +408,16 @@ def _meta(threshold: int, device: torch.device, d: int) -> dict:
     return dict(DROPOUT=threshold > 0, UPCAST=interpreter, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
 
 
+def _backward_kv_meta(meta):
+    """_attention_backward_kv's constexprs: its two fp32 accumulators (dK, dV: 2 x BLOCK_N x BLOCK_D) took 128
+    registers a thread at head dim 128 in tiles of 64 x 64, and it spilled on sm_90 (bench/triton_sm90.py: 428 bytes
+    a thread; 8 warps or fewer stages still spilled); at head dims over 64 it takes tiles of 32 x 32 (162 registers,
+    no spill, on Triton 3.6 and 3.9)."""
+    if meta["BLOCK_D"] <= 64 or meta["BLOCK_N"] <= 32:
+        return meta
+    return {**meta, "BLOCK_M": 32, "BLOCK_N": 32}
+
+
 def _launch_args(query, key, seed, threshold, keep_scale):
     """The kernels' arguments from SEED to keep_scale. Without dropout the kernels never read SEED, and seed may
     be None: any pointer will do."""
@@ -446,8 +456,9 @@ class _TritonAttention(torch.autograd.Function):
         meta = _meta(ctx.threshold, query.device, d)
         _attention_backward_q[(cdiv(sq, meta["BLOCK_M"]), b * heads)](
             query, key, value, out, grad_out, lse, delta, grad_q, *args, **meta)
-        _attention_backward_kv[(cdiv(key.size(-2), meta["BLOCK_N"]), b * heads)](
-            query, key, value, grad_out, lse, delta, grad_k, grad_v, *args, **meta)
+        kv_meta = _backward_kv_meta(meta)
+        _attention_backward_kv[(cdiv(key.size(-2), kv_meta["BLOCK_N"]), b * heads)](
+            query, key, value, grad_out, lse, delta, grad_k, grad_v, *args, **kv_meta)
         return grad_q, grad_k, grad_v, None, None
 
 

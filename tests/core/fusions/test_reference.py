@@ -187,6 +187,19 @@ def test_the_plain_pytorch_mask_is_hashed_in_chunks_with_the_one_piece_mask_s_bi
     assert dropout(x, 0.25, False) is x and dropout(x, 0.0, True) is x
 
 
+def test_a_gpu_hashes_a_mask_in_few_large_chunks_to_the_same_bits(monkeypatch):
+    """On CUDA the plain-PyTorch hash runs in chunks of 64M elements (few launches); the chunk size changes
+    nothing in the mask (here: the CPU's chunk set to the GPU's, against the 1M default)."""
+    from megatron_ds.core.fusions import dropout as dropout_module
+    assert dropout_module.hash_chunk_elements("cuda") == 1 << 26 > dropout_module.hash_chunk_elements("cpu")
+    x = torch.empty(2100, 512)
+    torch.manual_seed(3)
+    small_chunks = fusions.dropout_keep_mask(x, 0.25)
+    monkeypatch.setattr(dropout_module, "HASH_CHUNK_ELEMENTS", dropout_module.CUDA_HASH_CHUNK_ELEMENTS)
+    torch.manual_seed(3)
+    assert torch.equal(fusions.dropout_keep_mask(x, 0.25), small_chunks)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [1, 4, None])
 def test_cross_entropy_reference_equals_the_textbook_form(dtype, chunk_rows):

@@ -155,6 +155,21 @@ def test_flash_attention(triton_device, dtype, p, b, heads, groups, sq, sk, d):
                    [q, k, v])
 
 
+def test_flash_attention_with_a_gpu_s_tiles_at_head_dim_128(triton_device, monkeypatch):
+    """A GPU's tiles (64 x 64; the dK/dV kernel 32 x 32 past head dim 64, where 64 x 64 spilled on sm_90), through
+    the interpreter: forward and every gradient still the reference's, dropout included, over several blocks."""
+    from megatron_ds.core.fusions import flash_attention
+    gpu_meta = flash_attention._meta
+    monkeypatch.setattr(flash_attention, "_meta", lambda threshold, device, d: {
+        **gpu_meta(threshold, device, d), "BLOCK_M": 64, "BLOCK_N": 64})
+    assert flash_attention._backward_kv_meta(flash_attention._meta(1, triton_device, 128))["BLOCK_N"] == 32
+    b, heads, s, d = 1, 2, 70, 128
+    seed = torch.tensor(ATTENTION_SEED, device=triton_device)
+    inputs = [leaf((b, heads, s, d), torch.float32, triton_device, seed=i) for i in (3, 10, 11)]
+    assert_matches(_attention(flash_attention_triton, 0.1, seed), _attention(flash_attention_reference, 0.1, seed),
+                   inputs)
+
+
 def test_flash_attention_drops_the_hashed_positions(triton_device):
     """Zero queries (uniform probabilities) and one-hot values make the output the dropped probabilities
     themselves: they are nonzero exactly where keep_mask keeps a visible key. At p = 0.5 the gradients of random
