@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.turns import Ratio  # noqa: E402
+
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--micro-batch-size", "2",
          "--global-batch-size", "16", "--pipeline-model-parallel-size", "2",
          "--lr", "1e-4", "--mock-data", "--vocab-size", "1024", "--eval-interval", "0", "--log-interval", "100000",

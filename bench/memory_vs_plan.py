@@ -24,8 +24,8 @@ def compare(text, expect_measured):
         return ["memory: no 'Theoretical memory footprints' line in the log (pretrain.py prints it after its first "
                 "logged iteration: did the run get that far?)"], 1
     states, activations, predicted = (float(value) for value in theoretical.groups())
-    lines = [f"memory predicted by the planner (the logging rank's stage): {predicted:.0f} MiB peak = {states:.0f} MiB weights "
-             f"and optimizer + {activations:.0f} MiB activations at their peak"]
+    lines = [f"memory predicted by the planner (the logging rank's stage): {predicted:.0f} MiB peak = {states:.0f} "
+             f"MiB weights and optimizer + {activations:.0f} MiB activations at their peak"]
     measured = MEASURED.search(text, theoretical.end())  # the predicting (logging) rank's own, printed next
     if measured is None:
         lines.append("memory measured: none in the log (pretrain.py measures on CUDA only)")

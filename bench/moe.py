@@ -30,8 +30,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
-                         host_line, run_in_turns, sequential, total_rotations)
+from bench.turns import (  # noqa: E402
+    WARM_UP,
+    Ratio,
+    add_arguments,
+    bench_environment,
+    host_line,
+    method_words,
+    rounds_of,
+    run_in_turns,
+    sequential,
+    total_rotations,
+)
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 

@@ -34,8 +34,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.turns import (Ratio, add_arguments, alternate, host_line, keep_freed_memory, method_words,  # noqa: E402
-                         rounds_of, sequential, total_rotations)
+from bench.turns import (  # noqa: E402
+    Ratio,
+    add_arguments,
+    alternate,
+    host_line,
+    keep_freed_memory,
+    method_words,
+    rounds_of,
+    sequential,
+    total_rotations,
+)
 from megatron_ds.core import fusions  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 

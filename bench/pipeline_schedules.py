@@ -31,10 +31,19 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, rounds_of,  # noqa: E402
-                         host_line, run_in_turns, sequential, total_rotations)
-from megatron_ds.core.pipeline_schedules import (SCHEDULES, micro_batch_problems, simulate,  # noqa: E402
-                                                 split_micro_batch)
+from bench.turns import (  # noqa: E402
+    WARM_UP,
+    Ratio,
+    add_arguments,
+    bench_environment,
+    host_line,
+    method_words,
+    rounds_of,
+    run_in_turns,
+    sequential,
+    total_rotations,
+)
+from megatron_ds.core.pipeline_schedules import SCHEDULES, micro_batch_problems, simulate, split_micro_batch  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 
 IDLE = re.compile(r"idle share of the pipeline per stage: (.*?); the planner")

@@ -18,8 +18,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
-from bench.turns import (Ratio, add_arguments, alternate, keep_freed_memory, method_words, rounds_of,  # noqa: E402
-                         sequential, total_rotations)
+from bench.turns import (  # noqa: E402
+    Ratio,
+    add_arguments,
+    alternate,
+    keep_freed_memory,
+    method_words,
+    rounds_of,
+    sequential,
+    total_rotations,
+)
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402

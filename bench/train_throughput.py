@@ -57,8 +57,19 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.turns import (WARM_UP, Ratio, add_arguments, bench_environment, method_words, pinned,  # noqa: E402
-                         host_line, rounds_of, run_in_turns, sequential, total_rotations)
+from bench.turns import (  # noqa: E402
+    WARM_UP,
+    Ratio,
+    add_arguments,
+    bench_environment,
+    host_line,
+    method_words,
+    pinned,
+    rounds_of,
+    run_in_turns,
+    sequential,
+    total_rotations,
+)
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.glue.runtime import free_port  # noqa: E402
 

@@ -11,8 +11,9 @@ How: each op's own triton backend runs bench/ops.py's case at --size (forward, t
 - `kernel[grid](...)` run as JITFunction.run(..., warmup=True): compiled through triton's whole pipeline (TTIR,
   TTGIR, LLVM IR, PTX, and the cubin by the ptxas triton bundles), never launched;
 - the launch code's device-dependent choices (gpu_choices below: check_device, parallel_programs, row_programs,
-  flash_attention._meta, dropout.hash_chunk_elements) answered as on a CUDA device, so that the kernels get the GPU's tiles and constexprs, not
-  the interpreter's; the script refuses to run if a fusion module compares with "cuda" anywhere else.
+  flash_attention._meta, dropout.hash_chunk_elements) answered as on a CUDA device, so that the kernels get the
+  GPU's tiles and constexprs, not the interpreter's; the script refuses to run if a fusion module compares with
+  "cuda" anywhere else.
 Meta tensors' data_ptr() is 0, so pointer arguments specialize as 16-byte aligned, as fresh CUDA allocations do.
 Registers and spills: triton fills n_regs/n_spills only when it loads a binary on a device, so the kernel's PTX goes
 through triton's own make_cubin again (ptxas with the flags this triton uses) with its `ptxas -v` log kept.
@@ -290,6 +291,7 @@ def set_up(arch):
     CannotCompileHere saying why not."""
     try:
         import triton
+
         from megatron_ds.core.fusions._triton import interpreter_ready, interpreting
         if interpreting() or interpreter_ready():
             raise CannotCompileHere("triton kernels are interpreted in this process (TRITON_INTERPRET=1 when triton "

@@ -17,10 +17,16 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.state import read_resharded_rank_state
 from megatron_ds.core import parallel_state
+from megatron_ds.core.models.gpt.gpt_model import (
+    EmbeddingPipe,
+    FinalLayerNorm,
+    LanguageModelEmbedding,
+    OutputLayer,
+    TransformerLayerPipe,
+    pack_model_inputs,
+    tied_output_logits,
+)
 from megatron_ds.core.parallel_layout import student_layer_carrying, teacher_layers_on
-from megatron_ds.core.models.gpt.gpt_model import (EmbeddingPipe, FinalLayerNorm, LanguageModelEmbedding,
-                                                   OutputLayer, TransformerLayerPipe, pack_model_inputs,
-                                                   tied_output_logits)
 from megatron_ds.core.tensor_parallel.distillation import vocab_parallel_kl_divergence
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer
 

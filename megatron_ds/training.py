@@ -21,10 +21,10 @@ import torch.distributed as dist
 from megatron_ds.arguments import ArgumentsError, parse_args
 from megatron_ds.checkpointing import CheckpointError, CheckpointManager, TrainingProgress, folder_lock
 from megatron_ds.checkpointing.files import CheckpointSaveError
+from megatron_ds.compile_watch import CompileWatch
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.compile_watch import CompileWatch
 from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_ops
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
@@ -39,8 +39,14 @@ from megatron_ds.glue.launcher_env import Attempt, read_attempt
 from megatron_ds.glue.moe_token_gather import mend_token_split
 from megatron_ds.glue.mpu import ModelParallelUnit
 from megatron_ds.glue.pipeline_schedules import install_schedule, pipeline_module_class
-from megatron_ds.glue.runtime import (deepspeed_device_arguments, device, init_distributed,
-                                     local_rank_naming_the_device, local_world_size, print_rank_0)
+from megatron_ds.glue.runtime import (
+    deepspeed_device_arguments,
+    device,
+    init_distributed,
+    local_rank_naming_the_device,
+    local_world_size,
+    print_rank_0,
+)
 from megatron_ds.glue.storage import storage_problems
 from megatron_ds.glue.topology import describe_ranks, tensor_parallel_placement_warning
 from megatron_ds.glue.watchdog import Watchdog
@@ -53,7 +59,7 @@ from megatron_ds.planning.cli import model_spec, predicted_stage_memory
 from megatron_ds.planning.memory import checkpoint_bytes
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.profiling import IterationProfiler
-from megatron_ds.rerun import RerunExit, ReproducibilityStats, ResultValidator, Validation
+from megatron_ds.rerun import ReproducibilityStats, RerunExit, ResultValidator, Validation
 from megatron_ds.stragglers import StragglerDetector
 from megatron_ds.throughput import peak_tflops_per_device
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, deepspeed, megatron_ds, tensorboard, pytest, pytest_timeout, transformers, safetensors, wandb" 2>/dev/null; then
+if [ -x "$VENV/bin/ruff" ] && "$VENV/bin/python" -c "import torch, deepspeed, megatron_ds, tensorboard, pytest, pytest_timeout, transformers, safetensors, wandb" 2>/dev/null; then
   exit 0
 fi
 python3 -m venv "$VENV"

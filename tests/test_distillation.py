@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ds.arguments import ArgumentsError
-from megatron_ds.core.tensor_parallel.distillation import vocab_parallel_kl_divergence
 from megatron_ds.core.parallel_layout import teacher_layers_on
+from megatron_ds.core.tensor_parallel.distillation import vocab_parallel_kl_divergence
 from tests.distributed import run_distributed
 
 MODEL = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
@@ -66,6 +66,7 @@ def test_a_teacher_equal_to_the_student_adds_nothing():
 
 def _kl_over_two_tensor_parallel_ranks():
     import torch.distributed as dist
+
     from megatron_ds.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(0)  # the same full logits on both ranks; each keeps its half of the vocabulary

@@ -72,7 +72,8 @@ def test_iteration_line_adds_num_zeros_and_params_norm_where_megatron_prints_the
     plain = _line()
     assert plain == (" iteration 2/10 | consumed samples: 16 | consumed tokens: 512 | elapsed time per iteration "
                      "(ms): 123.4 | learning rate: 3.000000E-03 | global batch size: 8 | lm loss: 5.250000E+00 | "
-                     "loss scale: 1.0 | grad norm: 1.500 | tokens per second: 100.0 | TFLOP/s per device: 0.010 | MFU: 10.0% |")
+                     "loss scale: 1.0 | grad norm: 1.500 | tokens per second: 100.0 | TFLOP/s per device: 0.010 | "
+                     "MFU: 10.0% |")
     full = _line(**{"num-zeros": 12.0, "params-norm": 3.14159})
     assert " grad norm: 1.500 | num zeros: 12.0 | params norm: 3.142 | tokens per second: 100.0 |" in full
     assert full.replace(" num zeros: 12.0 | params norm: 3.142 |", "") == plain

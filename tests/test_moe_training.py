@@ -117,8 +117,9 @@ def test_resume_at_pp2_ep2_is_bitwise_and_other_layouts_train_on(tmp_path):
     assert lm == straight_lm and moe == straight_moe
 
     from megatron_ds.conversion.cli import main as convert
-    assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp2"), "--target-tensor-parallel-size",
-                    "2", "--target-pipeline-model-parallel-size", "1", "--target-expert-parallel-size", "2"]) == 0
+    assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp2"),
+                    "--target-tensor-parallel-size", "2", "--target-pipeline-model-parallel-size", "1",
+                    "--target-expert-parallel-size", "2"]) == 0
     for flags in (["--moe-expert-parallel-size", "1", "--load", str(tmp_path / "ckpt"), "--load-iteration", "5",
                    *PIPELINE],
                   ["--moe-expert-parallel-size", "2", "--load", str(tmp_path / "tp2"), *TENSOR]):

@@ -7,8 +7,14 @@ import torch
 
 from megatron_ds.arguments import parse_args
 from megatron_ds.batch_schedule import ConstantBatchSize, RampupBatchSize
-from megatron_ds.optimizer_param_scheduler import (LRSchedule, OptimizerParamScheduler, Position, lr_schedule_from_args,
-                                                   schedule_to_resume, warmup_end)
+from megatron_ds.optimizer_param_scheduler import (
+    LRSchedule,
+    OptimizerParamScheduler,
+    Position,
+    lr_schedule_from_args,
+    schedule_to_resume,
+    warmup_end,
+)
 
 SEQ = 16
 

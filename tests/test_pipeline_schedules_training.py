@@ -1,7 +1,7 @@
 """The pipeline schedules beyond 1F1B inside DeepSpeed's pipeline engine train what 1F1B trains: the same lm loss
 and grad norm at every iteration (fp32, dropout 0), at PP 2 and PP 4 with tied embeddings, at TP 2 x PP 2 with
-Megatron's sequence parallelism, selective recompute and untied embeddings (LLaMA), in bf16, in fp16 (its dynamic loss scale
-overflowing and halving in the first iterations, where this CPU's oneDNN has fp16), and with an MoE layer in
+Megatron's sequence parallelism, selective recompute and untied embeddings (LLaMA), in bf16, in fp16 (its dynamic
+loss scale overflowing and halving in the first iterations, where this CPU's oneDNN has fp16), and with an MoE layer in
 each stage under full recompute. ZB-H1 takes the weight gradients later but in 1F1B's order, so its updates are 1F1B's
 bitwise; the zero-bubble DualPipeV (DeepSpeed's DualPipeVModule and DualPipeVEngine, two stages per rank) sums
 each weight's micro-batch gradients in another order, so it agrees to rounding; interleaved (Megatron's order,

@@ -87,7 +87,8 @@ def test_a_persistent_fault_is_told_from_the_data_on_the_next_replica_and_exits_
 def test_a_false_alarm_is_computed_again_bitwise_and_training_goes_on():
     result = launch(4, FLAGS + INJECT + ["--error-injection-type", "correct_result"])
     assert result.returncode == 0, result.stdout[-4000:]
-    assert "iteration 6: an injected false alarm (--error-injection-type correct_result); computed again" in result.stdout
+    assert ("iteration 6: an injected false alarm (--error-injection-type correct_result); computed again"
+            in result.stdout)
     assert losses(result.stdout) == straight_losses()
 
 
@@ -222,6 +223,7 @@ def _corpus(folder, poisoned=None):
     tokens. Every document has the same length, so which documents a sample holds does not depend on what they
     hold."""
     import numpy as np
+
     from megatron_ds.data.indexed_dataset import IndexedDatasetBuilder
     folder.mkdir(parents=True, exist_ok=True)
     pattern = np.tile(np.arange(1, 9), DOCUMENT_TOKENS // 8)

@@ -28,7 +28,8 @@ def _baseline(family, layout, extra=()):
 
 @pytest.mark.parametrize("layout,name,flags", [(layout, name, flags) for layout, cases in CASES.items()
                                                for name, flags in cases.items()],
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else (v if isinstance(v, str) else None))
+                         ids=lambda v: ("x".join(map(str, v)) if isinstance(v, tuple)
+                                        else (v if isinstance(v, str) else None)))
 def test_memory_savers_leave_losses_unchanged(layout, name, flags):
     family = "llama" if "full" in name else "gpt2"
     expected, observed = _baseline(family, layout), run_layout(family, *layout, flags)

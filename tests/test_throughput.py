@@ -79,7 +79,8 @@ def test_the_measured_rate_is_averaged_over_the_world_on_the_run_s_device(fake_w
 
 def test_a_slow_16_bit_cpu_matmul_is_measured_small(monkeypatch):
     """Where the first small product says the full measurement would exceed its budget (16-bit on a CPU without
-    16-bit matrix instructions: seconds per launch), the small product is what is measured; a fast one keeps its size."""
+    16-bit matrix instructions: seconds per launch), the small product is what is measured; a fast one keeps its
+    size."""
     sizes = []
     real = torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda a, b: sizes.append(a.shape[0]) or real(a, b))

@@ -13,8 +13,14 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.data.indexed_dataset import (IndexedDatasetBuilder, IndexedDatasetError,  # noqa: E402
-                                              bin_path, dataset_exists, idx_path, read_index_header)
+from megatron_ds.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    bin_path,
+    dataset_exists,
+    idx_path,
+    read_index_header,
+)
 
 
 class MergeError(Exception):

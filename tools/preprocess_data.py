@@ -22,8 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.data.indexed_dataset import (IndexedDatasetBuilder, IndexedDatasetError,  # noqa: E402
-                                              best_fitting_dtype)
+from megatron_ds.data.indexed_dataset import IndexedDatasetBuilder, IndexedDatasetError, best_fitting_dtype  # noqa: E402
 from megatron_ds.data.tokenizers import build_tokenizer  # noqa: E402
 
 

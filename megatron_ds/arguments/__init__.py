@@ -8,8 +8,16 @@ validation, one function per concern. Everything happens before any process grou
 command line stops every rank with the same message instead of hanging a collective.
 """
 from megatron_ds.arguments.flags import build_parser, flag_defaults, parse_flags
-from megatron_ds.arguments.resolve import (ArgumentsError, ResolvedArguments, model_defaults, padded_vocab_size,
-                                           raise_if_invalid, resolve, tokenizer_type, transformer_config_from_args)
+from megatron_ds.arguments.resolve import (
+    ArgumentsError,
+    ResolvedArguments,
+    model_defaults,
+    padded_vocab_size,
+    raise_if_invalid,
+    resolve,
+    tokenizer_type,
+    transformer_config_from_args,
+)
 from megatron_ds.glue.launcher_env import LauncherError, launcher_world_size
 
 

@@ -9,9 +9,14 @@ import types
 
 from megatron_ds.arguments import compat
 from megatron_ds.core.pipeline_schedules import SCHEDULES
-from megatron_ds.core.transformer.transformer_config import (ATTENTION_BACKENDS, FUSION_BACKENDS, NORMALIZATIONS,
-                                                              POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES,
-                                                              RECOMPUTE_METHODS)
+from megatron_ds.core.transformer.transformer_config import (
+    ATTENTION_BACKENDS,
+    FUSION_BACKENDS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+)
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, TOKENIZER_TYPES
 
 
@@ -473,7 +478,8 @@ def parse_flags(parser, argv=None):
         except _MissingFlags as error:
             return None, problems + [str(error)]
         if unknown:
-            problems.append(f"unrecognized arguments: {' '.join(unknown)} (python {parser.prog} --help lists the flags)")
+            problems.append(f"unrecognized arguments: {' '.join(unknown)} "
+                            f"(python {parser.prog} --help lists the flags)")
         return flags, problems
 
 

@@ -16,8 +16,8 @@
 
 The conversion package (Hugging Face mapping, reshaping) builds on this one, never the reverse.
 """
-from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.exit_policy import ExitSignalHandler
+from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.manager import CheckpointManager, TrainingProgress
 
 __all__ = ["CheckpointError", "CheckpointManager", "ExitSignalHandler", "TrainingProgress"]

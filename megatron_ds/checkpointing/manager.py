@@ -285,8 +285,8 @@ class CheckpointManager:
         if parallel_state.get_sequence_data_parallel_rank() == 0:
             names = {id(param): name for name, param in self.engine.module.named_parameters()}
             groups = [[names[id(param)] for param in group["params"]] for group in self._client_param_groups()]
-        entry = {**_coordinates(), **_expert_coordinates(self.layout.expert if self.moe else None), "mp_rank": self.engine.checkpoint_mp_rank,
-                 "param_groups": groups}
+        entry = {**_coordinates(), **_expert_coordinates(self.layout.expert if self.moe else None),
+                 "mp_rank": self.engine.checkpoint_mp_rank, "param_groups": groups}
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, entry)
         return entries
@@ -427,7 +427,8 @@ class CheckpointManager:
 
     def _read_this_rank(self, path, metadata, load_optimizer, resharded):
         """This rank's RankState: its own (TP, PP) shard when the layout allows, else resharded."""
-        tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         if not resharded:
             return read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
         names = [name for name, _ in layout.live_parameter_names(self.engine.module, self.model.num_layers,

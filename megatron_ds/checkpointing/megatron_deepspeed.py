@@ -49,7 +49,8 @@ UNIVERSAL_FORMAT = files.FORMAT_MEGATRON_DEEPSPEED_UNIVERSAL
 FIRST_FILE = "mp_rank_00_model_states.pt"
 _LAYER_FILE = re.compile(r"layer_(\d\d)-model_(\d\d)-model_states\.pt")
 _OURS_BY_THEIRS = {"input_layernorm": "input_layernorm", "self_attention.query_key_value": "self_attention.linear_qkv",
-                   "self_attention.dense": "self_attention.linear_proj", "post_attention_layernorm": "pre_mlp_layernorm",
+                   "self_attention.dense": "self_attention.linear_proj",
+                   "post_attention_layernorm": "pre_mlp_layernorm",
                    "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2",
                    # Mixture of Experts (DeepSpeed's MoE layer in the MLP's place): the router, PR-MoE's residual
                    # MLP and its mix
@@ -814,6 +815,7 @@ def _slice_mappings(sizes, partition, replica):
     """DeepSpeed's param_slice_mappings of data-parallel partition `replica`: each parameter's piece in it (its start
     in the partition and its length), which ds_to_universal cuts the partitions with."""
     from collections import OrderedDict
+
     from deepspeed.utils.tensor_fragment import fragment_address
     pieces, offset, low = OrderedDict(), 0, replica * partition
     for name, size in sizes:

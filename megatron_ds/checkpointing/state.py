@@ -110,7 +110,8 @@ def _read_pipeline_layer_files(path, entry, tp_rank):
     indices = sorted({0 if name.startswith("tied_modules.") else int(name.split(".")[0]) for name in local_names})
     weights = {}
     for index in indices:
-        for key, value in load_file(os.path.join(path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")).items():
+        layer_file = os.path.join(path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
+        for key, value in load_file(layer_file).items():
             weights[f"{index}.{key}"] = value
     return weights
 
@@ -133,7 +134,8 @@ def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
     the TP ranks hold different experts, so the files of every mp_rank of the stage are read."""
     weights = {}
     for mp_rank in sorted({entry["mp_rank"] for entry in _stage_entries(metadata, pp_rank, tp_rank)}):
-        for file_path in sorted(glob.glob(os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"))):
+        pattern = os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")
+        for file_path in sorted(glob.glob(pattern)):
             for name, value in load_file(file_path).items():
                 weights[layout.canonical_name(name, num_layers, pipelined)] = value
     return weights
@@ -145,9 +147,9 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     moe = files.is_moe(files.saved_model_shape(metadata))
     if lay["zero_stage"] == 0:
         if moe:
-            raise CheckpointError("reading the optimizer states of a Mixture of Experts saved without ZeRO (DeepSpeed's "
-                                  "expp_rank_* files) is not supported; save with ZeRO stage 1 or 2, or convert with "
-                                  "--no-optim")
+            raise CheckpointError("reading the optimizer states of a Mixture of Experts saved without ZeRO "
+                                  "(DeepSpeed's expp_rank_* files) is not supported; save with ZeRO stage 1 or 2, or "
+                                  "convert with --no-optim")
         return _read_plain_optimizer(mp_state, entry, weights, canonical)
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
@@ -236,7 +238,8 @@ class ZeroPartitions:
         states, offset = {}, 0
         for index, (local, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
-            states[local] = {key: _span(pieces, starts, offset, numel).view(tuple(shape)) for key, pieces in flats.items()}
+            states[local] = {key: _span(pieces, starts, offset, numel).view(tuple(shape))
+                             for key, pieces in flats.items()}
             offset += numel + (alignment[group][index] if alignment else 0)
         return states, int(base_states[0]["step"])
 

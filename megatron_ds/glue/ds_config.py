@@ -21,8 +21,13 @@ import json
 import math
 
 from megatron_ds.core.parallel_layout import micro_batches_per_step
-from megatron_ds.core.pipeline_schedules import (chunks_per_rank, messages_split_over_tensor_parallel,
-                                                 micro_batch_problems, simulate, split_micro_batch)
+from megatron_ds.core.pipeline_schedules import (
+    chunks_per_rank,
+    messages_split_over_tensor_parallel,
+    micro_batch_problems,
+    simulate,
+    split_micro_batch,
+)
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 from megatron_ds.glue import curriculum, deepspeed_keys
 

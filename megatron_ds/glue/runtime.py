@@ -16,8 +16,12 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from megatron_ds.core import deepspeed_internals
-from megatron_ds.glue.launcher_env import (export_launcher_environment, read_attempt, read_launcher,
-                                          store_hosted_by_launcher)
+from megatron_ds.glue.launcher_env import (
+    export_launcher_environment,
+    read_attempt,
+    read_launcher,
+    store_hosted_by_launcher,
+)
 
 
 def local_world_size(environ=None):
@@ -133,6 +137,7 @@ def _use_shared_memory_all_reduce():
     TP when the TP group is the world. DeepSpeed falls back to the process group itself where the CPU lacks
     the op's vector instructions for the dtype (avx2 for fp32, avx512bw for bf16 and fp16)."""
     import deepspeed.comm
+
     from megatron_ds.core.tensor_parallel.mappings import use_tensor_parallel_all_reduce
     level = deepspeed_internals.shared_memory_all_reduce_level()
     if level == 0:

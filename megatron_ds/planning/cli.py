@@ -11,17 +11,27 @@ import json
 import sys
 import time
 
-from megatron_ds.arguments import (ArgumentsError, build_parser, parse_flags, raise_if_invalid, resolve, tokenizer_type,
-                                   transformer_config_from_args)
-from megatron_ds.core.transformer.transformer_config import (DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS,
-                                                             default_ffn_hidden_size)
+from megatron_ds.arguments import (
+    ArgumentsError,
+    build_parser,
+    parse_flags,
+    raise_if_invalid,
+    resolve,
+    tokenizer_type,
+    transformer_config_from_args,
+)
+from megatron_ds.core.transformer.transformer_config import (
+    DEFAULT_RECOMPUTE_METHOD,
+    DEFAULT_RECOMPUTE_NUM_LAYERS,
+    default_ffn_hidden_size,
+)
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.planning import report
 from megatron_ds.planning.devices import DEVICES, device_spec
 from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES, stage_memory
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
-from megatron_ds.planning.performance import PerformanceAssumptions
 from megatron_ds.planning.parameters import active_parameters, rank_parameters, total_parameters
+from megatron_ds.planning.performance import PerformanceAssumptions
 from megatron_ds.planning.planner import make_plan, moe_section
 from megatron_ds.planning.search import search_layouts
 
@@ -177,12 +187,12 @@ def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:
 def assumptions_text(assumptions: PerformanceAssumptions):
     return assumptions.describe() + [
         f"memory: {RUNTIME_OVERHEAD_BYTES / GIB:g} GiB per device for CUDA context, NCCL and allocator slack; "
-        f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the micro-batches a stage holds in "
-        f"flight (1F1B: min(p - stage, m); other schedules: simulated)"]
+        f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the micro-batches a stage holds "
+        f"in flight (1F1B: min(p - stage, m); other schedules: simulated)"]
 
 
 def instantiate_check(model: ModelSpec, tp: int, pp: int) -> dict:
-    from megatron_ds.planning.meta import check_against_formula   # imports the model code (and DeepSpeed)
+    from megatron_ds.planning.meta import check_against_formula  # imports the model code (and DeepSpeed)
     start = time.perf_counter()
     stages = check_against_formula(model, tp, pp)
     return {"tp": tp, "pp": pp, "stages": stages, "ok": not any(row["difference"] for row in stages.values()),

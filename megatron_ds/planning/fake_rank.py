@@ -142,11 +142,11 @@ def groups_by_axis(grid, args, rank):
 
 def run_rank(rank, world_size, args):
     """Start rank `rank` up on the fake backend; its record (the module docstring's fields)."""
+    import deepspeed
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import deepspeed
     from megatron_ds import training
     from megatron_ds.core.transformer.transformer_layer import TransformerLayer
 
@@ -170,11 +170,11 @@ def run_rank(rank, world_size, args):
 def group_rank(rank, world_size, args):
     """Only rank `rank`'s process groups and DeepSpeed's pipeline grid (PP > 1) over the same topology, then
     everything torn down for the next rank of this process."""
+    import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import deepspeed
     from megatron_ds import training
     from megatron_ds.core import parallel_state
 

@@ -5,10 +5,13 @@ from typing import List, Optional
 import torch
 
 from megatron_ds.arguments import padded_vocab_size
-from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.core.transformer.transformer_config import (DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS,
-                                                              RECOMPUTE_GRANULARITIES)
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout
+from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.core.transformer.transformer_config import (
+    DEFAULT_RECOMPUTE_METHOD,
+    DEFAULT_RECOMPUTE_NUM_LAYERS,
+    RECOMPUTE_GRANULARITIES,
+)
 from megatron_ds.planning.devices import DeviceSpec
 
 RECOMPUTE_CHOICES = (None, *RECOMPUTE_GRANULARITIES)

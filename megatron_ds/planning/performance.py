@@ -20,8 +20,11 @@ from typing import Optional
 
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import pipeline
-from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
-                                        stage_hardware_flops_per_micro_batch)
+from megatron_ds.planning.flops import (
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    stage_hardware_flops_per_micro_batch,
+)
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters
 

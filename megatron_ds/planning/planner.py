@@ -4,10 +4,21 @@ import dataclasses
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning.checkpoints import checkpoint_section
 from megatron_ds.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from megatron_ds.planning.memory import (GIB, layer_activation_bytes, memory_per_stage, sharded_state_bytes,
-                                         state_bytes_per_parameter)
-from megatron_ds.planning.model import (RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, expert_data_parallel_size,
-                                        layout_errors)
+from megatron_ds.planning.memory import (
+    GIB,
+    layer_activation_bytes,
+    memory_per_stage,
+    sharded_state_bytes,
+    state_bytes_per_parameter,
+)
+from megatron_ds.planning.model import (
+    RECOMPUTE_CHOICES,
+    Cluster,
+    Layout,
+    ModelSpec,
+    expert_data_parallel_size,
+    layout_errors,
+)
 from megatron_ds.planning.parameters import active_parameters, mlp_parameters, rank_parameters, total_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
 

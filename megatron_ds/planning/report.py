@@ -237,7 +237,8 @@ def search_text(result) -> str:
     if search["ulysses_skipped"]:
         lines.append(f"         {search['ulysses_skipped']} layouts with Ulysses SP not tried: the same TP, PP, micro "
                      f"batch, SP and recompute fit with a smaller Ulysses size (or none)")
-    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute     schedule  mem GiB  bubble   iter s  TFLOP/s    MFU")
+    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute     schedule  mem GiB  bubble   iter s  TFLOP/s"
+                 "    MFU")
     for rank, row in enumerate(search["ranked"], 1):
         lines.append(f"  {rank:>2} {row['tp']:>4} {row['ulysses']:>4} {row['pp']:>4} {row['dp']:>4} "
                      f"{row['micro_batch_size']:>3} {row['num_micro_batches']:>5}  "

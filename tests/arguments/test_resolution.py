@@ -7,8 +7,13 @@ import re
 import pytest
 import torch
 
-from megatron_ds.arguments import (ResolvedArguments, build_parser, flag_defaults, parse_args,
-                                   transformer_config_from_args)
+from megatron_ds.arguments import (
+    ResolvedArguments,
+    build_parser,
+    flag_defaults,
+    parse_args,
+    transformer_config_from_args,
+)
 from megatron_ds.glue.ds_config import build_deepspeed_config
 from tests.flags import TINY_MODEL
 

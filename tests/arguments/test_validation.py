@@ -199,7 +199,8 @@ def test_unknown_flags_and_bad_values_are_reported_with_the_other_problems():
         parse_args(argv, world_size=3)
     problems = raised.value.problems
     assert problems[:2] == ["argument --num-layers: invalid int value: 'x'",
-                            "argument --normalization: invalid choice: 'BatchNorm' (choose from 'LayerNorm', 'RMSNorm')"]
+                            "argument --normalization: invalid choice: 'BatchNorm' "
+                            "(choose from 'LayerNorm', 'RMSNorm')"]
     assert problems[2].startswith("unrecognized arguments: --no-such-flag 3")
     assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in problems
     with pytest.raises(ArgumentsError, match="the following arguments are required: --hidden-size"):

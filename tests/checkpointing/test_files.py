@@ -37,7 +37,8 @@ def test_a_deepspeed_universal_folder_is_refused_by_name(tmp_path):
     tiny_checkpoint(tmp_path, 2)
     (tmp_path / "global_step2" / files.METADATA_FILE).unlink()
     (tmp_path / "global_step2" / "zero").mkdir()
-    with pytest.raises(files.CheckpointError, match="a DeepSpeed universal checkpoint .* load it with --universal-checkpoint"):
+    with pytest.raises(files.CheckpointError,
+                       match="a DeepSpeed universal checkpoint .* load it with --universal-checkpoint"):
         files.resolve_checkpoint(str(tmp_path))
 
 

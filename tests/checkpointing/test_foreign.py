@@ -1,7 +1,7 @@
 """Checkpoints of other programs (megatron_ds.checkpointing.foreign) are refused by what they hold, never called
-damaged (a Megatron-DeepSpeed --load folder is read instead, its tag folder named): Megatron-DeepSpeed's, written here by code that follows its file layout (Megatron-DeepSpeed is not
-vendored), Megatron-LM's two formats, DeepSpeed files of another program, a Hugging Face folder; a damaged one
-names its file."""
+damaged (a Megatron-DeepSpeed --load folder is read instead, its tag folder named): Megatron-DeepSpeed's, written
+here by code that follows its file layout (Megatron-DeepSpeed is not vendored), Megatron-LM's two formats, DeepSpeed
+files of another program, a Hugging Face folder; a damaged one names its file."""
 import argparse
 
 import pytest

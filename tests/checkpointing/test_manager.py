@@ -38,7 +38,8 @@ def test_load_with_another_tp_or_pp_reshards_unless_the_tokenizer_differs(tmp_pa
     metadata = files.read_metadata(folder)
     args = parse_args(TINY + ["--train-iters", "8", "--load", str(tmp_path)] + layout_flags(1, 2), world_size=2)
     assert load_plan.needs_resharding(load_plan.LoadRequest.of_run(args), metadata)
-    load_plan.check_compatible(load_plan.LoadRequest.of_run(args), folder, metadata)  # padded vocabulary 128 (TP 2) against 128 (TP 1): fine either way
+    # padded vocabulary 128 (TP 2) against 128 (TP 1): fine either way
+    load_plan.check_compatible(load_plan.LoadRequest.of_run(args), folder, metadata)
     other = parse_args(TINY + ["--train-iters", "8", "--load", str(tmp_path), "--vocab-size", "90"]
                        + layout_flags(1, 2), world_size=2)
     with pytest.raises(files.CheckpointError, match="vocabulary: checkpoint 100 tokens, flags 90"):

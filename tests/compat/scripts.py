@@ -93,6 +93,7 @@ def make_datasets(folder, files):
     """{tokenizer: prefix} of a small indexed dataset per tokenizer family (GPT-2 BPE, SentencePiece)."""
     import subprocess
     import sys
+
     from tests.corpus import write_jsonl
     from tests.launch import REPO
     # enough that the scripts' 2% validation split holds an evaluation's samples (checked at start-up)
@@ -155,7 +156,8 @@ def tiny_command_line(name, files, datasets, folder, iterations=3, teacher=None)
     family = "sentencepiece" if "--tokenizer-model" in flags else "gpt2"
     replace = {**TINY, **CPU, **schedule, "--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
                "--global-batch-size": global_batch, "--data-path": datasets[family],
-               "--data-cache-path": str(folder / "cache"), "--save": str(folder / "save"), "--load": str(folder / "save"),
+               "--data-cache-path": str(folder / "cache"), "--save": str(folder / "save"),
+               "--load": str(folder / "save"),
                "--tensorboard-dir": str(folder / "tensorboard"), "--bf16": True if as_bf16 else None,
                "--num-key-value-heads": 2 if "--num-key-value-heads" in flags else None,
                "--ffn-hidden-size": 128 if "--ffn-hidden-size" in flags else None}

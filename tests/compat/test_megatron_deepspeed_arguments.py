@@ -53,7 +53,7 @@ def test_a_flag_of_what_is_not_built_is_refused_by_name_with_what_to_do(flag):
 
 
 def test_each_flag_takes_its_value_as_there():
-    from megatron_ds.arguments.compat import OTHER_MODELS, _OTHER_MODEL_KINDS
+    from megatron_ds.arguments.compat import _OTHER_MODEL_KINDS, OTHER_MODELS
     ours = {flag: kind for flag, (kind, *_) in {**NO_EFFECT, **NOT_BUILT}.items()}
     ours.update({flag: _OTHER_MODEL_KINDS.get(flag, "value") for flags in OTHER_MODELS.values() for flag in flags})
     assert {flag: kind for flag, kind in ours.items() if FLAGS.get(flag) != kind} == {}

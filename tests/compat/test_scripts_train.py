@@ -4,8 +4,15 @@ import re
 
 import pytest
 
-from tests.compat.scripts import (SCRIPTS, distils, is_moe, make_datasets, make_tokenizer_files, tiny_command_line,
-                                  tiny_teacher_command_line)
+from tests.compat.scripts import (
+    SCRIPTS,
+    distils,
+    is_moe,
+    make_datasets,
+    make_tokenizer_files,
+    tiny_command_line,
+    tiny_teacher_command_line,
+)
 from tests.launch import launch, losses
 
 pytestmark = pytest.mark.e2e  # launches several real processes
@@ -17,7 +24,8 @@ TRAINED = [
     "examples/pretrain_gpt.sh",                                            # iterations, warmup fraction, fp16
     "examples/pretrain_gpt3_175B.sh",                                      # samples, old recompute name, TP x PP
     "examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh",                # Mixture of Experts (4 experts, EP 2)
-    "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh",  # its JSON's blocks off
+    # its JSON's blocks off
+    "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh",
     "examples_deepspeed/deepspeed4science/megatron_long_seq_support/pretrain_gpt_1.3B_seq_parallel.sh",
     "examples_deepspeed/pretrain_llama2_distributed.sh",                   # LLaMA: rmsnorm, GPTSentencePiece, GQA
     "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh",          # partial rotary, curriculum, tokens

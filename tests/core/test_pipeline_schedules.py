@@ -3,9 +3,21 @@ simulation, DualPipeV's order the same as DeepSpeed's DualPipeVSchedule, and the
 import pytest
 from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
-from megatron_ds.core.pipeline_schedules import (BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, ChunkTimes,
-                                                 ScheduleDeadlock, Op, chunks_per_rank, micro_batch_problems,
-                                                 schedule_problems, simulate, stage_order)
+from megatron_ds.core.pipeline_schedules import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    SCHEDULES,
+    WEIGHT_GRAD,
+    ChunkTimes,
+    Op,
+    ScheduleDeadlock,
+    chunks_per_rank,
+    micro_batch_problems,
+    schedule_problems,
+    simulate,
+    stage_order,
+)
 
 SHAPES = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 24)]
 TIMES = [ChunkTimes(1.0, 1.0, 1.0), ChunkTimes(1.0, 1.3, 0.7), ChunkTimes(1.0, 2.0, 1.0)]

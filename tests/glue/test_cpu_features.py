@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from megatron_ds.glue import cpu_features
-from megatron_ds.glue.cpu_features import (CpuFacts, describe, has_native_unit, parse_cpuinfo, sixteen_bit_warning,
-                                           sixteen_bit_warning_here, warning_due)
+from megatron_ds.glue.cpu_features import (
+    CpuFacts,
+    describe,
+    has_native_unit,
+    parse_cpuinfo,
+    sixteen_bit_warning,
+    sixteen_bit_warning_here,
+    warning_due,
+)
 
 # AWS m6a (Zen 3 "Milan"): AVX2 and F16C (fp16 conversions only), no AVX-512 at all
 EPYC_MILAN = """processor	: 0

@@ -4,10 +4,18 @@ import sys
 
 import pytest
 
-from megatron_ds.glue.launcher_env import (Attempt, LauncherError, LauncherInfo, expand_slurm_nodelist,
-                                           export_launcher_environment, launcher_world_size,
-                                           parse_slurm_tasks_per_node, read_attempt, read_launcher,
-                                           store_hosted_by_launcher)
+from megatron_ds.glue.launcher_env import (
+    Attempt,
+    LauncherError,
+    LauncherInfo,
+    expand_slurm_nodelist,
+    export_launcher_environment,
+    launcher_world_size,
+    parse_slurm_tasks_per_node,
+    read_attempt,
+    read_launcher,
+    store_hosted_by_launcher,
+)
 from megatron_ds.glue.runtime import local_world_size
 
 TORCHRUN = dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",

@@ -10,11 +10,23 @@ and chunk it expects) and never deadlock."""
 import pytest
 from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
-from megatron_ds.core.pipeline_schedules import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, ChunkTimes, simulate,
-                                                 split_micro_batch, stage_order)
+from megatron_ds.core.pipeline_schedules import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    ChunkTimes,
+    simulate,
+    split_micro_batch,
+    stage_order,
+)
 from megatron_ds.glue.interleaved_pipeline import InterleavedSchedule
-from megatron_ds.glue.pipeline_schedules import (BackwardInputPass, BackwardWeightPass,
-                                                 ZeroBubbleDualPipeVSchedule, ZeroBubbleH1Schedule)
+from megatron_ds.glue.pipeline_schedules import (
+    BackwardInputPass,
+    BackwardWeightPass,
+    ZeroBubbleDualPipeVSchedule,
+    ZeroBubbleH1Schedule,
+)
 
 COMPUTE = (deepspeed_schedule.ForwardPass, deepspeed_schedule.BackwardPass, BackwardInputPass, BackwardWeightPass)
 CASES = [(ranks, micro_batches, rank) for ranks in (2, 3, 4, 6) for micro_batches in (2 * ranks, 2 * ranks + 3)

@@ -36,7 +36,8 @@ def test_each_rank_checks_the_folders_it_writes(tmp_path):
     assert folders_written_by(args, rank=0, logging_rank=3) == [("--save", "/ckpt"), ("--data-cache-path", "/cache")]
     assert folders_written_by(args, rank=3, logging_rank=3) == [("--save", "/ckpt"), ("--tensorboard-dir", "/tb")]
     assert folders_written_by(_args(), rank=0, logging_rank=0) == []
-    assert folders_written_by(_args(pipeline_timeline="/tl"), rank=5, logging_rank=0) == [("--pipeline-timeline", "/tl")]
+    assert folders_written_by(_args(pipeline_timeline="/tl"), rank=5, logging_rank=0) == [
+        ("--pipeline-timeline", "/tl")]
     needed = 2 ** 70  # more than any disk
     assert storage_problems(_args(save=str(tmp_path)), 0, 0, needed)[0].startswith(f"--save {tmp_path}: its file "
                                                                                    f"system has ")

@@ -5,8 +5,12 @@ import dataclasses
 import pytest
 
 from megatron_ds.core.models.gpt import model_flops_per_iteration as training_model_flops
-from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
-                                        recompute_flops_per_token, stage_hardware_flops_per_micro_batch)
+from megatron_ds.planning.flops import (
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    recompute_flops_per_token,
+    stage_hardware_flops_per_micro_batch,
+)
 from megatron_ds.planning.model import Layout
 from tests.planning.specs import hand_case, small_model
 

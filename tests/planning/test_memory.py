@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.planning.memory import (RUNTIME_OVERHEAD_BYTES, StateBytes, activation_bytes_per_layer,
-                                         checkpoint_bytes, in_flight_micro_batches, memory_per_stage,
-                                         sharded_state_bytes, stage_activation_bytes, state_bytes_per_parameter)
+from megatron_ds.planning.memory import (
+    RUNTIME_OVERHEAD_BYTES,
+    StateBytes,
+    activation_bytes_per_layer,
+    checkpoint_bytes,
+    in_flight_micro_batches,
+    memory_per_stage,
+    sharded_state_bytes,
+    stage_activation_bytes,
+    state_bytes_per_parameter,
+)
 from megatron_ds.planning.model import Layout, ModelSpec
 from megatron_ds.planning.parameters import stage_parameters
 from tests.planning.specs import hand_case

@@ -21,13 +21,21 @@ from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.planning import cli
 from megatron_ds.planning import communication as comm
-from megatron_ds.planning.flops import (hardware_flops_per_iteration, model_flops_per_iteration,
-                                        stage_hardware_flops_per_micro_batch)
+from megatron_ds.planning.flops import (
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    stage_hardware_flops_per_micro_batch,
+)
 from megatron_ds.planning.memory import layer_activation_bytes, memory_per_stage, stage_activation_bytes
 from megatron_ds.planning.meta import check_against_formula
 from megatron_ds.planning.model import Layout, expert_data_parallel_size, layout_errors
-from megatron_ds.planning.parameters import (active_parameters, layer_parameters, mlp_parameters, stage_parameters,
-                                             total_parameters)
+from megatron_ds.planning.parameters import (
+    active_parameters,
+    layer_parameters,
+    mlp_parameters,
+    stage_parameters,
+    total_parameters,
+)
 from megatron_ds.planning.planner import make_plan
 from tests.planning.specs import FAMILY_FLAGS, count_parameters, cpu_cluster, small_model
 
@@ -162,6 +170,7 @@ def _check_expert_parallel_ranks(flags):
 
     import deepspeed.comm
     import torch.distributed as dist
+
     from megatron_ds.arguments import parse_args, transformer_config_from_args
     from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron_ds.glue.runtime import init_distributed

@@ -6,11 +6,16 @@ import pytest
 
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
-from megatron_ds.planning.parameters import (embedding_parameters, layer_parameters, layers_per_stage,
-                                             output_head_parameters, stage_parameters, total_parameters)
+from megatron_ds.planning.parameters import (
+    embedding_parameters,
+    layer_parameters,
+    layers_per_stage,
+    output_head_parameters,
+    stage_parameters,
+    total_parameters,
+)
 from tests.distributed import run_distributed
 from tests.planning.specs import FAMILIES, FAMILY_FLAGS, count_parameters, hand_case, small_model
-
 
 # ---------------------------------------------------------------- by hand
 
@@ -102,6 +107,7 @@ def test_parameter_formula_matches_gpt_model_built_on_cpu(family, tied, tp):
 
 def _check_pipeline_module_counts(family, tied, tp, pp):
     import torch.distributed as dist
+
     from megatron_ds.arguments import parse_args, transformer_config_from_args
     from megatron_ds.glue.runtime import init_distributed
     from megatron_ds.training import build_model

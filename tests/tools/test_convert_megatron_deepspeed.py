@@ -32,7 +32,8 @@ def ours(seed=0, groups=GROUPS):
         weights.update({p + "input_layernorm.weight": rand(H), p + "input_layernorm.bias": rand(H),
                         p + "self_attention.linear_qkv.weight": rand(qkv_rows, H),
                         p + "self_attention.linear_qkv.bias": rand(qkv_rows),
-                        p + "self_attention.linear_proj.weight": rand(H, H), p + "self_attention.linear_proj.bias": rand(H),
+                        p + "self_attention.linear_proj.weight": rand(H, H),
+                        p + "self_attention.linear_proj.bias": rand(H),
                         p + "pre_mlp_layernorm.weight": rand(H), p + "pre_mlp_layernorm.bias": rand(H),
                         p + "mlp.linear_fc1.weight": rand(FFN, H), p + "mlp.linear_fc1.bias": rand(FFN),
                         p + "mlp.linear_fc2.weight": rand(H, FFN), p + "mlp.linear_fc2.bias": rand(H)})
@@ -62,7 +63,8 @@ def their_qkv(rows, tp, rank, groups=GROUPS, version=3.0):
 
 
 _THEIRS = {"input_layernorm": "input_layernorm", "linear_qkv": "query_key_value", "linear_proj": "dense",
-           "pre_mlp_layernorm": "post_attention_layernorm", "linear_fc1": "dense_h_to_4h", "linear_fc2": "dense_4h_to_h"}
+           "pre_mlp_layernorm": "post_attention_layernorm", "linear_fc1": "dense_h_to_4h",
+           "linear_fc2": "dense_4h_to_h"}
 _SPLIT_ROWS = ("linear_qkv", "linear_fc1")
 
 
@@ -100,7 +102,8 @@ def adam_states(weights, seed=1):
     generator = torch.Generator().manual_seed(seed)
     return {"fp32": dict(weights),
             "exp_avg": {name: 1e-2 * torch.randn(value.shape, generator=generator) for name, value in weights.items()},
-            "exp_avg_sq": {name: 1e-4 * torch.rand(value.shape, generator=generator) for name, value in weights.items()}}
+            "exp_avg_sq": {name: 1e-4 * torch.rand(value.shape, generator=generator)
+                           for name, value in weights.items()}}
 
 
 def their_parameters(values, tp, rank, stage, pp, groups=GROUPS, version=3.0):
@@ -180,6 +183,7 @@ def _fragments(names, sizes, partition, replica):
     """DeepSpeed's param_slice_mappings of one data-parallel partition: each parameter's piece in it (its start in
     the partition and its length)."""
     from collections import OrderedDict
+
     from deepspeed.utils.tensor_fragment import fragment_address
     pieces, offset, low = OrderedDict(), 0, replica * partition
     for name, size in zip(names, sizes):
@@ -661,8 +665,9 @@ def test_a_llama_run_goes_through_its_format_and_deepspeeds_universal_converter(
     for iteration in (3, 4):
         assert continued[iteration] == pytest.approx(expected[iteration], rel=1e-6), (continued, expected)
     # its folder exported to Hugging Face (--to-hf) as the run's own checkpoint is
-    from megatron_ds.conversion import cli
     from safetensors.torch import load_file
+
+    from megatron_ds.conversion import cli
     for source, target in ((tmp_path / "mds", "from_mds"), (tmp_path / "run", "from_ours")):
         assert cli.main(["--to-hf", "--load", str(source), "--load-iteration", "2", "--save",
                          str(tmp_path / target)]) == 0

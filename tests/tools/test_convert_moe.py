@@ -42,7 +42,8 @@ def test_mixtral_imported_at_tp2_ep2_generates_like_transformers(tmp_path, exper
     folder = tmp_path / "ckpt" / files.RELEASE_TAG
     metadata = files.read_metadata(str(folder))
     assert metadata["model"]["num_experts"] == [4] and metadata["model"]["expert_interval"] == 1
-    shard = torch.load(folder / files.sharded_file_name(1, 0))["model"]["decoder.layers.0.mlp.experts.3.linear_fc2.weight"]
+    shard = torch.load(folder / files.sharded_file_name(1, 0))["model"][
+        "decoder.layers.0.mlp.experts.3.linear_fc2.weight"]
     assert tuple(shard.shape) == ((32, 24) if expert_tensor_parallelism == "on" else (32, 48))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(hf_logits(hf_model, ids), _our_logits(folder, ids)[..., :VOCAB], rtol=1e-4, atol=1e-4)

@@ -12,8 +12,15 @@ import pytest
 
 from megatron_ds.planning import cli
 from megatron_ds.planning.planner import make_plan
-from tests.planning.specs import (HAND_CASE_FLAGS, TIME_CASE_FLAGS, ULYSSES_CASE_FLAGS, cpu_cluster, hand_case,
-                                  time_case, ulysses_case)
+from tests.planning.specs import (
+    HAND_CASE_FLAGS,
+    TIME_CASE_FLAGS,
+    ULYSSES_CASE_FLAGS,
+    cpu_cluster,
+    hand_case,
+    time_case,
+    ulysses_case,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

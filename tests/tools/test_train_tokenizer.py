@@ -6,6 +6,7 @@ import sentencepiece
 
 from tests.corpus import run_train_tokenizer, sample_sentences, write_jsonl
 
+
 def assert_usage_error(result, *fragments):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr

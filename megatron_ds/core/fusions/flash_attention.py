@@ -31,8 +31,14 @@ import torch.nn.functional as F
 
 from megatron_ds.core.fusions._triton import cdiv, check_device, kernel, next_power_of_2, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
-from megatron_ds.core.fusions.counter_hash import (column_mixes, device_function, drop_threshold, keep_from_mixes,
-                                                   keep_tile, row_hashes)
+from megatron_ds.core.fusions.counter_hash import (
+    column_mixes,
+    device_function,
+    drop_threshold,
+    keep_from_mixes,
+    keep_tile,
+    row_hashes,
+)
 
 # Queries per block: a multiple of 64, and at most 8 blocks per call. On a 2-core CPU (bf16, s 512) blocks of 64
 # took 0.70-0.84x the backward time of blocks of 128 (the forward's within 3%); the cap bounds the one compiled

@@ -16,8 +16,11 @@ import torch.distributed as dist
 
 from megatron_ds.core.fusions._triton import check_device, kernel, next_power_of_2, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
-from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
-                                             get_tensor_model_parallel_world_size)
+from megatron_ds.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 CHUNK_ELEMENTS = 1 << 24  # default chunk: 16M fp32 logits (64 MiB per temporary), 128 tokens at V/tp = 128k
 

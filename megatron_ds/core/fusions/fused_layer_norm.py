@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ds.core.fusions._recompute import recomputed_in_backward
-from megatron_ds.core.fusions._triton import (check_device, kernel, next_power_of_2, num_warps_for,
-                                              parallel_programs, tl)
+from megatron_ds.core.fusions._triton import check_device, kernel, next_power_of_2, num_warps_for, parallel_programs, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
 try:  # NVIDIA apex (not on PyPI); optional, detected once at import

@@ -1,11 +1,17 @@
 from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatron_ds.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+from megatron_ds.core.tensor_parallel.mappings import (
+                                                       copy_to_tensor_model_parallel_region,
                                                        gather_from_sequence_parallel_region,
                                                        gather_from_tensor_model_parallel_region,
                                                        reduce_from_tensor_model_parallel_region,
                                                        reduce_scatter_to_sequence_parallel_region,
                                                        scatter_to_sequence_parallel_region,
-                                                       scatter_to_tensor_model_parallel_region)
-from megatron_ds.core.tensor_parallel.random import (get_cuda_rng_tracker, initialize_deterministically,
-                                                     init_method_normal, model_parallel_cuda_manual_seed)
+                                                       scatter_to_tensor_model_parallel_region,
+)
+from megatron_ds.core.tensor_parallel.random import (
+                                                       get_cuda_rng_tracker,
+                                                       init_method_normal,
+                                                       initialize_deterministically,
+                                                       model_parallel_cuda_manual_seed,
+)

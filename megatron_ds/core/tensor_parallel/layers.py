@@ -9,12 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ds.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from megatron_ds.core.tensor_parallel.mappings import (_gather_along, _reduce, _reduce_scatter_first_dim,
-                                                       copy_to_tensor_model_parallel_region,
-                                                       gather_from_tensor_model_parallel_region,
-                                                       reduce_from_tensor_model_parallel_region,
-                                                       reduce_scatter_to_sequence_parallel_region,
-                                                       scatter_to_tensor_model_parallel_region)
+from megatron_ds.core.tensor_parallel.mappings import (
+    _gather_along,
+    _reduce,
+    _reduce_scatter_first_dim,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from megatron_ds.core.tensor_parallel.random import set_init_method
 
 

@@ -9,8 +9,11 @@ it applies).
 import torch
 import torch.distributed as dist
 
-from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
-                                             get_tensor_model_parallel_world_size)
+from megatron_ds.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 def _process_group_all_reduce(tensor):

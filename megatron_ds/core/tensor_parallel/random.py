@@ -15,8 +15,11 @@ import hashlib
 
 import torch
 
-from megatron_ds.core.parallel_state import (get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank,
-                                             get_tensor_model_parallel_world_size)
+from megatron_ds.core.parallel_state import (
+    get_pipeline_model_parallel_rank,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from megatron_ds.core.tensor_parallel.mappings import _gather_along
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"

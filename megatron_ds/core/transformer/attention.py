@@ -9,15 +9,19 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 from deepspeed.sequence.layer import DistributedAttention
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_ds.core.fusions import scale_mask_softmax_reference
 from megatron_ds.core.fusions.counter_hash import draw_seed
 from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.fusions.flash_attention import flash_attention_footprint
-from megatron_ds.core.parallel_state import (get_sequence_parallel_group, get_sequence_parallel_rank,
-                                             get_sequence_parallel_world_size, get_tensor_model_parallel_world_size)
+from megatron_ds.core.parallel_state import (
+    get_sequence_parallel_group,
+    get_sequence_parallel_rank,
+    get_sequence_parallel_world_size,
+    get_tensor_model_parallel_world_size,
+)
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
 from megatron_ds.core.transformer.fused_ops import op_implementation, runs_flash_attention

@@ -1,7 +1,7 @@
 """LayerNorm and RMSNorm, chosen by TransformerConfig.normalization: the parameters here, the math in
 core/fusions (the backend's implementation, or the reference: statistics in fp32; the 16-bit input and
-per-row statistics saved for backward). Under sequence parallelism their parameters see only this rank's tokens, so their gradients are
-summed over TP."""
+per-row statistics saved for backward). Under sequence parallelism their parameters see only this rank's tokens,
+so their gradients are summed over TP."""
 import torch
 
 from megatron_ds.core.fusions import layer_norm_reference, rms_norm_reference

@@ -4,8 +4,11 @@ core/fusions' cross_entropy op is checked against."""
 import torch
 import torch.distributed as dist
 
-from megatron_ds.core.parallel_state import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
-                                             get_tensor_model_parallel_world_size)
+from megatron_ds.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM):

@@ -6,9 +6,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ds.core import parallel_state
-from megatron_ds.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              init_method_normal, initialize_deterministically,
-                                              vocab_parallel_cross_entropy)
+from megatron_ds.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    initialize_deterministically,
+    vocab_parallel_cross_entropy,
+)
 from tests.distributed import run_distributed
 
 CONFIG = types.SimpleNamespace(params_dtype=torch.float32)

@@ -3,13 +3,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.core import parallel_state
-from megatron_ds.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                              gather_from_sequence_parallel_region,
-                                              gather_from_tensor_model_parallel_region,
-                                              reduce_from_tensor_model_parallel_region,
-                                              reduce_scatter_to_sequence_parallel_region,
-                                              scatter_to_sequence_parallel_region,
-                                              scatter_to_tensor_model_parallel_region)
+from megatron_ds.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from tests.distributed import run_distributed
 
 TP_SIZES = [2, 4]

@@ -5,8 +5,14 @@ import torch
 from megatron_ds.core.fusions import is_available, registered_ops, unavailable_reason
 from megatron_ds.core.fusions.backends import CPU_COMPILE_MIN_HIDDEN
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.core.transformer.fused_ops import (FUSION_FLAGS, compiled_ops, describe_fused_ops, fusion_errors,
-                                                    op_implementation, runs_flash_attention)
+from megatron_ds.core.transformer.fused_ops import (
+    FUSION_FLAGS,
+    compiled_ops,
+    describe_fused_ops,
+    fusion_errors,
+    op_implementation,
+    runs_flash_attention,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choices")
 
@@ -49,7 +55,8 @@ def test_auto_on_cpu_compiles_a_wide_model_s_ops_and_its_attention():
 
 def test_the_flash_backend_runs_the_op_even_as_its_reference():
     config = _config("reference", attention_backend="flash")
-    assert runs_flash_attention(config) and describe_fused_ops(config).endswith("core_attention=flash_attention/reference")
+    assert runs_flash_attention(config)
+    assert describe_fused_ops(config).endswith("core_attention=flash_attention/reference")
 
 
 @pytest.mark.skipif(not is_available("swiglu", "compile", "cpu"),

@@ -12,12 +12,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_ds.core.fusions.flash_attention import flash_attention_footprint
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.tensor_parallel.random import initialize_deterministically
-from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.core.transformer import attention
-from megatron_ds.core.transformer.attention import (SelfAttention, gpu_sdpa_takes_grouped_heads, sdpa_attention,
-                                                    sdpa_takes_grouped_heads)
-from megatron_ds.planning.memory import attention_kernel, layer_activation_bytes
+from megatron_ds.core.transformer import TransformerConfig, attention
+from megatron_ds.core.transformer.attention import (
+    SelfAttention,
+    gpu_sdpa_takes_grouped_heads,
+    sdpa_attention,
+    sdpa_takes_grouped_heads,
+)
 from megatron_ds.planning.fake_step import StepRecorder
+from megatron_ds.planning.memory import attention_kernel, layer_activation_bytes
 from megatron_ds.planning.model import Layout, ModelSpec
 
 B, HEADS, GROUPS, S, D = 2, 8, 2, 16, 8

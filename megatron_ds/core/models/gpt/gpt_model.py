@@ -11,13 +11,20 @@ import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.core.fusions import cross_entropy_reference
-from megatron_ds.core.parallel_state import get_sequence_parallel_group, get_sequence_parallel_world_size
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
-                                                     linear_with_tensor_parallel_input)
+from megatron_ds.core.parallel_state import get_sequence_parallel_group, get_sequence_parallel_world_size
+from megatron_ds.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    linear_with_tensor_parallel_input,
+)
 from megatron_ds.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
-from megatron_ds.core.tensor_parallel.random import (get_cuda_rng_tracker, init_method_normal,
-                                                     initialize_deterministically, set_init_method)
+from megatron_ds.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    init_method_normal,
+    initialize_deterministically,
+    set_init_method,
+)
 from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
