@@ -16,8 +16,8 @@ STEADY = range(3, ITERATIONS)  # not the first two (caches, first sends) nor the
 # Per rank and iteration, log iterations (4, 8) included (the log line reuses the float of the non-finite check):
 # - every rank, megatron_ds/training.py (2): the lm loss .item() after the global batch (_run_micro_batches: the
 #   non-finite check, the rerun validator and the log line take it every iteration) and the gradient norm's float
-#   (_host_grad_norm, --check-for-nan-in-loss-and-grad, every iteration; the log line reads the same float). Both
-#   come after the optimizer step, the iteration's last device work.
+#   (deepspeed_internals.host_global_grad_norm, --check-for-nan-in-loss-and-grad, every iteration; the log line
+#   reads the same float). Both come after the optimizer step, the iteration's last device work.
 # - every rank, DeepSpeed's ZeRO-1 step (5): is_invalid_grad_norm's bool() in step and in unscale_and_clip_grads
 #   (once per parameter group: 2), and mask_nan_or_inf_with_val_inplace's torch.tensor(-1.0, device=...) in
 #   get_grad_norm_direct (2 uploads, one per parameter group).
