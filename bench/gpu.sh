@@ -10,12 +10,12 @@
 # No step can end the script: each has its own timeout, a failure prints why and the next step runs; the summary at
 # the end says what ran, what failed and each headline figure; the exit status counts the failed steps.
 # Steps, the most valuable first; times and memory for one H100 80 GB (989 TFLOP/s bf16 dense):
-#  0. install .whl/ (pip --no-index --no-deps --target), import everything the steps use       ~15 s, timeout 60
+#  0. install .whl/ (pip --no-index --no-deps --target), import everything the steps use       ~15 s, timeout 45
 #  1. pretrain.py's own MFU against the card's peak: a 1.3B LLaMA-style model (24 layers, h 2048, 16 heads / 8 KV,
 #     FFN 5632, s 2048, V 32000: 1.26e9 parameters), micro batch 4, global batch 16, bf16, 20 iterations, iterations
 #     18-19 profiled (the costliest kernels' table in pretrain.txt; the trace gzipped beside it when under 16 MiB).
 #     Time: 2.75e14 model FLOPs per iteration, 0.62 s at the goal of 45% MFU: 20 iterations ~13 s, + start-up
-#     (imports, NCCL, 1.26e9 parameters initialised, Triton JIT) ~60 s.                            ~80 s, timeout 150
+#     (imports, NCCL, 1.26e9 parameters initialised, Triton JIT) ~60 s.                            ~80 s, timeout 130
 #     Memory: 18 B per parameter (bf16 weights and gradients 2 + 2, fp32 gradient accumulation 4, fp32 master and
 #     Adam's m and v 12 with ZeRO-1 at DP 1) = 21.2 GiB; activations of one micro batch of 8,192 tokens 24 x 0.56 +
 #     logits = 15.3 GiB; the planner's 40.8 GiB with 2 GiB of runtime overhead (tools/plan.py, same flags).
@@ -25,16 +25,16 @@
 #     ~8-10, logits in fp32 ~1.5 = ~32 GiB; the GEMM side two 8192^2 bf16 matrices, 0.25 GiB: ~66 GiB together
 #     (the plain loop would add another ~30: left out). Time: a rotation is ~0.3 s + ~0.5 s + 20 GEMMs of 8192^3 at
 #     ~790 TFLOP/s 0.03 s; 3 warm-up + 3 rounds of 4 rotations ~12 s, + three start-ups side by side ~90 s.
-#                                                                                                  ~100 s, timeout 150
+#                                                                                                  ~100 s, timeout 130
 #  3. the fused ops on Triton against their references, and flash attention against torch's SDPA (bench/ops.py
 #     --size large: s 2048, b 4, h 4096, 32 heads, FFN 11008, V 128256; no torch.compile, whose cold compiles of ~16
 #     graphs alone overran). Time: ~20 Triton kernels JIT-compiled, ~2 s each; 9 ops x <= 3 backends x 15 calls of
 #     <= 30 ms. Memory: the largest case is cross entropy's logits, 4 x 2048 x 128256 bf16 = 2 GiB, and the fp32
-#     reference's temporaries ~8 GiB.                                                            ~60 s, timeout 100
+#     reference's temporaries ~8 GiB.                                                            ~60 s, timeout 85
 #  4. memory: step 1's max allocated against the planner's prediction, both read from its log (no GPU time).
 #  5. with 2 GPUs or more, every pipeline schedule at PP 2; with one, a line saying why not: NCCL refuses two ranks
 #     of one communicator on one device.
-# At worst 60 + 150 + 150 + 100 = 460 s (~7.7 min); expected ~4.5 min, so that a rerun fits in the 15 a task gets.
+# At worst 45 + 130 + 130 + 85 + 30 = 420 s (7 min); expected ~4.5 min, so that a rerun fits in the 15 a task gets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -151,11 +151,11 @@ pipeline_schedules() {
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHON SITE OUT MAX_FILE_BYTES
 export -f install_and_check pretrain_mfu keep_trace pipeline_schedules  # for run_step's timeout
-run_step "0 install, imports" 60 gpu.txt install_and_check
-run_step "1 pretrain.py MFU" 150 pretrain.txt pretrain_mfu "${MODEL[@]}" "${LLAMA[@]}" "${PRETRAIN_BATCHES[@]}"
-run_step "2 turns with HF loop" 150 train_throughput.txt "$PYTHON" bench/train_throughput.py --family llama \
+run_step "0 install, imports" 45 gpu.txt install_and_check
+run_step "1 pretrain.py MFU" 130 pretrain.txt pretrain_mfu "${MODEL[@]}" "${LLAMA[@]}" "${PRETRAIN_BATCHES[@]}"
+run_step "2 turns with HF loop" 130 train_throughput.txt "$PYTHON" bench/train_throughput.py --family llama \
   "${MODEL[@]}" "${TURNS[@]}" --baseline hf --no-plain-loop
-run_step "3 fused ops" 100 ops.txt "$PYTHON" bench/ops.py "${OPS[@]}" --backends reference triton sdpa
+run_step "3 fused ops" 85 ops.txt "$PYTHON" bench/ops.py "${OPS[@]}" --backends reference triton sdpa
 MEASURED=(--expect-measured)
 [ "$REHEARSAL" = 1 ] && MEASURED=()
 run_step "4 memory vs planner" 30 memory.txt "$PYTHON" bench/memory_vs_plan.py "$OUT/pretrain.txt" "${MEASURED[@]}"
