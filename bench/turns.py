@@ -409,7 +409,8 @@ def host_line(device=None):
     import torch
 
     from megatron_ds.glue.cpu_features import host_description
-    cpu = f"CPU {host_description(len(os.sched_getaffinity(0)))}"
+    from megatron_ds.glue.runtime import available_cores
+    cpu = f"CPU {host_description(available_cores())}"
     on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     return f"host: GPU {torch.cuda.get_device_name()}; {cpu}" if on_gpu else f"host: {cpu}"
 
