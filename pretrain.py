@@ -5,8 +5,8 @@
 """
 import sys
 
-from megatron_ds.glue.launcher_env import LauncherError
-from megatron_ds.glue.runtime import prepare_host
+from megatron_ds.launch.launcher_env import LauncherError
+from megatron_ds.launch.runtime import prepare_host
 
 try:
     prepare_host()  # before DeepSpeed is imported: it picks its accelerator at import time

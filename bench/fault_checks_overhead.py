@@ -50,12 +50,13 @@ def parse_args(argv=None):
 
 def worker(flags):
     """A training rank whose iterations alternate the checks (odd iterations on, even off)."""
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()
     import torch.distributed as dist
 
     import megatron_ds.training as training
-    train_global_batch = training._train_global_batch
+    from megatron_ds.training import loop
+    train_global_batch = loop._train_global_batch
     clock_calls = {}
 
     def alternating(engine, train_data, plan, progress, experts, validator, iteration):
@@ -76,7 +77,7 @@ def worker(flags):
             print(f"fault-checks-bench {iteration} {'on' if on else 'off'} {seconds:.6f}", flush=True)
         return result
 
-    training._train_global_batch = alternating
+    loop._train_global_batch = alternating
     return training.pretrain(flags)
 
 
@@ -89,7 +90,7 @@ def on_off_pairs(times):
 
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_ds.glue.runtime import free_port
+    from megatron_ds.launch.runtime import free_port
     command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.abspath(__file__), "--worker", *MODEL, "--train-iters", str(args.iterations),
                "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length)]

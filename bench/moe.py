@@ -42,7 +42,7 @@ from bench.turns import (  # noqa: E402
     sequential,
     total_rotations,
 )
-from megatron_ds.glue.runtime import free_port  # noqa: E402
+from megatron_ds.launch.runtime import free_port  # noqa: E402
 
 
 def _flags(args, iterations):

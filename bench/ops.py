@@ -51,7 +51,7 @@ from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 SIZES = {  # sequence, micro batch, hidden, heads, ffn, vocab
     "tiny": dict(s=32, b=2, h=64, heads=4, ffn=256, vocab=256),         # the tests' models
     "h256": dict(s=512, b=4, h=256, heads=4, ffn=704, vocab=8192),
-    "h512": dict(s=512, b=4, h=512, heads=8, ffn=1408, vocab=8192),     # the README's LLaMA-style row
+    "h512": dict(s=512, b=4, h=512, heads=8, ffn=1408, vocab=8192),     # docs/performance.md's LLaMA-style row
     "small": dict(s=256, b=2, h=1024, heads=8, ffn=2816, vocab=32000),
     "large": dict(s=2048, b=4, h=4096, heads=32, ffn=11008, vocab=128256),
 }

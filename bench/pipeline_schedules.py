@@ -44,7 +44,7 @@ from bench.turns import (  # noqa: E402
     total_rotations,
 )
 from megatron_ds.core.pipeline_schedules import SCHEDULES, micro_batch_problems, simulate, split_micro_batch  # noqa: E402
-from megatron_ds.glue.runtime import free_port  # noqa: E402
+from megatron_ds.launch.runtime import free_port  # noqa: E402
 
 IDLE = re.compile(r"idle share of the pipeline per stage: (.*?); the planner")
 

@@ -31,7 +31,7 @@ from bench.turns import (  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
-from megatron_ds.glue.runtime import device, free_port  # noqa: E402
+from megatron_ds.launch.runtime import device, free_port  # noqa: E402
 
 MODES = {"none": None, "selective": "selective", "full": "full"}
 WARM_UP = 1  # rotations left out: the first step pays one-off costs

@@ -71,7 +71,7 @@ from bench.turns import (  # noqa: E402
     total_rotations,
 )
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
-from megatron_ds.glue.runtime import free_port  # noqa: E402
+from megatron_ds.launch.runtime import free_port  # noqa: E402
 
 NORM_EPSILON = 1e-5  # pretrain.py's --norm-epsilon default
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",

@@ -404,12 +404,12 @@ def method_words(args):
 
 def host_line(device=None):
     """The bench's host, for its header: the CPU's model and the extensions that decide a 16-bit matmul's speed on it
-    (megatron_ds/glue/cpu_features.py; a bf16 figure from a CPU without avx512_bf16 / amx_bf16 is many times an fp32
+    (megatron_ds/launch/cpu_features.py; a bf16 figure from a CPU without avx512_bf16 / amx_bf16 is many times an fp32
     one's) and the cores this process may use; a GPU's name where the device (default: CUDA when available) is one."""
     import torch
 
-    from megatron_ds.glue.cpu_features import host_description
-    from megatron_ds.glue.runtime import available_cores
+    from megatron_ds.launch.cpu_features import host_description
+    from megatron_ds.launch.runtime import available_cores
     cpu = f"CPU {host_description(available_cores())}"
     on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     return f"host: GPU {torch.cuda.get_device_name()}; {cpu}" if on_gpu else f"host: {cpu}"
@@ -426,13 +426,14 @@ def rounds_of(rounds, rotations):
 
 def pretrain_in_turns(argv):
     """pretrain.py, each training iteration (its global batch and optimizer step) one turn of this side."""
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()
     import torch
 
     import megatron_ds.training as training
+    from megatron_ds.training import loop
     turn = Turn.from_environment()
-    train_global_batch = training._train_global_batch
+    train_global_batch = loop._train_global_batch
 
     def in_turn(*args, **kwargs):
         with turn.taken():
@@ -441,7 +442,7 @@ def pretrain_in_turns(argv):
                 torch.cuda.synchronize()  # the iteration's kernels run in its own turn
             return result
 
-    training._train_global_batch = in_turn
+    loop._train_global_batch = in_turn
     status = training.pretrain(argv)
     turn.finish()
     return status

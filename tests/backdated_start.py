@@ -9,7 +9,7 @@ import time
 
 def main(argv):
     started = time.time()
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()  # before DeepSpeed is imported, as pretrain.py does
     seconds, *flags = argv
     from megatron_ds.training import pretrain

@@ -13,7 +13,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from megatron_ds.data import index_helpers  # noqa: E402
 
 OPS = ("CPUAdamBuilder",        # --cpu-optimizer
-       "ShareMemCommBuilder")   # TP all-reduces when TP is the world on one host (glue/runtime.py)
+       "ShareMemCommBuilder")   # TP all-reduces when TP is the world on one host (launch/runtime.py)
 
 
 def main():

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from megatron_ds.checkpointing import files, state
+from megatron_ds.checkpointing import discovery, files, state
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "100",
@@ -58,7 +58,7 @@ def assert_previous_checkpoint_published(save_dir):
     assert files.read_pointer(save_dir) == "global_step2"
     assert (save_dir / files.MEGATRON_TRACKER).read_text().strip() == "2"
     assert (save_dir / files.DEEPSPEED_POINTER).read_text().strip() == "global_step2"
-    tag, metadata, notes = files.resolve_checkpoint(str(save_dir))
+    tag, metadata, notes = discovery.resolve_checkpoint(str(save_dir))
     assert (tag, metadata["iteration"]) == ("global_step2", 2)
     assert not files.problems_of(str(save_dir / "global_step2"))
     return notes

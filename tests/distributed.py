@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_ds.glue.runtime import free_port
+from megatron_ds.launch.runtime import free_port
 
 
 def _worker(rank, world_size, port, fn, args, errors):

@@ -56,7 +56,7 @@ def fill_disk_at(point, save_dir):
 
 
 def main(argv):
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()  # before DeepSpeed is imported, as pretrain.py does
     point, *flags = argv
     if point.startswith(DISK_FULL):

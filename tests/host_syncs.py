@@ -241,8 +241,8 @@ def install(out_folder):
     """Count in train() on this rank; write out_folder/rank<R>.json when it returns."""
     import torch.distributed as dist
 
-    import megatron_ds.training as training
-    train, begin_iteration = training.train, training.begin_iteration
+    from megatron_ds.training import entry, loop
+    train, begin_iteration = entry.train, loop.begin_iteration
     counter = HostSyncCounter()
 
     def counting_train(*args, **kwargs):
@@ -259,12 +259,12 @@ def install(out_folder):
         counter.iteration = plan.iteration
         return begin_iteration(args, engine, plan)
 
-    training.train, training.begin_iteration = counting_train, noting_begin_iteration
+    entry.train, loop.begin_iteration = counting_train, noting_begin_iteration
     return counter
 
 
 if __name__ == "__main__":
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()  # before DeepSpeed is imported, as pretrain.py
     install(sys.argv[1])
     from megatron_ds.training import pretrain

@@ -4,7 +4,7 @@ import re
 import time
 from pathlib import Path
 
-from megatron_ds.glue.runtime import available_cores
+from megatron_ds.launch.runtime import available_cores
 from tests.launch import launch, losses
 
 ITERATIONS = 10

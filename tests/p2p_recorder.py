@@ -206,7 +206,7 @@ def install_receive_swap():
     """A fault for the tests to inject: where $P2P_SWAP_RECEIVES names the rank's pipeline stage, its interleaved
     schedule queues each step's receives in the reverse order (the gradient's before the next forward's input).
     Each receive still gets its tag and buffer, so gloo trains exactly the same; NCCL would not."""
-    from megatron_ds.glue.interleaved_pipeline import InterleavedSchedule
+    from megatron_ds.core.deepspeed_internals.interleaved_pipeline import InterleavedSchedule
     original = InterleavedSchedule._receives
 
     @functools.wraps(original)

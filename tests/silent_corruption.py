@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 
 def install_corruption(rank, iteration, kind=""):
-    import megatron_ds.training as training
-    setup_engine, begin_iteration = training.setup_engine, training.begin_iteration
+    from megatron_ds.training import initialize, loop
+    setup_engine, begin_iteration = initialize.setup_engine, loop.begin_iteration
     state = {"iteration": None, "done": False}
 
     def corrupt(module, inputs, output):
@@ -39,11 +39,11 @@ def install_corruption(rank, iteration, kind=""):
         state["iteration"] = plan.iteration
         return begin_iteration(args, engine, plan)
 
-    training.setup_engine, training.begin_iteration = setup_and_corrupt, note_iteration
+    initialize.setup_engine, loop.begin_iteration = setup_and_corrupt, note_iteration
 
 
 if __name__ == "__main__":
-    from megatron_ds.glue.runtime import prepare_host
+    from megatron_ds.launch.runtime import prepare_host
     prepare_host()  # before DeepSpeed is imported, as pretrain.py
     rank, _, at = sys.argv[1].partition("@")
     at, _, kind = at.partition(":")

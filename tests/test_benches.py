@@ -168,10 +168,10 @@ def test_the_gpu_scripts_are_valid_bash(script):
 
 
 def test_memory_vs_plan_reads_the_lines_pretrain_prints():
-    """bench/memory_vs_plan.py parses Megatron's memory lines as megatron_ds.metrics writes them: the planner's peak
+    """bench/memory_vs_plan.py reads Megatron's memory lines as observability/metrics.py writes them: the planner's peak
     and, on CUDA, the allocator's maximum, and their ratio; a CUDA run without the measured line fails."""
     from bench.memory_vs_plan import compare
-    from megatron_ds.metrics import MIB, measured_memory_text, theoretical_memory_line
+    from megatron_ds.observability.metrics import MIB, measured_memory_text, theoretical_memory_line
     from megatron_ds.planning.memory import StageMemory
     predicted = StageMemory(stage=0, parameters=10, in_flight_micro_batches=1, weights=100 * MIB, gradients=100 * MIB,
                             grad_accumulation=200 * MIB, optimizer=600 * MIB, activations=500 * MIB,

@@ -2,7 +2,7 @@
 built by a later iteration is a recompilation (reported, counted), and an inactive watch says nothing."""
 import torch
 
-from megatron_ds.compile_watch import CompileWatch
+from megatron_ds.observability.compile_watch import CompileWatch
 
 
 def _iteration(watch, iteration, work):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ds.arguments import ArgumentsError, build_parser, parse_flags, resolve
-from megatron_ds.optimizer import build_optimizer, optimizer_description, parameter_groups
+from megatron_ds.training.optimizer import build_optimizer, optimizer_description, parameter_groups
 from tests.flags import TINY_MODEL, parse_with_deepspeed_json
 from tests.launch import launch, losses
 from tests.layouts import COMMON

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron_ds.arguments import ArgumentsError
 from megatron_ds.core.parallel_layout import teacher_layers_on
-from megatron_ds.core.tensor_parallel.distillation import vocab_parallel_kl_divergence
+from megatron_ds.core.tensor_parallel.kl_divergence import vocab_parallel_kl_divergence
 from tests.distributed import run_distributed
 
 MODEL = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
@@ -149,17 +149,18 @@ def _first_iteration_by_hand(flags, teacher_folder, out):
     """The first iteration's lm loss and distillation term computed here: the student as the run builds it before
     any step, the teacher read whole (generation.build_model), torch's kl_div and cross entropy in float64, over
     the run's first global batch."""
-    from megatron_ds import generation, training
     from megatron_ds.arguments import parse_args
-    from megatron_ds.checkpointing import files, state
+    from megatron_ds.checkpointing import discovery, state
     from megatron_ds.core.models.gpt import GPTModel
     from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron_ds.data.builder import batch_iterator, build_datasets
+    from megatron_ds.inference import generation
+    from megatron_ds.training import initialize
     args = parse_args(flags)
-    training.initialize_groups(args)
+    initialize.initialize_groups(args)
     model_parallel_cuda_manual_seed(args.seed)
     student = GPTModel(args.model, args.padded_vocab_size, args.max_position_embeddings)
-    tag, metadata, _ = files.resolve_checkpoint(str(teacher_folder))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(teacher_folder))
     teacher = generation.build_model(state.read_full_state(os.path.join(teacher_folder, tag), metadata,
                                                            with_optimizer=False))
     batches = batch_iterator(build_datasets(args.data)["train"], args.data, 0, torch.device("cpu"))
@@ -211,7 +212,7 @@ def test_every_layout_distils_as_one_rank(straight, teacher, tp, pp):
 def test_a_megatron_deepspeed_teacher_distils_as_ours(straight, teacher, tmp_path):
     """The same teacher written in Megatron-DeepSpeed's format (tools/convert_checkpoint.py --to-megatron-deepspeed,
     at TP 1 x PP 3: its layer files) gives the same run."""
-    from megatron_ds.conversion import cli
+    from megatron_ds.conversion import convert_cli as cli
     from tests.launch import launch, losses
     lm, kd, _ = straight
     assert cli.main(["--to-megatron-deepspeed", "--load", str(teacher), "--save", str(tmp_path / "mds"),
@@ -237,7 +238,7 @@ def test_a_teacher_that_does_not_fit_is_named(teacher):
 
 def _planned_memory(*flags):
     from megatron_ds.arguments import parse_flags, raise_if_invalid
-    from megatron_ds.planning import cli
+    from megatron_ds.planning import plan_cli as cli
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--bf16",
@@ -274,7 +275,7 @@ def test_the_planner_counts_the_teacher_by_hand():
 def test_a_distillation_run_resumes_exactly_and_saves_no_teacher(straight, teacher, tmp_path):
     """PP 2 saved at iteration 2 (--exit-interval) and launched again: the teacher read anew, iterations 3 and 4 as
     the straight run's; the checkpoint holds the student's weights only."""
-    from megatron_ds.checkpointing import files, state
+    from megatron_ds.checkpointing import discovery, state
     from tests.launch import launch, losses
     lm, kd, _ = straight
     flags = student_flags(teacher, 1, 2) + ["--save", str(tmp_path / "run")]
@@ -285,7 +286,7 @@ def test_a_distillation_run_resumes_exactly_and_saves_no_teacher(straight, teach
     for iteration in (3, 4):
         assert losses(second.stdout)[iteration] == pytest.approx(lm[iteration], rel=1e-5)
         assert _kd_losses(second.stdout)[iteration] == pytest.approx(kd[iteration], rel=1e-4)
-    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "run"))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(tmp_path / "run"))
     saved = state.read_full_state(str(tmp_path / "run" / tag), metadata, with_optimizer=False).weights
     assert {name.split(".")[2] for name in saved if name.startswith("decoder.layers.")} == {"0", "1"}
 

@@ -1,6 +1,6 @@
 """Hang and death detection under the deepspeed launcher, with real processes: there rank 0's process hosts the
 rendezvous store, so a stopped rank 0 freezes the store; and the launcher tears the job down about a second after
-a rank dies, naming the wrong local rank. The watchdog (megatron_ds/glue/watchdog.py) must name the rank."""
+a rank dies, naming the wrong local rank. The watchdog (megatron_ds/launch/watchdog.py) must name the rank."""
 import os
 import re
 import signal
@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from megatron_ds.glue.runtime import free_port
-from megatron_ds.glue.watchdog import SILENCE_LIMIT_VARIABLE
+from megatron_ds.launch.runtime import free_port
+from megatron_ds.launch.watchdog import SILENCE_LIMIT_VARIABLE
 from tests.launch import BIN, REPO
 
 pytestmark = pytest.mark.e2e  # launches several real processes

@@ -23,7 +23,7 @@ STEADY = range(3, ITERATIONS)  # not the first two (caches, first sends) nor the
 #   get_grad_norm_direct (2 uploads, one per parameter group).
 # - every rank, DeepSpeed's pipeline engine (4): PartitionedTensor.to_meta's torch.LongTensor(meta).to(device), once
 #   per micro-batch: the activations stage 0 sends, the gradients stage 1 sends (pipe_partitioned / grad_partitioned,
-#   glue/ds_config.py).
+#   engine/ds_config.py).
 # - stage 0 (+1): _aggregate_total_loss's torch.Tensor([0., 0.]).to(device), the buffer the last stage's loss is
 #   broadcast into.
 # - TP rank 1 (+1): get_grad_norm_direct's torch.tensor(0.0).to(device) for a parameter group with no gradient this
@@ -63,7 +63,7 @@ def test_host_syncs_per_iteration_stay_within_the_budget(tmp_path):
 
 def test_the_counter_tells_host_tensors_from_device_tensors():
     """What tests/host_syncs.py counts on a CPU-only run, each line as a GPU would see it."""
-    device = torch.device("cpu")  # what megatron_ds.glue.runtime.device() is here: the "GPU"
+    device = torch.device("cpu")  # what megatron_ds.launch.runtime.device() is here: the "GPU"
     originals = (torch.Tensor.to, torch.Tensor.tolist, torch.Tensor.cpu, torch.tensor, torch.as_tensor)
     counter = HostSyncCounter()
     counter.iteration = 1

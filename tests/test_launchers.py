@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from megatron_ds.glue.runtime import free_port
+from megatron_ds.launch.runtime import free_port
 from tests.launch import BIN, REPO, launch, losses
 
 pytestmark = pytest.mark.e2e  # launches several real processes

@@ -1,4 +1,4 @@
-"""megatron_ds.metrics in process: the timers, the iteration line's added fields, and the whole-model
+"""megatron_ds.observability.metrics in process: the timers, the iteration line's added fields, and the whole-model
 statistics (params norm, optimizer-state norms, zeros in the gradients) on real DeepSpeed engines of every
 optimizer layout (2 gloo ranks, data-parallel), against DeepSpeed's own accessors of the full states."""
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ds import metrics
+from megatron_ds.observability import metrics
 from tests.distributed import run_distributed
 from tests.launch import LOSS_LINE
 
@@ -151,7 +151,7 @@ def _expected_norms(states):
 
 def _check_statistics():
     from megatron_ds.core import parallel_state
-    from megatron_ds.glue.runtime import init_distributed
+    from megatron_ds.launch.runtime import init_distributed
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     init_distributed("gloo")
     parallel_state.initialize_model_parallel(1, 1)  # 2 ranks: data-parallel

@@ -116,7 +116,7 @@ def test_resume_at_pp2_ep2_is_bitwise_and_other_layouts_train_on(tmp_path):
     lm.update(losses(resumed.stdout))
     assert lm == straight_lm and moe == straight_moe
 
-    from megatron_ds.conversion.cli import main as convert
+    from megatron_ds.conversion.convert_cli import main as convert
     assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp2"),
                     "--target-tensor-parallel-size", "2", "--target-pipeline-model-parallel-size", "1",
                     "--target-expert-parallel-size", "2"]) == 0
@@ -157,7 +157,7 @@ def test_experts_split_over_tensor_parallel_ranks_train_the_same_model_and_resha
     for iteration in whole_lm:
         assert whole_lm[iteration] == pytest.approx(lm[iteration], rel=1e-5, abs=0), (whole_lm, lm)
 
-    from megatron_ds.conversion.cli import main as convert
+    from megatron_ds.conversion.convert_cli import main as convert
     assert convert(["--load", str(tmp_path / "ckpt"), "--load-iteration", "5", "--save", str(tmp_path / "tp1"),
                     "--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0
     resumed = launch(4, COMMON + MOE + ["--moe-expert-parallel-size", "2", "--load", str(tmp_path / "tp1")])

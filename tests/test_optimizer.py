@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from megatron_ds.optimizer import adam_implementation, build_adamw
+from megatron_ds.training.optimizer import adam_implementation, build_adamw
 
 ARGS = types.SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1, cpu_adam=False)
 
@@ -52,7 +52,7 @@ def test_fused_follows_reference():
 
 def test_sgd_steps_by_the_momentum_definition():
     """--optimizer sgd: v = momentum v + (g + wd w); w -= lr v, with no weight decay on biases and norms."""
-    from megatron_ds.optimizer import build_optimizer
+    from megatron_ds.training.optimizer import build_optimizer
     model = _model()
     args = types.SimpleNamespace(**vars(ARGS), optimizer="sgd", sgd_momentum=0.9, fusion_backend="auto")
     optimizer = build_optimizer(model, args, "cpu")

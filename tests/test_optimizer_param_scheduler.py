@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_ds.arguments import parse_args
-from megatron_ds.batch_schedule import ConstantBatchSize, RampupBatchSize
-from megatron_ds.optimizer_param_scheduler import (
+from megatron_ds.core.batch_schedule import ConstantBatchSize, RampupBatchSize
+from megatron_ds.core.optimizer_param_scheduler import (
     LRSchedule,
     OptimizerParamScheduler,
     Position,

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_args
-from megatron_ds.pipeline_timeline import idle_shares_by_stage, pipeline_extent, recorded_iterations
+from megatron_ds.observability.pipeline_timeline import idle_shares_by_stage, pipeline_extent, recorded_iterations
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--mock-data", "--vocab-size", "64",

@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
-from megatron_ds.profiling import table_sort_key
+from megatron_ds.observability.profiling import table_sort_key
 
 # (operator, its own CPU time, its kernel's GPU time) in microseconds: the CPU order is the GPU order reversed
 OPERATORS = [("aten::small", 300, 5), ("aten::large", 10, 900), ("aten::middle", 100, 50)]

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from megatron_ds.batch_schedule import RampupBatchSize, rampup_errors
+from megatron_ds.core.batch_schedule import RampupBatchSize, rampup_errors
 from tests.launch import launch, losses
 
 

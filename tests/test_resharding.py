@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megatron_ds.checkpointing import universal
 from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
 from tests.launch import launch, losses
 from tests.layouts import COMMON, ITERATIONS, run_layout
 

@@ -1,11 +1,11 @@
-"""pretrain.py's start-up warning for --bf16 on a CPU without a bf16 matrix unit (megatron_ds/glue/cpu_features.py),
+"""pretrain.py's start-up warning for --bf16 on a CPU without a bf16 matrix unit (megatron_ds/launch/cpu_features.py),
 in real launches: printed once (rank 0) exactly when this host's cpuinfo and oneDNN say bf16 has no unit here, and
 on any x86 host when oneDNN is kept to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only EPYC's oneDNN runs on)."""
 import re
 
 import pytest
 
-from megatron_ds.glue.cpu_features import describe, onednn_runs, this_cpu, warning_due
+from megatron_ds.launch.cpu_features import describe, onednn_runs, this_cpu, warning_due
 from tests.checkpoints import TINY
 from tests.launch import launch, losses
 

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from megatron_ds.stragglers import CommunicationClock, RankTime, extremes_line, peer_ratios
+from megatron_ds.training.resilience.stragglers import CommunicationClock, RankTime, extremes_line, peer_ratios
 from tests.distributed import free_port
 from tests.launch import BIN, REPO, kill_session, lines_within
 

@@ -1,4 +1,4 @@
-"""The MFU peak per device (megatron_ds/throughput.py): a GPU is looked up in the planner's device table by the
+"""The MFU peak per device (observability/throughput.py): a GPU is looked up in the planner's device table by the
 name CUDA gives it, exactly (an H100 PCIe is not an H100 SXM); other devices are measured, the rate averaged over
 the world on the run's device (NCCL reduces only GPU tensors)."""
 import pytest
@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_ds import throughput
-from megatron_ds.planning.collective_devices import CollectiveDevices, nccl_refusals
-from megatron_ds.planning.devices import DEVICES, device_for_cuda_name
+from megatron_ds.launch.devices import DEVICES, device_for_cuda_name
+from megatron_ds.observability import throughput
+from megatron_ds.planning.dry_run.collective_devices import CollectiveDevices, nccl_refusals
 
 # torch.cuda.get_device_name() of each GPU -> its entry in the device table (None: not held, measured)
 CUDA_NAMES = [("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", None),

@@ -41,8 +41,8 @@ from megatron_ds.core import deepspeed_internals, parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron_ds.core.tensor_parallel.random import use_deepspeed_checkpointing  # noqa: E402
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer  # noqa: E402
-from megatron_ds.glue.mpu import ModelParallelUnit  # noqa: E402
-from megatron_ds.glue.runtime import free_port, init_distributed  # noqa: E402
+from megatron_ds.engine.mpu import ModelParallelUnit  # noqa: E402
+from megatron_ds.launch.runtime import free_port, init_distributed  # noqa: E402
 from megatron_ds.planning.memory import layer_activation_bytes  # noqa: E402
 from megatron_ds.planning.model import Layout, ModelSpec  # noqa: E402
 

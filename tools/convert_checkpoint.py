@@ -19,11 +19,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.glue.runtime import prepare_host  # noqa: E402
+from megatron_ds.launch.runtime import prepare_host  # noqa: E402
 
 prepare_host()  # DeepSpeed (imported by the readers) picks its accelerator at import time
 
-from megatron_ds.conversion.cli import main  # noqa: E402
+from megatron_ds.conversion.convert_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

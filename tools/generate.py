@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.glue.runtime import prepare_host  # noqa: E402
+from megatron_ds.launch.runtime import prepare_host  # noqa: E402
 
 prepare_host()  # DeepSpeed picks its accelerator at import time
 
@@ -26,7 +26,7 @@ from megatron_ds.checkpointing import CheckpointError  # noqa: E402
 from megatron_ds.conversion import convert  # noqa: E402
 from megatron_ds.core import parallel_state  # noqa: E402
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron_ds.generation import SamplingParams, build_model, generate, setup_expert_parallel  # noqa: E402
+from megatron_ds.inference.generation import SamplingParams, build_model, generate, setup_expert_parallel  # noqa: E402
 
 
 class _AppendPrompt(argparse.Action):
@@ -68,10 +68,10 @@ def _init_parallel(expert_parallel_size):
     """TP = world size / expert-parallel size when launched (torchrun, deepspeed, mpirun, srun); a single process
     needs no process group. Returns TP."""
     from megatron_ds.core.parallel_layout import generation_layout
-    from megatron_ds.glue.launcher_env import launcher_world_size
+    from megatron_ds.launch.launcher_env import launcher_world_size
     layout = generation_layout(launcher_world_size(), expert_parallel_size)
     if layout.world_size > 1:
-        from megatron_ds.glue.runtime import init_distributed
+        from megatron_ds.launch.runtime import init_distributed
         init_distributed()
         parallel_state.initialize_model_parallel(layout.tensor, 1)
     return layout.tensor

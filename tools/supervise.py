@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.glue.launcher_env import MAX_RESTARTS, RESTART_COUNT, RESTART_REASON  # noqa: E402
+from megatron_ds.launch.launcher_env import MAX_RESTARTS, RESTART_COUNT, RESTART_REASON  # noqa: E402
 
 # a rank's watchdog notice, or pretrain.py's own error line
 _NOTICE = re.compile(r"megatron_ds: rank \d+ exiting while in [^:]*: (?P<notice>.+)")

@@ -2,10 +2,14 @@
 
     args = parse_args(argv, world_size)    # raises ArgumentsError naming every problem found
 
-flags.py defines the flags (Megatron-LM's and Megatron-DeepSpeed's names and defaults); resolve.py
-derives every implied value once, in a stated order, and freezes the result; checks.py holds the
-validation, one function per concern. Everything happens before any process group exists, so a bad
-command line stops every rank with the same message instead of hanging a collective.
+Everything happens before any process group exists, so a bad command line stops every rank with the same
+message instead of hanging a collective.
+
+    flags.py    the flags: Megatron-LM's and Megatron-DeepSpeed's names, meanings and defaults
+    compat.py   the rest of Megatron-DeepSpeed's flags: parsed, and refused or noted when they change nothing here
+    resolve.py  every implied value derived once, in a stated order, and the result frozen
+    checks.py   what can be wrong with the flags, one function per concern
+    configs.py  the resolved configuration in typed parts, each handed to the component that owns it
 """
 from megatron_ds.arguments.flags import build_parser, flag_defaults, parse_flags
 from megatron_ds.arguments.resolve import (
@@ -18,7 +22,7 @@ from megatron_ds.arguments.resolve import (
     tokenizer_type,
     transformer_config_from_args,
 )
-from megatron_ds.glue.launcher_env import LauncherError, launcher_world_size
+from megatron_ds.launch.launcher_env import LauncherError, launcher_world_size
 
 
 def parse_args(argv=None, world_size=None) -> ResolvedArguments:

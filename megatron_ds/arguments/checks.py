@@ -9,14 +9,14 @@ import re
 
 import torch
 
-from megatron_ds.batch_schedule import rampup_errors
+from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
-from megatron_ds.glue.ds_config import ACTIVATION_CHECKPOINTING_KEYS
-from megatron_ds.profiling import profile_errors, window_errors
+from megatron_ds.engine.ds_config import ACTIVATION_CHECKPOINTING_KEYS
+from megatron_ds.observability.profiling import profile_errors, window_errors
 
 
 def _flag(name):
@@ -513,7 +513,7 @@ def fp16_supported():
 
 
 def pipeline_timeline_errors(args):
-    """--pipeline-timeline records the pipeline schedule's instructions (megatron_ds/pipeline_timeline.py)."""
+    """--pipeline-timeline records the pipeline schedule's instructions (observability/pipeline_timeline.py)."""
     errors = []
     if args.pipeline_timeline and args.pipeline_model_parallel_size < 2:
         errors.append(f"--pipeline-timeline {args.pipeline_timeline} records the pipeline schedule's instructions: "

@@ -13,14 +13,13 @@ reads (a fact two components need, such as --seq-length, is copied into both fro
 
 The resolved arguments themselves stay for the places that print or record the whole command line.
 """
-import dataclasses
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_ds.optimizer_param_scheduler import LRSchedule, lr_schedule_from_args
+from megatron_ds.checkpointing.files import args_to_dict
+from megatron_ds.core.optimizer_param_scheduler import LRSchedule, lr_schedule_from_args
 
 PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging", "distillation")
 
@@ -147,23 +146,6 @@ class DistillationConfig:
     num_layers_teacher: Optional[int]      # each checked against the teacher's checkpoint when given
     hidden_size_teacher: Optional[int]
     num_attention_heads_teacher: Optional[int]
-
-
-def args_to_dict(args):
-    """vars(args) as JSON values (dtypes become their names), without the typed parts of the configuration
-    (arguments/configs.py: values derived from the others)."""
-    result = {}
-    for key, value in sorted(vars(args).items()):
-        if dataclasses.is_dataclass(value):
-            continue
-        if isinstance(value, torch.dtype):
-            value = str(value).replace("torch.", "")
-        try:
-            json.dumps(value)
-        except TypeError:
-            value = repr(value)
-        result[key] = value
-    return result
 
 
 def _picked(cls, args, **derived):

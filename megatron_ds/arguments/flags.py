@@ -162,7 +162,7 @@ def _add_training_args(parser):
                             "computed again from the same state before its optimizer step, telling a transient "
                             "device fault (exit 16) from the data's or the model's (exit 17); report_stats: every "
                             "--rerun-stats-interval-th iteration is computed twice and how often the ranks' results "
-                            "reproduce is reported every log interval (megatron_ds/rerun.py)")
+                            "reproduce is reported every log interval (megatron_ds/training/resilience/rerun.py)")
     group.add_argument("--rerun-stats-interval", type=int, default=1,
                        help="with --rerun-mode report_stats: compute every Nth iteration twice")
     group.add_argument("--check-for-spiky-loss", action="store_true",
@@ -254,7 +254,7 @@ def _add_logging_args(parser):
     group.add_argument("--log-straggler", action="store_true",
                        help="every log interval, each rank's compute time per iteration (wall time less the waits "
                             "in collectives and pipeline sends/receives): the slowest and fastest ranks, and a "
-                            "warning for a rank slower than its peers (megatron_ds/stragglers.py)")
+                            "warning for a rank slower than its peers (megatron_ds/training/resilience/stragglers.py)")
     group.add_argument("--straggler-minmax-count", type=int, default=1,
                        help="how many of the slowest and fastest ranks --log-straggler prints")
     group.add_argument("--straggler-threshold", type=float, default=1.2,
@@ -295,7 +295,7 @@ def _add_logging_args(parser):
                        help="PP > 1: each rank's pipeline instructions with their times as a Chrome trace in DIR, "
                             "for --pipeline-timeline-iterations, else the --profile window, else the three "
                             "iterations after the first; each stage's idle share printed at the end "
-                            "(megatron_ds/pipeline_timeline.py)")
+                            "(megatron_ds/observability/pipeline_timeline.py)")
     group.add_argument("--pipeline-timeline-iterations", type=int, nargs=2, metavar=("START", "END"), default=None,
                        help="the iterations --pipeline-timeline records: START .. END - 1 (as --profile-step-start "
                             "and --profile-step-end count them)")
@@ -330,7 +330,7 @@ def _add_deepspeed_args(parser):
     group = parser.add_argument_group("DeepSpeed")
     group.add_argument("--deepspeed", action="store_true", help="accepted; DeepSpeed is always the engine")
     group.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                       help="DeepSpeed JSON, reconciled with the flags (see README)")
+                       help="DeepSpeed JSON, reconciled with the flags (see docs/flags.md)")
 
 
 def _add_checkpoint_args(parser):

@@ -14,7 +14,7 @@ function named here, and the checks in `checks.py` only read:
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
   5. layout_values            data-parallel size = world / (TP x Ulysses SP x PP), from the ParallelLayout
                               (core/parallel_layout.py; when TP x SP x PP divides the world)
-  6. reconcile_with_deepspeed_config (glue/ds_config.py)
+  6. reconcile_with_deepspeed_config (engine/ds_config.py)
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
      optimizer_values         the JSON's optimizer offload device; whether AdamW is DeepSpeed's CPU Adam
@@ -37,13 +37,13 @@ import re
 import torch
 
 from megatron_ds.arguments import checks, compat, configs
-from megatron_ds.batch_schedule import build_batch_schedule
+from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, build_tokenizer
-from megatron_ds.glue.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
+from megatron_ds.engine.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
 
 
 class ArgumentsError(Exception):

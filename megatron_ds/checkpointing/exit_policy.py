@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ds.glue.runtime import device
+from megatron_ds.launch.runtime import device
 
 
 def on_any_rank(condition):

@@ -31,8 +31,6 @@ import zlib
 
 import torch
 
-from megatron_ds.arguments.configs import args_to_dict  # noqa: F401 (the checkpoint's record of the arguments)
-from megatron_ds.checkpointing import foreign
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 
@@ -314,68 +312,16 @@ def checksum_problems(path, checksums):
 def damaged_checkpoint_error(load_dir, tag, problems):
     """The CheckpointError for the checkpoint load_dir/tag with `problems`, naming the last good checkpoint."""
     return CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} is damaged or incomplete: "
-                           f"{'; '.join(problems)}. {_last_good_hint(load_dir, iteration_of(tag))}")
+                           f"{'; '.join(problems)}. {last_good_hint(load_dir, iteration_of(tag))}")
 
 
-def _last_good_hint(load_dir, below):
+def last_good_hint(load_dir, below):
     good = last_good_tag(load_dir, below)
     if good is None:
         return "there is no older complete checkpoint in the folder"
     iteration = iteration_of(good)
     return (f"the last good checkpoint is {os.path.join(load_dir, good)} (iteration {iteration}): load it with "
             f"--load {load_dir} --load-iteration {good if good == RELEASE_TAG else iteration}")
-
-
-def resolve_checkpoint(load_dir, iteration=None):
-    """(tag, metadata, notes) of the checkpoint --load DIR [--load-iteration N] names; (None, None, notes)
-    when the folder holds no checkpoint at all. Raises CheckpointError for a damaged or missing one. A
-    Megatron-DeepSpeed checkpoint is described in our metadata's terms (megatron_deepspeed.read_metadata)."""
-    notes = []
-    if not os.path.isdir(load_dir):
-        if iteration is not None:
-            raise CheckpointError(f"--load {load_dir}: no such folder")
-        return None, None, [f"--load {load_dir}: no such folder; starting from scratch"]
-    if not list_tags(load_dir) and not os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
-        _refuse_foreign(load_dir, foreign.foreign_folder(load_dir))
-    temporaries = [name for name in os.listdir(load_dir) if name.endswith(TMP_SUFFIX)]
-    if temporaries:
-        notes.append(f"ignoring incomplete save(s) {', '.join(sorted(temporaries))} in {load_dir} (a save was killed)")
-    if iteration is not None:
-        tag = RELEASE_TAG if str(iteration) == RELEASE_TAG else tag_for(int(iteration))
-        if not os.path.isdir(os.path.join(load_dir, tag)):
-            available = ", ".join(list_tags(load_dir)) or "none"
-            raise CheckpointError(f"--load {load_dir} --load-iteration {iteration}: no folder {tag} "
-                                  f"(checkpoints there: {available})")
-    else:
-        tag = read_pointer(load_dir)
-        tags = list_tags(load_dir)
-        if tag is None:
-            if not tags:
-                return None, None, notes + [f"--load {load_dir}: no checkpoint there; starting from scratch"]
-            raise CheckpointError(f"--load {load_dir}: the folder has checkpoint folders ({', '.join(tags)}) but "
-                                  f"no pointer ({MEGATRON_TRACKER} or {DEEPSPEED_POINTER}); "
-                                  f"{_last_good_hint(load_dir, None)}")
-        newer = [t for t in tags if iteration_of(t) > iteration_of(tag)]
-        for newer_tag in newer:
-            problems = problems_of(os.path.join(load_dir, newer_tag))
-            state = ("damaged or incomplete (" + "; ".join(problems) + ")") if problems else "complete"
-            notes.append(f"{newer_tag} is newer than the pointers' {tag} but was not published (a save killed "
-                         f"before updating the pointers?); it is {state}; loading {tag}")
-    path = os.path.join(load_dir, tag)
-    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        from megatron_ds.checkpointing import megatron_deepspeed  # it builds on this module
-        if megatron_deepspeed.is_checkpoint(path):
-            return tag, megatron_deepspeed.read_metadata(path), notes
-        _refuse_foreign(path, foreign.foreign_checkpoint(path))
-    problems = problems_of(path)
-    if problems:
-        raise damaged_checkpoint_error(load_dir, tag, problems)
-    return tag, read_metadata(path), notes
-
-
-def _refuse_foreign(path, holds):
-    if holds is not None:
-        raise CheckpointError(f"--load: {path} holds {holds}; it is not a megatron_ds checkpoint")
 
 
 def load_file(path, what="checkpoint file"):
@@ -504,3 +450,20 @@ def finish_folder(path, metadata, checksums=None):
     for name in metadata["files"]:
         fsync_path(os.path.join(path, name))
     write_json(os.path.join(path, METADATA_FILE), metadata)
+
+
+def args_to_dict(args):
+    """The arguments as a checkpoint records them: vars(args) as JSON values (dtypes become their names), without
+    the typed parts of the configuration (arguments/configs.py: values derived from the others)."""
+    result = {}
+    for key, value in sorted(vars(args).items()):
+        if dataclasses.is_dataclass(value):
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value).replace("torch.", "")
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        result[key] = value
+    return result

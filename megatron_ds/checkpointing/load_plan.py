@@ -10,11 +10,12 @@ is raised here, with the same text on every rank (each computes the same plan fr
 import dataclasses
 import os
 
-from megatron_ds.checkpointing import files, universal
+from megatron_ds.checkpointing import files
 from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
+from megatron_ds.core.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 from megatron_ds.core.parallel_layout import ParallelLayout
 from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
-from megatron_ds.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 
 UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
 

@@ -33,16 +33,18 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from megatron_ds.checkpointing import async_save, files, layout, load_plan, megatron_deepspeed, placement, universal
+from megatron_ds.checkpointing import async_save, discovery, files, layout, load_plan, placement
 from megatron_ds.checkpointing.exit_policy import ExitPolicy
 from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
+from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.load_plan import TrainingProgress
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
-from megatron_ds.glue.runtime import device, print_rank_0
+from megatron_ds.launch.runtime import device, print_rank_0
 
 
 def _coordinates():
@@ -373,7 +375,7 @@ class CheckpointManager:
         """(tag, metadata, notes) of the checkpoint to load (rank 0; CheckpointError when it cannot be)."""
         if self.config.load_universal_checkpoint:
             return (*universal.resolve(self.config.load), [])
-        tag, metadata, notes = files.resolve_checkpoint(self.config.load, self.config.load_iteration)
+        tag, metadata, notes = discovery.resolve_checkpoint(self.config.load, self.config.load_iteration)
         skipped = universal.pointer_tag(self.config.load) if self.config.universal_checkpoint else None
         if skipped and tag:
             notes.append(f"--universal-checkpoint: {universal.POINTER} names {skipped}, older than {tag} (saved since "

@@ -1,3 +1,7 @@
-"""Checkpoint conversions on top of megatron_ds.checkpointing: Hugging Face mapping (huggingface), the
-converter's operations (convert: reshape to another TP/PP, export to and import from Hugging Face) and
-tools/convert_checkpoint.py's command line (cli)."""
+"""Checkpoint conversions on top of megatron_ds.checkpointing.
+
+    convert.py      the converter's operations: reshape to another TP/PP, export to and import from Hugging Face,
+                    from and to Megatron-DeepSpeed's format
+    huggingface.py  our canonical weights <-> Hugging Face `transformers` models
+    convert_cli.py  tools/convert_checkpoint.py's command line
+"""

@@ -8,9 +8,12 @@ import shutil
 import torch
 
 from megatron_ds.arguments import flag_defaults, padded_vocab_size
-from megatron_ds.checkpointing import files, layout, megatron_deepspeed, state
+from megatron_ds.checkpointing import discovery, files, layout, state
 from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.conversion import huggingface
+from megatron_ds.core.parallel_layout import stages_without_experts
+from megatron_ds.data.tokenizers import build_tokenizer
 
 
 def _log(message):
@@ -19,7 +22,7 @@ def _log(message):
 
 def load_full(load_dir, iteration=None, with_optimizer=True):
     """(FullState, checkpoint folder) of the checkpoint --load [--load-iteration] names."""
-    tag, metadata, notes = files.resolve_checkpoint(load_dir, iteration)
+    tag, metadata, notes = discovery.resolve_checkpoint(load_dir, iteration)
     for note in notes:
         _log(f"note: {note}")
     if tag is None:
@@ -48,7 +51,6 @@ def _check_target(shape, tp, pp, ep=None, expert_tensor_parallelism=None):
 
 
 def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
-    from megatron_ds.core.parallel_layout import stages_without_experts
     if not files.is_moe(shape):
         return ([f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []) + \
             ([f"--target-expert-tensor-parallelism {expert_tensor_parallelism}: the model has no experts"]
@@ -201,7 +203,6 @@ def read_hf(hf_dir, divisible_by=None, tp=1):
         args["vocab_size"] = base.get("vocab_size") or hf_rows
     args["eod"] = base.get("eod", config.eos_token_id if isinstance(config.eos_token_id, int) else None)
     if args["tokenizer_type"] != "NullTokenizer":  # the tokenizer's own end-of-document id
-        from megatron_ds.data.tokenizers import build_tokenizer
         try:
             args["eod"] = build_tokenizer(args["tokenizer_type"], tokenizer_model=args.get("tokenizer_model"),
                                           vocab_file=args.get("vocab_file"), merge_file=args.get("merge_file")).eod

@@ -1,1 +1,13 @@
+"""The library, as megatron.core is Megatron-LM's: it imports nothing else of megatron_ds.
 
+    parallel_layout.py         ParallelLayout: the parallel degrees of a run and every rule they obey
+    parallel_state.py          TP / SP / PP / DP (and expert) process groups on DeepSpeed's topology
+    pipeline_schedules.py      the pipeline schedules as each rank's order of work, and their simulation
+    batch_schedule.py          Megatron's batch-size ramp-up (--rampup-batch-size)
+    optimizer_param_scheduler.py  Megatron's learning-rate schedule, counted in iterations, samples or tokens
+    deepspeed_internals/       the one door into DeepSpeed's private members
+    tensor_parallel/           tensor-parallel layers, communication, RNG and vocab-parallel losses
+    transformer/               the transformer layer: attention, MLP, MoE, norms, rotary, its config
+    fusions/                   fused ops with plain-PyTorch references, Triton kernels, compile and apex paths
+    models/                    models built from the layers (GPT)
+"""

@@ -209,9 +209,9 @@ def _sequence_slice(tensor):
 def batch_iterator(dataset, data, consumed_samples, device, curriculum=None, replicas_over=0):
     """Endless (inputs, labels) micro-batches of this data-parallel rank from the global sample position
     consumed_samples, read by --num-workers DataLoader processes from the first next(); None when this rank
-    reads no data. With a sequence-length curriculum (glue/curriculum.py) each micro-batch is cut to the
+    reads no data. With a sequence-length curriculum (engine/curriculum.py) each micro-batch is cut to the
     length current when it is taken. replicas_over=k: the micro-batches of the data-parallel rank k after this
-    one instead (a replay on other devices, rerun.py)."""
+    one instead (a replay on other devices, training/resilience/rerun.py)."""
     if dataset is None:
         return None
     replicas = parallel_state.get_data_parallel_world_size()

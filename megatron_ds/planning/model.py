@@ -12,7 +12,7 @@ from megatron_ds.core.transformer.transformer_config import (
     DEFAULT_RECOMPUTE_NUM_LAYERS,
     RECOMPUTE_GRANULARITIES,
 )
-from megatron_ds.planning.devices import DeviceSpec
+from megatron_ds.launch.devices import DeviceSpec
 
 RECOMPUTE_CHOICES = (None, *RECOMPUTE_GRANULARITIES)
 

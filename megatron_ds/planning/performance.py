@@ -1,6 +1,6 @@
 """Estimated iteration time, TFLOP/s per device and MFU.
 
-The model (assumptions also printed with every plan and listed in the README):
+The model (assumptions also printed with every plan and listed in docs/planning.md):
 - compute runs at `compute_efficiency` x the device's peak (one factor for GEMMs and the memory-bound
   ops between them); communication at `bandwidth_efficiency` x link bandwidth; latency terms ignored;
 - nothing overlaps: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the data-parallel
@@ -20,7 +20,7 @@ from typing import Optional
 
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import pipeline
-from megatron_ds.planning.flops import (
+from megatron_ds.planning.hardware_flops import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     stage_hardware_flops_per_micro_batch,

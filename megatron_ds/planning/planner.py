@@ -3,7 +3,7 @@ import dataclasses
 
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning.checkpoints import checkpoint_section
-from megatron_ds.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from megatron_ds.planning.hardware_flops import hardware_flops_per_iteration, model_flops_per_iteration
 from megatron_ds.planning.memory import (
     GIB,
     layer_activation_bytes,

@@ -14,7 +14,7 @@ from megatron_ds.arguments import (
     parse_args,
     transformer_config_from_args,
 )
-from megatron_ds.glue.ds_config import build_deepspeed_config
+from megatron_ds.engine.ds_config import build_deepspeed_config
 from tests.flags import TINY_MODEL
 
 
@@ -69,7 +69,7 @@ def test_generation_rebuilds_the_trained_model_config():
     """tools/generate.py reads a checkpoint's saved arguments back into the same TransformerConfig (without
     dropout), also for a checkpoint saved before some flags existed."""
     from megatron_ds.checkpointing.files import args_to_dict
-    from megatron_ds.generation import inference_args
+    from megatron_ds.inference.generation import inference_args
     args = parse_args(TINY_MODEL + ["--swiglu", "--use-rotary-position-embeddings", "--hidden-size", "96",
                                     "--rotary-percent", "0.5", "--recompute-activations"], world_size=1)
     saved = args_to_dict(args)
@@ -81,7 +81,7 @@ def test_generation_rebuilds_the_trained_model_config():
 
 
 def test_planner_resolves_like_pretrain(tmp_path):
-    from megatron_ds.planning import cli
+    from megatron_ds.planning import plan_cli as cli
     flags = TINY_MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                           "--global-batch-size", "8", "--swiglu", "--hidden-size", "192"]
     trained = parse_args(flags, world_size=8)

@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from megatron_ds.checkpointing import CheckpointManager, async_save, files, universal
+from megatron_ds.checkpointing import CheckpointManager, async_save, discovery, files
+from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
 from tests.checkpoints import TINY, corrupt_bytes, layout_flags, tiny_checkpoint
 from tests.distributed import run_distributed
 
@@ -107,7 +108,7 @@ def test_a_checkpoint_without_checksums_loads_unverified(tmp_path):
     del metadata["checksums"]
     with open(os.path.join(folder, files.METADATA_FILE), "w") as handle:
         json.dump(metadata, handle)
-    tag, older, _ = files.resolve_checkpoint(str(tmp_path))
+    tag, older, _ = discovery.resolve_checkpoint(str(tmp_path))
     manager = _manager(tmp_path)
     assert manager._verify_checksums(tag, older) == \
         "no checksums in the checkpoint (saved before they were recorded): files not verified"

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from megatron_ds.checkpointing import files
+from megatron_ds.checkpointing import discovery, files
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
 from tests.checkpoints import assert_previous_checkpoint_published, tiny_checkpoint
 from tests.fault_injection import pause_message
@@ -18,17 +18,17 @@ def test_damaged_or_incomplete_newest_checkpoint_names_the_last_good_one(tmp_pat
     shard = tmp_path / "global_step4" / files.sharded_file_name(0, 0)
     shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk or a half-finished copy
     with pytest.raises(files.CheckpointError) as damaged:
-        files.resolve_checkpoint(str(tmp_path))
+        discovery.resolve_checkpoint(str(tmp_path))
     message = str(damaged.value)
     assert "global_step4 is damaged or incomplete" in message and "bytes" in message
     assert f"the last good checkpoint is {tmp_path / 'global_step2'} (iteration 2)" in message
     assert "--load-iteration 2" in message
-    assert files.resolve_checkpoint(str(tmp_path), 2)[0] == "global_step2"
+    assert discovery.resolve_checkpoint(str(tmp_path), 2)[0] == "global_step2"
 
     (tmp_path / "global_step4" / files.METADATA_FILE).unlink()  # a save that never finished
     with pytest.raises(files.CheckpointError, match="no megatron_ds_checkpoint.json .*--load-iteration 2"):
-        files.resolve_checkpoint(str(tmp_path))
-    assert files.resolve_checkpoint(str(tmp_path / "nothing_here"))[0] is None  # nothing yet: from scratch
+        discovery.resolve_checkpoint(str(tmp_path))
+    assert discovery.resolve_checkpoint(str(tmp_path / "nothing_here"))[0] is None  # nothing yet: from scratch
 
 
 def test_a_deepspeed_universal_folder_is_refused_by_name(tmp_path):
@@ -39,7 +39,7 @@ def test_a_deepspeed_universal_folder_is_refused_by_name(tmp_path):
     (tmp_path / "global_step2" / "zero").mkdir()
     with pytest.raises(files.CheckpointError,
                        match="a DeepSpeed universal checkpoint .* load it with --universal-checkpoint"):
-        files.resolve_checkpoint(str(tmp_path))
+        discovery.resolve_checkpoint(str(tmp_path))
 
 
 def _kill_writer_at(save_dir, phase):
@@ -69,7 +69,7 @@ def test_writer_killed_at_the_other_phases(tmp_path, phase):
         return
     assert (tmp_path / files.MEGATRON_TRACKER).read_text().strip() == "4"
     assert (tmp_path / files.DEEPSPEED_POINTER).read_text().strip() == "global_step2"
-    tag, _, _ = files.resolve_checkpoint(str(tmp_path))
+    tag, _, _ = discovery.resolve_checkpoint(str(tmp_path))
     assert tag == "global_step4" and not files.problems_of(str(tmp_path / tag))
     assert not files.problems_of(str(tmp_path / "global_step2"))
 

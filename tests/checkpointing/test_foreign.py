@@ -1,4 +1,4 @@
-"""Checkpoints of other programs (megatron_ds.checkpointing.foreign) are refused by what they hold, never called
+"""Checkpoints of other programs (checkpointing/foreign/recognition.py) are refused by what they hold, never called
 damaged (a Megatron-DeepSpeed --load folder is read instead, its tag folder named): Megatron-DeepSpeed's, written
 here by code that follows its file layout (Megatron-DeepSpeed is not vendored), Megatron-LM's two formats, DeepSpeed
 files of another program, a Hugging Face folder; a damaged one names its file."""
@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_ds.checkpointing import files
+from megatron_ds.checkpointing import discovery, files
 
 
 def _megatron_deepspeed_args(tp, pp, world):
@@ -42,7 +42,7 @@ def megatron_deepspeed_checkpoint(load_dir, tp=1, pp=1, world=1, iteration=5):
 
 def refusal(load_dir):
     with pytest.raises(files.CheckpointError) as raised:
-        files.resolve_checkpoint(str(load_dir))
+        discovery.resolve_checkpoint(str(load_dir))
     message = str(raised.value)
     assert "damaged" not in message and "not a megatron_ds checkpoint" in message, message
     return message
@@ -54,7 +54,7 @@ def test_a_megatron_deepspeed_checkpoint_is_read_and_its_tag_folder_named(tmp_pa
     """Its --load folder is read (megatron_deepspeed.py: described with its version and layout); its tag folder
     given to --load instead is named, with the folder to give."""
     tag = megatron_deepspeed_checkpoint(tmp_path, tp, pp, world)
-    found, metadata, _ = files.resolve_checkpoint(str(tmp_path))
+    found, metadata, _ = discovery.resolve_checkpoint(str(tmp_path))
     assert (found, metadata["format"], metadata["iteration"]) == (tag.name, files.FORMAT_MEGATRON_DEEPSPEED, 5)
     assert metadata["description"] == f"Megatron-DeepSpeed checkpoint (version 3.0, {layout})"
     assert f"{tag} holds a Megatron-DeepSpeed checkpoint (version 3.0, {layout}, iteration 5): give --load the " \
@@ -75,7 +75,7 @@ def test_a_damaged_megatron_deepspeed_file_is_named(tmp_path):
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"not a torch file")
     with pytest.raises(files.CheckpointError, match="mp_rank_00_model_states.pt unreadable .*a damaged DeepSpeed or "
                                                     "Megatron-DeepSpeed checkpoint"):
-        files.resolve_checkpoint(str(tmp_path))
+        discovery.resolve_checkpoint(str(tmp_path))
 
 
 def test_megatron_lm_checkpoints_are_named_by_format(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_ds.arguments import parse_args
 from megatron_ds.checkpointing import TrainingProgress, files, load_plan
-from megatron_ds.optimizer_param_scheduler import LRSchedule, Position
+from megatron_ds.core.optimizer_param_scheduler import LRSchedule, Position
 from tests.checkpoints import TINY, layout_flags
 
 SAVED = LRSchedule(2e-3, 0.0, "linear", 2, "iterations", 8, "iterations")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_flags, raise_if_invalid
-from megatron_ds.planning import cli
+from megatron_ds.planning import plan_cli as cli
 from tests.compat.scripts import SCRIPTS, command_line, make_tokenizer_files, world_size
 
 MOS = "--mos: Mixture-of-Students (distillation into an MoE student) is not built"

@@ -15,9 +15,9 @@ from megatron_ds.core.tensor_parallel import get_cuda_rng_tracker, model_paralle
 from megatron_ds.core.tensor_parallel.random import RNGStatesTracker, use_deepspeed_checkpointing
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
 from megatron_ds.core.transformer.transformer_layer import assign_recompute_chunks
-from megatron_ds.glue.activation_checkpointing import configure_activation_checkpointing
-from megatron_ds.glue.mpu import ModelParallelUnit
-from megatron_ds.glue.runtime import init_distributed
+from megatron_ds.engine.activation_checkpointing import configure_activation_checkpointing
+from megatron_ds.engine.mpu import ModelParallelUnit
+from megatron_ds.launch.runtime import init_distributed
 from tests.core.transformer.layers import gather_param
 from tests.distributed import run_distributed
 from tests.flags import parse_with_deepspeed_json

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ds.glue import cpu_features
-from megatron_ds.glue.cpu_features import (
+from megatron_ds.launch import cpu_features
+from megatron_ds.launch.cpu_features import (
     CpuFacts,
     describe,
     has_native_unit,

@@ -3,7 +3,7 @@ DeepSpeed sees, and its lengths are DeepSpeed's CurriculumScheduler's."""
 import pytest
 
 from megatron_ds.arguments import ArgumentsError
-from megatron_ds.glue.curriculum import SequenceLengthCurriculum
+from megatron_ds.engine.curriculum import SequenceLengthCurriculum
 from tests.flags import parse_with_deepspeed_json
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --train-iters 1 --mock-data "

@@ -1,5 +1,8 @@
-"""megatron_ds/core/deepspeed_internals.py is the one door into DeepSpeed's internals: the version range it
-supports is checked at start-up, and the private names it owns appear nowhere else."""
+"""megatron_ds/core/deepspeed_internals/ is the one door into DeepSpeed's internals: the version range it supports
+is checked at start-up, and nothing else reaches a private name it owns, overrides a private method of a DeepSpeed
+class in a subclass, or assigns an object's __class__."""
+import ast
+import importlib
 import pathlib
 import re
 import types
@@ -11,7 +14,7 @@ import torch
 from megatron_ds.core import deepspeed_internals as internals
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-INTERNALS = ROOT / "megatron_ds" / "core" / "deepspeed_internals.py"
+INTERNALS = ROOT / "megatron_ds" / "core" / "deepspeed_internals"
 
 
 def _uses(token):
@@ -25,7 +28,65 @@ def _uses(token):
 
 def _scanned_files():
     files = [*(ROOT / "megatron_ds").rglob("*.py"), *(ROOT / "tools").rglob("*.py"), ROOT / "pretrain.py"]
-    return [path for path in files if path.resolve() != INTERNALS]
+    return [path for path in files if INTERNALS not in path.resolve().parents]
+
+
+def _deepspeed_names(tree):
+    """{name: dotted path} for what this module binds to DeepSpeed: `import deepspeed...` and
+    `from deepspeed... import X` (as Y)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update({alias.asname or "deepspeed": alias.name if alias.asname else "deepspeed"
+                          for alias in node.names if alias.name.split(".")[0] == "deepspeed"})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "deepspeed":
+            names.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+    return names
+
+
+def _dotted(expression):
+    parts = []
+    while isinstance(expression, ast.Attribute):
+        parts.append(expression.attr)
+        expression = expression.value
+    return [expression.id, *reversed(parts)] if isinstance(expression, ast.Name) else None
+
+
+def _deepspeed_class(base, deepspeed_names):
+    """The DeepSpeed class a base-class expression names, else None."""
+    parts = _dotted(base)
+    if not parts or parts[0] not in deepspeed_names:
+        return None
+    path = deepspeed_names[parts[0]].split(".") + parts[1:]
+    for split in range(len(path), 0, -1):
+        try:
+            found = importlib.import_module(".".join(path[:split]))
+        except ImportError:
+            continue
+        for attribute in path[split:]:
+            found = getattr(found, attribute)
+        return found if isinstance(found, type) else None
+    return None
+
+
+def _private_overrides_and_class_swaps(source, where):
+    """Methods named _x (not dunder) that a subclass of a DeepSpeed class defines where DeepSpeed's class has
+    them too, and assignments to __class__."""
+    tree = ast.parse(source)
+    deepspeed_names = _deepspeed_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = [cls for cls in (_deepspeed_class(base, deepspeed_names) for base in node.bases) if cls]
+            found += [f"{where}:{item.lineno}: {node.name}.{item.name} overrides a DeepSpeed private method"
+                      for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and item.name.startswith("_") and not item.name.endswith("__")
+                      and any(hasattr(cls, item.name) for cls in bases)]
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [f"{where}:{node.lineno}: __class__ assigned" for target in targets
+                  if isinstance(target, ast.Attribute) and target.attr == "__class__"]
+    return found
 
 
 # --- the supported versions -----------------------------------------------------------------------------
@@ -71,11 +132,40 @@ def test_no_other_file_reaches_the_internals_the_module_owns():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             found += [f"{path.relative_to(ROOT)}:{number}: {token}: {line.strip()}"
                       for token in internals.OWNED_NAMES if _uses(token).search(line)]
-    assert not found, "DeepSpeed internals outside megatron_ds/core/deepspeed_internals.py:\n" + "\n".join(found)
+    assert not found, "DeepSpeed internals outside megatron_ds/core/deepspeed_internals/:\n" + "\n".join(found)
 
 
-def test_every_owned_name_is_used_by_the_module():
-    source = INTERNALS.read_text().split("OWNED_NAMES = (", 1)[1].split("\n)\n", 1)[1]
+def test_no_other_file_overrides_deepspeed_privates_or_swaps_a_class():
+    found = [problem for path in _scanned_files()
+             for problem in _private_overrides_and_class_swaps(path.read_text(), path.relative_to(ROOT))]
+    assert not found, "outside megatron_ds/core/deepspeed_internals/:\n" + "\n".join(found)
+
+
+SUBCLASS = "from deepspeed.runtime.pipe.module import PipelineModule\nclass M(PipelineModule):\n    def {}(self): pass"
+
+
+@pytest.mark.parametrize("source", [
+    "from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine as E\nclass F(E):\n    def _train_schedule(s): pass",
+    "import deepspeed\nclass M(deepspeed.pipe.PipelineModule):\n    def _partition_layers(self): pass",
+    "from deepspeed.runtime.pipe import module as m\nclass M(m.PipelineModule):\n    def _build(self): pass",
+    "def swap(engine, kind):\n    engine.__class__ = kind",
+])
+def test_the_scan_sees_an_override_or_a_class_swap(source):
+    assert _private_overrides_and_class_swaps(source, "x.py")
+
+
+@pytest.mark.parametrize("source", [
+    SUBCLASS.format("__init__"), SUBCLASS.format("_our_helper"), SUBCLASS.format("forward"),
+    "class Mine:\n    def _helper(self): pass",
+])
+def test_the_scan_leaves_public_overrides_and_our_classes_alone(source):
+    assert not _private_overrides_and_class_swaps(source, "x.py")
+
+
+def test_every_owned_name_is_used_by_the_package():
+    init = (INTERNALS / "__init__.py").read_text()
+    source = init.split("OWNED_NAMES = (", 1)[1].split("\n)\n", 1)[1] + "".join(
+        path.read_text() for path in INTERNALS.glob("*.py") if path.name != "__init__.py")
     assert [token for token in internals.OWNED_NAMES if not re.search(rf"\b{re.escape(token)}\b", source)] == []
 
 
@@ -88,7 +178,7 @@ def test_the_scan_sees_a_reintroduced_internal(line):
 
 
 @pytest.mark.parametrize("line", ["def _gather_tokens_over_gloo(input_, dim=0):",
-                                  "from megatron_ds.glue.mpu import ModelParallelUnit",
+                                  "from megatron_ds.engine.mpu import ModelParallelUnit",
                                   "from megatron_ds.checkpointing.state import read_loss_scaler",
                                   "from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import X",
                                   "return metrics.loss_scale(engine)"])

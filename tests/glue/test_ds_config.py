@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ds.arguments import ArgumentsError, padded_vocab_size
-from megatron_ds.glue.ds_config import build_deepspeed_config
+from megatron_ds.engine.ds_config import build_deepspeed_config
 from tests.flags import parse_with_deepspeed_json
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "ds_configs"

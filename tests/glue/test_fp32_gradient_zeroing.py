@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.core.deepspeed_internals import zero_bf16_fp32_gradients_once
-from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
-from megatron_ds.glue.runtime import init_distributed
+from megatron_ds.engine.gradient_reduction import install_flat_gradient_reduction
+from megatron_ds.launch.runtime import init_distributed
 from tests.distributed import run_distributed
 from tests.glue.test_gradient_reduction import DS_CONFIG, _batches, _engine, _step
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ds.glue.gradient_reduction import install_flat_gradient_reduction
-from megatron_ds.glue.runtime import init_distributed
+from megatron_ds.engine.gradient_reduction import install_flat_gradient_reduction
+from megatron_ds.launch.runtime import init_distributed
 from tests.distributed import run_distributed
 
 HIDDEN = 24

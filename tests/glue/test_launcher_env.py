@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from megatron_ds.glue.launcher_env import (
+from megatron_ds.launch.launcher_env import (
     Attempt,
     LauncherError,
     LauncherInfo,
@@ -16,7 +16,7 @@ from megatron_ds.glue.launcher_env import (
     read_launcher,
     store_hosted_by_launcher,
 )
-from megatron_ds.glue.runtime import local_world_size
+from megatron_ds.launch.runtime import local_world_size
 
 TORCHRUN = dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
                 GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", MASTER_ADDR="10.0.0.1", MASTER_PORT="29400")

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ds.core.deepspeed_internals.interleaved_pipeline import ACTIVATION_TAG, GRADIENT_TAG
 from megatron_ds.core.pipeline_schedules import pipeline_messages_per_micro_batch
-from megatron_ds.glue.interleaved_pipeline import ACTIVATION_TAG, GRADIENT_TAG
 from tests.launch import REPO, clean_env, losses
 from tests.layouts import COMMON, SCHEDULE_FLAGS
 from tests.p2p_recorder import RECORD_DIR, SWAP_RECEIVES, load, payload_mismatches, untagged_fifo_mispairings

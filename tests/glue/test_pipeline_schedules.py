@@ -10,6 +10,7 @@ and chunk it expects) and never deadlock."""
 import pytest
 from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
+from megatron_ds.core.deepspeed_internals.interleaved_pipeline import InterleavedSchedule
 from megatron_ds.core.pipeline_schedules import (
     BACKWARD,
     FORWARD,
@@ -20,8 +21,7 @@ from megatron_ds.core.pipeline_schedules import (
     split_micro_batch,
     stage_order,
 )
-from megatron_ds.glue.interleaved_pipeline import InterleavedSchedule
-from megatron_ds.glue.pipeline_schedules import (
+from megatron_ds.engine.deepspeed_schedules import (
     BackwardInputPass,
     BackwardWeightPass,
     ZeroBubbleDualPipeVSchedule,

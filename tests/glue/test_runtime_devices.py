@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ds.glue import runtime
-from megatron_ds.glue.runtime import binds_device, cuda_device_index, init_distributed
+from megatron_ds.launch import runtime
+from megatron_ds.launch.runtime import binds_device, cuda_device_index, init_distributed
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                       "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",

@@ -1,11 +1,11 @@
-"""The start-up checks of the folders a run writes (glue/storage.py): a folder that cannot be made or written
+"""The start-up checks of the folders a run writes (launch/storage.py): a folder that cannot be made or written
 names its flag, path and OS error; a --save file system with less free space than one checkpoint names both
 numbers; each rank checks only what it writes; pretrain.py refuses before training, every problem on its line,
 exit status 2. A folder whose parent is a file is unwritable for root too (CI runs as root)."""
 import os
 import types
 
-from megatron_ds.glue.storage import folders_written_by, free_space_problem, storage_problems, unwritable_problem
+from megatron_ds.launch.storage import folders_written_by, free_space_problem, storage_problems, unwritable_problem
 from tests.flags import TINY_MODEL
 from tests.launch import run_alone
 

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.planning.devices import device_spec
+from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 
 FAMILIES = {

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_ds.planning.collective_devices import CollectiveDevices, nccl_refusals
+from megatron_ds.planning.dry_run.collective_devices import CollectiveDevices, nccl_refusals
 
 
 @pytest.fixture

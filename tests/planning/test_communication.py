@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import communication as comm
-from megatron_ds.planning.devices import device_spec
 from megatron_ds.planning.model import Cluster, Layout
 from tests.planning.specs import hand_case, small_model
 

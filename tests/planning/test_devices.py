@@ -1,8 +1,8 @@
-"""megatron_ds.planning.devices: the device table, its lookups and the bandwidths derived from the
+"""megatron_ds.launch.devices: the device table, its lookups and the bandwidths derived from the
 datasheet figures quoted beside each entry (NVLink totals are both directions; InfiniBand is one NIC per GPU)."""
 import pytest
 
-from megatron_ds.planning.devices import DEVICES, device_spec
+from megatron_ds.launch.devices import DEVICES, device_spec
 
 
 def test_lookup_returns_the_table_entry():

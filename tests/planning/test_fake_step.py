@@ -1,8 +1,8 @@
-"""The dry run's iteration recorder (planning/fake_step.py) on a small fake computation: the bytes it follows."""
+"""The dry run's iteration recorder (dry_run/fake_step.py) on a small fake computation: the bytes it follows."""
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_ds.planning.fake_step import StepRecorder
+from megatron_ds.planning.dry_run.fake_step import StepRecorder
 
 ROWS_BYTES = 8 * 64 * 4      # one [8, 64] fp32 activation
 WEIGHT_BYTES = 64 * 64 * 4

@@ -1,11 +1,11 @@
-"""megatron_ds.planning.flops: model and hardware FLOPs per iteration (Narayanan et al. 2021 and the
+"""megatron_ds.planning.hardware_flops: model and hardware FLOPs per iteration (Narayanan et al. 2021 and the
 recompute terms of docs/formulas.md) and each stage's share, by hand."""
 import dataclasses
 
 import pytest
 
 from megatron_ds.core.models.gpt import model_flops_per_iteration as training_model_flops
-from megatron_ds.planning.flops import (
+from megatron_ds.planning.hardware_flops import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     recompute_flops_per_token,

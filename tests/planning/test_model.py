@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.planning.devices import device_spec
+from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, layout_errors
 from tests.planning.specs import small_model
 

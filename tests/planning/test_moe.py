@@ -19,9 +19,9 @@ from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.core.transformer import TransformerConfig
-from megatron_ds.planning import cli
 from megatron_ds.planning import communication as comm
-from megatron_ds.planning.flops import (
+from megatron_ds.planning import plan_cli as cli
+from megatron_ds.planning.hardware_flops import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     stage_hardware_flops_per_micro_batch,
@@ -173,8 +173,8 @@ def _check_expert_parallel_ranks(flags):
 
     from megatron_ds.arguments import parse_args, transformer_config_from_args
     from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron_ds.glue.runtime import init_distributed
-    from megatron_ds.training import build_model
+    from megatron_ds.launch.runtime import init_distributed
+    from megatron_ds.training.model_setup import build_model
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     init_distributed("gloo")

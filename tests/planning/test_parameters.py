@@ -109,8 +109,8 @@ def _check_pipeline_module_counts(family, tied, tp, pp):
     import torch.distributed as dist
 
     from megatron_ds.arguments import parse_args, transformer_config_from_args
-    from megatron_ds.glue.runtime import init_distributed
-    from megatron_ds.training import build_model
+    from megatron_ds.launch.runtime import init_distributed
+    from megatron_ds.training.model_setup import build_model
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank())   # DeepSpeed's PipelineModule reads it (a launcher sets it)
     init_distributed("gloo")

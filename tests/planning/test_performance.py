@@ -3,7 +3,7 @@ no-overlap time model of the module docstring, worked through by hand."""
 import pytest
 
 from megatron_ds.planning import communication as comm
-from megatron_ds.planning.flops import model_flops_per_iteration
+from megatron_ds.planning.hardware_flops import model_flops_per_iteration
 from megatron_ds.planning.model import Layout
 from megatron_ds.planning.parameters import stage_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance, stage_time

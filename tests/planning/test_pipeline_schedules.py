@@ -9,7 +9,8 @@ import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_args, parse_flags, raise_if_invalid
 from megatron_ds.arguments.checks import fp16_supported
-from megatron_ds.planning import cli, search
+from megatron_ds.planning import plan_cli as cli
+from megatron_ds.planning import search
 from megatron_ds.planning.memory import in_flight_micro_batches
 from megatron_ds.planning.model import Layout
 from megatron_ds.planning.parameters import rank_parameters, stage_parameters, total_parameters

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import search
-from megatron_ds.planning.devices import device_spec
 from megatron_ds.planning.memory import GIB
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 from megatron_ds.planning.performance import PerformanceAssumptions

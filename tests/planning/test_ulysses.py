@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megatron_ds.core.transformer import TransformerConfig
+from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import search
-from megatron_ds.planning.devices import device_spec
-from megatron_ds.planning.flops import hardware_flops_per_iteration, stage_hardware_flops_per_micro_batch
+from megatron_ds.planning.hardware_flops import hardware_flops_per_iteration, stage_hardware_flops_per_micro_batch
 from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES, layer_activation_bytes, memory_per_stage
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, layout_errors
 from megatron_ds.planning.parameters import stage_parameters

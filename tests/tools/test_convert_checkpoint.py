@@ -8,7 +8,7 @@ import torch
 
 from megatron_ds.checkpointing import files, state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import build_model
+from megatron_ds.inference.generation import build_model
 from tests.checkpoints import full_state, layout_flags
 from tests.launch import launch, losses
 from tests.tools.hf_models import VOCAB, full_forward_logits, hf_logits, tiny_gpt2, tiny_llama
@@ -34,7 +34,7 @@ def _train(nproc, flags):
 
 
 def _convert(*argv):
-    from megatron_ds.conversion.cli import main
+    from megatron_ds.conversion.convert_cli import main
     assert main([str(a) for a in argv]) == 0
 
 
@@ -162,7 +162,7 @@ def test_imported_model_finetunes_with_pretrain(gpt2_from_hf):
 
 
 def test_converter_refuses_impossible_targets(llama_run, tmp_path, capsys):
-    from megatron_ds.conversion.cli import main
+    from megatron_ds.conversion.convert_cli import main
     assert main(["--load", str(llama_run[0] / "ckpt"), "--save", str(tmp_path / "x"),
                  "--target-tensor-parallel-size", "4", "--target-pipeline-model-parallel-size", "3"]) == 2
     error = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """tools/convert_checkpoint.py --from-megatron-deepspeed: checkpoints written here by code that follows
-Megatron-DeepSpeed's file layout (megatron_ds/checkpointing/megatron_deepspeed.py's docstring; Megatron-DeepSpeed is not
+Megatron-DeepSpeed's file layout (checkpointing/foreign/megatron_deepspeed.py's docstring; Megatron-DeepSpeed is not
 vendored), its query_key_value rows built head by head from what each row means, converted and read back as ours."""
 import argparse
 import random
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ds.checkpointing import files, megatron_deepspeed, state
-from megatron_ds.checkpointing.megatron_deepspeed import qkv_in_our_order
+from megatron_ds.checkpointing import discovery, files, state
+from megatron_ds.checkpointing.foreign import megatron_deepspeed
+from megatron_ds.checkpointing.foreign.megatron_deepspeed import qkv_in_our_order
 
 REPO = Path(__file__).resolve().parents[2]
 H, HEADS, GROUPS, D, FFN, LAYERS, VOCAB, POSITIONS = 16, 4, 2, 4, 32, 2, 64, 16
@@ -285,7 +286,7 @@ def test_its_weights_iteration_and_samples_arrive_as_ours(tmp_path, tp, pp):
                      "--target-pipeline-model-parallel-size", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"from Megatron-DeepSpeed's {tmp_path / 'mds' / 'global_step5'} (TP {tp} x PP {pp})" in result.stdout
-    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "ours"))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(tmp_path / "ours"))
     assert (tag, metadata["iteration"], metadata["consumed_train_samples"]) == ("global_step5", 5, 80)
     full = state.read_full_state(str(tmp_path / "ours" / tag), metadata, with_optimizer=False)
     assert sorted(full.weights) == sorted(weights)
@@ -311,7 +312,7 @@ def test_its_adam_states_lr_schedule_and_tokens_arrive_as_ours(tmp_path, tp, pp,
     result = convert(tmp_path / "mds", tmp_path / "ours")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"fp32 master weights and Adam moments (step {STEP}), its LR schedule" in result.stdout
-    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "ours"))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(tmp_path / "ours"))
     assert (metadata["consumed_train_tokens"], metadata["scheduler"]) == (TOKENS, OUR_SCHEDULE)
     full = state.read_full_state(str(tmp_path / "ours" / tag), metadata)
     assert full.optimizer_step == STEP and sorted(full.optimizer) == sorted(weights)
@@ -511,7 +512,7 @@ def our_checkpoint(folder, tp, pp):
 
 
 def to_megatron_deepspeed(source, target, *flags):
-    from megatron_ds.conversion import cli
+    from megatron_ds.conversion import convert_cli as cli
     return cli.main(["--to-megatron-deepspeed", "--load", str(source), "--save", str(target), *flags])
 
 
@@ -561,9 +562,9 @@ def test_ours_to_its_format_and_back_is_bitwise(tmp_path, tp, pp):
     megatron_deepspeed_checkpoint(tmp_path / "expected", original.weights, tp, pp, moments=adam_states(ours()))
     assert_written_as_its_layout(mds / "global_step5", tmp_path / "expected" / "global_step5", tp, pp)
 
-    from megatron_ds.conversion import cli
+    from megatron_ds.conversion import convert_cli as cli
     assert cli.main(["--from-megatron-deepspeed", str(mds), "--save", str(tmp_path / "back")]) == 0
-    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "back"))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(tmp_path / "back"))
     back = state.read_full_state(str(tmp_path / "back" / tag), metadata)
     assert (back.iteration, back.consumed_train_samples, back.consumed_train_tokens, back.scheduler) == \
         (ITERATION, SAMPLES, TOKENS, OUR_SCHEDULE)
@@ -667,7 +668,7 @@ def test_a_llama_run_goes_through_its_format_and_deepspeeds_universal_converter(
     # its folder exported to Hugging Face (--to-hf) as the run's own checkpoint is
     from safetensors.torch import load_file
 
-    from megatron_ds.conversion import cli
+    from megatron_ds.conversion import convert_cli as cli
     for source, target in ((tmp_path / "mds", "from_mds"), (tmp_path / "run", "from_ours")):
         assert cli.main(["--to-hf", "--load", str(source), "--load-iteration", "2", "--save",
                          str(tmp_path / target)]) == 0
@@ -794,7 +795,7 @@ def test_its_moe_experts_and_their_adam_states_arrive_as_ours(tmp_path):
     moments = adam_states(weights)
     megatron_deepspeed_moe_checkpoint(tmp_path / "mds", weights, moments)
     assert convert(tmp_path / "mds", tmp_path / "ours").returncode == 0
-    tag, metadata, _ = files.resolve_checkpoint(str(tmp_path / "ours"))
+    tag, metadata, _ = discovery.resolve_checkpoint(str(tmp_path / "ours"))
     full = state.read_full_state(str(tmp_path / "ours" / tag), metadata)
     assert sorted(full.weights) == sorted(weights) and full.optimizer_step == STEP
     for name, value in weights.items():

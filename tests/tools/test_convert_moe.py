@@ -9,7 +9,7 @@ from megatron_ds.checkpointing import files
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.conversion import convert, huggingface
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import build_model
+from megatron_ds.inference.generation import build_model
 from tests.checkpoints import full_state
 from tests.launch import launch
 from tests.tools.hf_models import VOCAB, full_forward_logits, hf_logits, tiny_mixtral
@@ -23,7 +23,7 @@ MOE_LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads"
 
 
 def _convert(*argv):
-    from megatron_ds.conversion.cli import main
+    from megatron_ds.conversion.convert_cli import main
     assert main([str(a) for a in argv]) == 0
 
 
@@ -109,7 +109,7 @@ def test_export_refuses_what_mixtral_cannot_hold(overrides, expected):
 
 def test_converter_refuses_an_expert_parallel_size_that_does_not_divide_the_experts(tmp_path, capsys):
     tiny_mixtral(tmp_path / "hf")
-    from megatron_ds.conversion.cli import main
+    from megatron_ds.conversion.convert_cli import main
     assert main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "out"),
                  "--target-expert-parallel-size", "3"]) == 2
     assert "--num-experts 4 is not divisible by --target-expert-parallel-size 3" in capsys.readouterr().err
@@ -123,7 +123,7 @@ def test_a_truncated_hugging_face_weight_file_is_named(tmp_path, capsys):
     tiny_mixtral(tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    from megatron_ds.conversion.cli import main
+    from megatron_ds.conversion.convert_cli import main
     assert main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "out")]) == 2
     assert f"{weights} is damaged (truncated or not safetensors)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -5,9 +5,9 @@ import torch
 
 from megatron_ds.checkpointing import files, state
 from megatron_ds.conversion import convert
-from megatron_ds.conversion.cli import main
+from megatron_ds.conversion.convert_cli import main
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import build_model
+from megatron_ds.inference.generation import build_model
 from tests.checkpoints import full_state
 from tests.tools.hf_models import VOCAB, full_forward_logits, tiny_llama
 

@@ -2,7 +2,7 @@
 flags: a checkpoint whose saved flags misremember the heads and the FFN width still reshapes by its record,
 and the reshaped checkpoint records the same model."""
 from megatron_ds.checkpointing import files
-from megatron_ds.conversion.cli import main
+from megatron_ds.conversion.convert_cli import main
 from tests.checkpoints import full_state, tiny_checkpoint
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.planning import dry_run, step_checks
+from megatron_ds.planning.dry_run import launch_check as dry_run
+from megatron_ds.planning.dry_run import step_checks
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
@@ -118,15 +119,15 @@ def test_all_ranks_form_their_groups_and_an_extra_group_on_one_rank_is_named(tmp
         import os
         if os.environ.get("DRY_RUN_TEST_EXTRA_GROUP"):
             import torch.distributed as dist
-            from megatron_ds import training
-            initialize = training.initialize_groups
+            from megatron_ds.training import initialize as start_up
+            initialize = start_up.initialize_groups
 
             def with_an_extra_group(args):
                 initialize(args)
                 if dist.get_rank() == 5:
                     dist.new_group(ranks=[5, 6])
 
-            training.initialize_groups = with_an_extra_group
+            start_up.initialize_groups = with_an_extra_group
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_GROUP": "1"}
     result = dry(WORLD_16 + ["--ranks", "all"], environment)
@@ -222,16 +223,16 @@ def test_an_extra_all_reduce_on_one_rank_is_named_as_the_deadlock_it_would_be(tm
         if os.environ.get("DRY_RUN_TEST_EXTRA_ALL_REDUCE"):
             import torch
             import torch.distributed as dist
-            from megatron_ds import training
             from megatron_ds.core import parallel_state
-            run = training.run_global_batch
+            from megatron_ds.training import loop
+            run = loop.run_global_batch
 
             def with_an_extra_all_reduce(engine, *args, **kwargs):
                 if dist.get_rank() == 5:
                     dist.all_reduce(torch.zeros(3), group=parallel_state.get_tensor_model_parallel_group())
                 return run(engine, *args, **kwargs)
 
-            training.run_global_batch = with_an_extra_all_reduce
+            loop.run_global_batch = with_an_extra_all_reduce
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_ALL_REDUCE": "1"}
     result = dry(WORLD_16 + ["--step", "--ranks", "4,5"], environment)
@@ -246,15 +247,15 @@ def test_a_rank_whose_start_up_fails_is_named_with_its_error_and_the_next_rank_s
     hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_FAILING_RANK"):
-            from megatron_ds import training
-            start_up = training.start_up
+            from megatron_ds.training import initialize
+            start_up = initialize.start_up
 
             def failing_on_rank_4(args, **kwargs):
                 if os.environ["RANK"] == "4":
                     raise RuntimeError("injected start-up failure")
                 return start_up(args, **kwargs)
 
-            training.start_up = failing_on_rank_4
+            initialize.start_up = failing_on_rank_4
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_FAILING_RANK": "1"}
     result = dry(WORLD_16 + ["--ranks", "4,5", "--jobs", "1"], environment)   # one worker runs 4, then 5
@@ -272,15 +273,15 @@ def test_memory_held_beyond_the_plan_on_one_rank_is_named(tmp_path):
         if os.environ.get("DRY_RUN_TEST_EXTRA_MEMORY"):
             import torch
             import torch.distributed as dist
-            from megatron_ds import training
-            run, kept = training.run_global_batch, []
+            from megatron_ds.training import loop
+            run, kept = loop.run_global_batch, []
 
             def keeping_4_mib_more(engine, *args, **kwargs):
                 if dist.get_rank() == 5:
                     kept.append(torch.empty(1 << 20))
                 return run(engine, *args, **kwargs)
 
-            training.run_global_batch = keeping_4_mib_more
+            loop.run_global_batch = keeping_4_mib_more
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_EXTRA_MEMORY": "1"}
     result = dry(WORLD_16 + ["--step", "--ranks", "4,5"], environment)
@@ -317,8 +318,8 @@ def test_a_partition_that_leaves_a_stage_without_layers_is_named(tmp_path):
     hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_PARTITION"):
-            from megatron_ds import training
-            choose = training.pipeline_module_class
+            from megatron_ds.training import model_setup
+            choose = model_setup.pipeline_module_class
 
             def partitioned_on_embeddings(*args, **kwargs):
                 module_class = choose(*args, **kwargs)
@@ -328,7 +329,7 @@ def test_a_partition_that_leaves_a_stage_without_layers_is_named(tmp_path):
                         super().__init__(*a, **{**k, "partition_method": "type:EmbeddingPipe"})
                 return OnEmbeddings
 
-            training.pipeline_module_class = partitioned_on_embeddings
+            model_setup.pipeline_module_class = partitioned_on_embeddings
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_PARTITION": "1"}
     result = dry(WORLD_16 + ["--ranks", "8", "--jobs", "1"], environment)
@@ -344,15 +345,15 @@ def test_a_tie_group_the_last_stage_does_not_join_is_named(tmp_path):
     hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_TIE"):
-            from megatron_ds import training
-            specs = training.gpt_layer_specs
+            from megatron_ds.training import model_setup
+            specs = model_setup.gpt_layer_specs
 
             def untied_on_rank_12(config, vocab_size, max_sequence_length, *args, **kwargs):
                 if os.environ["RANK"] != "12":   # set per rank, after this file runs
                     return specs(config, vocab_size, max_sequence_length, *args, **kwargs)
                 return specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=False)
 
-            training.gpt_layer_specs = untied_on_rank_12
+            model_setup.gpt_layer_specs = untied_on_rank_12
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_TIE": "1"}
     result = dry(WORLD_16 + ["--step", "--ranks", "0,12"], environment)

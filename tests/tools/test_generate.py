@@ -12,7 +12,7 @@ import torch
 from megatron_ds.checkpointing import files
 from megatron_ds.conversion import convert
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_ds.generation import KVCache, SamplingParams, build_model, forward_step, generate
+from megatron_ds.inference.generation import KVCache, SamplingParams, build_model, forward_step, generate
 from tests.launch import BIN, REPO
 from tests.tools.hf_models import VOCAB, full_forward_logits, tiny_gpt2, tiny_llama
 

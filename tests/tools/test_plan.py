@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.planning import cli
+from megatron_ds.planning import plan_cli as cli
 from megatron_ds.planning.planner import make_plan
 from tests.planning.specs import (
     HAND_CASE_FLAGS,

@@ -1,2 +1,13 @@
+"""The transformer layer and its parts.
+
+    transformer_config.py  TransformerConfig: the one validated description of a transformer's shape and numerics
+    transformer_layer.py   the pre-norm layer on sequence-first tensors, with recompute
+    attention.py           self-attention: QKV column-parallel, core attention, Ulysses
+    mlp.py                 the MLP: GeLU or SwiGLU, column- then row-parallel
+    moe.py                 Mixture of Experts on DeepSpeed-MoE's layer
+    norms.py               LayerNorm and RMSNorm parameters (the math in fusions/)
+    rotary.py              rotary position embedding: the angles (the rotation in fusions/)
+    fused_ops.py           which fusions implementation each op of the model runs
+"""
 from megatron_ds.core.transformer.transformer_config import TransformerConfig
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer

@@ -2,6 +2,12 @@
 
     tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model="data/demo.model")
     ids = tokenizer.encode("Hello world") + [tokenizer.eod]
+
+    base.py                     what every tokenizer offers
+    sentencepiece_tokenizer.py  a SentencePiece .model file
+    gpt2_bpe_tokenizer.py       GPT-2's byte-level BPE (vocab.json, merges.txt)
+    huggingface_tokenizer.py    a `tokenizers` tokenizer.json, read from disk only
+    null_tokenizer.py           no tokenizer: the text is token ids
 """
 from .base import MegatronTokenizer
 from .gpt2_bpe_tokenizer import GPT2BPETokenizer

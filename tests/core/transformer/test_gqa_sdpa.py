@@ -19,7 +19,7 @@ from megatron_ds.core.transformer.attention import (
     sdpa_attention,
     sdpa_takes_grouped_heads,
 )
-from megatron_ds.planning.fake_step import StepRecorder
+from megatron_ds.planning.dry_run.fake_step import StepRecorder
 from megatron_ds.planning.memory import attention_kernel, layer_activation_bytes
 from megatron_ds.planning.model import Layout, ModelSpec
 
@@ -207,7 +207,7 @@ def test_the_memory_model_counts_grouped_heads_on_a_gpu_as_on_a_cpu_for_16_bit_t
 
 
 def _kept_after_forward(dtype, takes_grouped_heads=None):
-    """Bytes an attention layer's forward leaves alive on the dry run's fake tensors (planning/fake_step.py's
+    """Bytes an attention layer's forward leaves alive on the dry run's fake tensors (planning/dry_run/fake_step.py's
     recorder): what it keeps for backward, and its output."""
     model_parallel_cuda_manual_seed(5)
     with FakeTensorMode() as mode:

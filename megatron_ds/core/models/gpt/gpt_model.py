@@ -63,7 +63,7 @@ class LanguageModelEmbedding(torch.nn.Module):
 
 
 # Pipeline stages exchange one object: the hidden states [s, b, h], or a tuple of them with, in this order, a frozen
-# teacher's hidden states carried as integers (--kd, megatron_ds/distillation.py) and the attention mask when the
+# teacher's hidden states carried as integers (--kd, training/distillation.py) and the attention mask when the
 # batch carries its own (--reset-attention-mask; last, where DeepSpeed's pipeline engine looks for a boolean).
 # The model inputs are the input ids [b, s], or (input ids, position ids[, attention mask]).
 

@@ -1,0 +1,241 @@
+"""The training loop: iterations from the data position of a TrainingProgress, each one global batch through DeepSpeed's
+engine, logged, checked for non-finite values and skipped steps, evaluated and checkpointed at their intervals.
+
+PP > 1: the model is a DeepSpeed PipelineModule and `train_batch` runs a whole global batch. PP = 1: the plain
+DeepSpeed engine runs GPTModel with our mpu (so ZeRO-2/3 also work), and this loop runs the micro-batches.
+"""
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron_ds.checkpointing import TrainingProgress
+from megatron_ds.core import parallel_state
+from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
+from megatron_ds.data.builder import batch_iterator, describe_samples, will_evaluate
+from megatron_ds.engine.curriculum import SequenceLengthCurriculum
+from megatron_ds.engine.ds_config import deepspeed_train_batch_size
+from megatron_ds.launch.runtime import (
+    device,
+    print_rank_0,
+)
+from megatron_ds.observability.metrics import loss_scale
+from megatron_ds.training.distillation import distillation_loss_of
+from megatron_ds.training.iteration_plan import plan_iteration
+from megatron_ds.training.observers import iteration_observers, result_validator
+from megatron_ds.training.stopping import (
+    ConsecutiveSkips,
+    grad_norm_to_check,
+    stop_on_non_finite,
+    stop_on_skipped_steps,
+)
+
+
+def train(args, engine, datasets, logger, progress=None, checkpoints=None, watchdog=None):
+    """Iterations progress.iteration + 1 .. --train-iters from the data positions in progress, stopping early
+    once --train-tokens are consumed; checkpoints (a CheckpointManager) saves at intervals, on a signal and
+    at the end, and may stop the loop early."""
+    progress = progress or TrainingProgress()
+    curriculum = (SequenceLengthCurriculum(args.curriculum_learning_legacy, args.seq_length)
+                  if args.curriculum_learning_legacy else None)
+    train_data = _TrainData(datasets.get("train"), args.data, curriculum)
+    train_data.start_at(progress.consumed_train_samples)
+    valid_iterator = batch_iterator(datasets.get("valid"), args.data, progress.consumed_valid_samples, device())
+    evaluating = will_evaluate(args.data)
+    experts = moe_layers(engine.module) if args.moe else None
+    skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
+    validator = result_validator(args, engine)
+    observers = iteration_observers(args, engine, progress.iteration + 1, validator)
+    engine.train()
+    if checkpoints is not None:
+        checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
+    for iteration in range(progress.iteration + 1, args.train_iters + 1):
+        if _train_tokens_reached(args, progress):
+            break
+        if watchdog is not None:
+            watchdog.activity = f"iteration {iteration}"
+        plan = plan_iteration(iteration, progress, args.optimization.batch_schedule, args.micro_batch_size,
+                              args.data_parallel_size, _sequence_length(engine, curriculum, iteration, args.seq_length),
+                              by_curriculum=curriculum is not None)
+        begin_iteration(args, engine, plan)
+        lr = engine.optimizer.param_groups[0]["lr"]
+        observers.begin(iteration, plan)
+        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, experts, validator,
+                                                 iteration)
+        observers.end(iteration)
+        progress.iteration = iteration
+        progress.consumed_train_samples += plan.global_batch_size
+        progress.consumed_train_tokens += plan.tokens
+        grad_norm = grad_norm_to_check(args, engine)  # before the log line, which then reads the same float
+        logger.iteration(plan, loss, lr, engine, progress, other_losses)
+        observers.logged(iteration, iteration % args.logging.log_interval == 0, logger.writers)
+        stop_on_non_finite(args, iteration, loss, grad_norm, checkpoints)
+        stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
+        if evaluating and iteration % args.eval_interval == 0:
+            logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
+            progress.consumed_valid_samples += args.eval_iters * plan.global_batch_size
+        if checkpoints is not None and checkpoints.after_iteration(progress):
+            observers.finish(progress.iteration, stopped_early=True)
+            return progress
+    observers.finish(progress.iteration)
+    if checkpoints is not None:
+        checkpoints.finish(progress)
+    return progress
+
+
+class _TrainData:
+    """The training micro-batches from a global sample position, which a replay of an iteration (--rerun-mode
+    validate_results) sets back to the iteration's first sample."""
+
+    def __init__(self, dataset, data, curriculum):
+        self.dataset, self.data, self.curriculum, self.iterator = dataset, data, curriculum, None
+
+    def start_at(self, consumed_samples, replicas_over=0):
+        self.iterator = batch_iterator(self.dataset, self.data, consumed_samples, device(), self.curriculum,
+                                       replicas_over)
+
+    def describe(self, first, count):
+        if self.dataset is None:  # a middle pipeline stage reads no data
+            return f"samples {first}-{first + count - 1}"
+        return describe_samples(self.dataset, first, count)
+
+
+def _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration):
+    """(lm loss, other losses) of the iteration's global batch (run_global_batch), its optimizer step taken;
+    through the validator (megatron_ds/training/resilience/rerun.py) when there is one."""
+    def compute():
+        return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts)
+
+    if validator is None:
+        return compute()
+    batch = _IterationBatch(train_data, progress.consumed_train_samples, plan.global_batch_size)
+    loss, other_losses, _ = validator.run_iteration(iteration, compute, batch)
+    return loss, other_losses
+
+
+@dataclass(frozen=True)
+class _IterationBatch:
+    """The global batch of the iteration being validated, as training/resilience/rerun.py moves the data over it."""
+    train_data: _TrainData
+    first: int
+    size: int
+
+    def rewind(self, replicas_over=0):
+        """The data back at the batch's first sample (of the data-parallel rank replicas_over after this one)."""
+        self.train_data.start_at(self.first, replicas_over)
+
+    def pass_over(self):
+        """The data at the next batch's first sample, this rank's own."""
+        self.train_data.start_at(self.first + self.size)
+
+    def describe(self):
+        return self.train_data.describe(self.first, self.size)
+
+
+def begin_iteration(args, engine, plan):
+    """Hand the plan to DeepSpeed's engine (the ramp-up changes its batch: more micro-batches of the same size)
+    and to the LR scheduler (its step counts the plan's samples and tokens)."""
+    if deepspeed_train_batch_size(args, plan.global_batch_size) != engine.train_batch_size():
+        engine.set_train_batch_size(deepspeed_train_batch_size(args, plan.global_batch_size))
+    engine.lr_scheduler.begin_iteration(plan)
+
+
+def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
+    """One global batch; returns (lm loss, {"moe loss": MoE auxiliary loss, "kd loss": the distillation term}
+    (those the run has)), each the mean over all micro-batches and data-parallel ranks. experts: this rank's MoE
+    layers (moe_layers(engine.module), possibly none on this stage) when the model is an MoE and its auxiliary
+    loss is wanted, else None."""
+    if experts is not None:
+        # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
+        begin_global_batch(experts, loss_scale(engine) / accumulation_steps)
+    distillation = distillation_loss_of(engine.module) if train else None
+    if distillation is not None:
+        distillation.begin_global_batch()
+    loss = _run_micro_batches(engine, iterator, accumulation_steps, train)
+    others = {} if experts is None else {"moe loss": _moe_loss(experts)}
+    if distillation is not None:  # the engine's loss is the weighted sum: the line reports the two terms
+        loss, others["kd loss"] = _mean_over_data_parallel(distillation.global_batch_losses(device())).tolist()
+    return loss, others
+
+
+def _run_micro_batches(engine, iterator, accumulation_steps, train):
+    """The loss the engine computes (the model's loss_fn), the mean over the micro-batches and data parallel."""
+    if isinstance(engine, deepspeed.PipelineEngine):
+        loss = engine.train_batch(data_iter=iterator) if train else engine.eval_batch(data_iter=iterator)
+        return loss.item()
+    total = torch.zeros((), device=device())
+    for _ in range(accumulation_steps):
+        inputs, labels = next(iterator)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)  # GPTModel(input_ids, position_ids, mask)
+        if train:
+            loss = engine(*inputs, labels=labels)
+            engine.backward(loss)
+            engine.step()
+        else:
+            with torch.no_grad():
+                loss = engine(*inputs, labels=labels)
+        total += loss.detach()
+    return _mean_over_data_parallel(total / accumulation_steps).item()
+
+
+def _moe_loss(experts):
+    """The MoE auxiliary loss of the global batch: this stage's layers' (each the mean over micro-batches),
+    summed over the pipeline stages, mean over the data-parallel ranks."""
+    local = auxiliary_loss_of(experts).to(device())
+    dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
+    return _mean_over_data_parallel(local).item()
+
+
+def _mean_over_data_parallel(value):
+    """The mean over the ranks holding the same weights (SP x DP: each Ulysses rank's loss is its share of the
+    sample's, times SP; core/models/gpt/gpt_model.py)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=parallel_state.get_sequence_data_parallel_group())
+    return value / parallel_state.get_sequence_data_parallel_world_size()
+
+
+def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
+    """The mean loss of --eval-iters global batches, at the full --seq-length."""
+    if curriculum is not None:
+        _change_sequence_length(engine, curriculum.length, args.seq_length)
+    engine.eval()
+    _renew_pipeline_buffers(args, engine)
+    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False)[0] for _ in range(args.eval_iters)]
+    engine.train()
+    _renew_pipeline_buffers(args, engine)
+    if curriculum is not None:
+        _change_sequence_length(engine, args.seq_length, curriculum.length)
+    return sum(losses) / len(losses)
+
+
+def _renew_pipeline_buffers(args, engine):
+    """--kd: the stages hand on the teacher's hidden states in training only, so the pipeline's buffers change."""
+    if args.distillation is not None and isinstance(engine, deepspeed.PipelineEngine):
+        engine.reset_activation_shape()
+
+
+def _change_sequence_length(engine, old, new):
+    """DeepSpeed's pipeline engine keeps its send/receive buffers from the first batch: renew them when the
+    sequence length changes (Megatron-DeepSpeed does the same for its curriculum)."""
+    if old != new and isinstance(engine, deepspeed.PipelineEngine):
+        engine.reset_activation_shape()
+
+
+def _sequence_length(engine, curriculum, iteration, seq_length):
+    """This iteration's sequence length: the curriculum's, else --seq-length."""
+    if curriculum is None:
+        return seq_length
+    previous = curriculum.length
+    _change_sequence_length(engine, previous, curriculum.advance_to(iteration))
+    return curriculum.length
+
+
+def _train_tokens_reached(args, progress):
+    """Megatron-DeepSpeed's --train-tokens: no further iteration once that many tokens are consumed (checked
+    before each iteration, as its loop condition). Every rank counts the same batches, so all stop together."""
+    if args.train_tokens is None or progress.consumed_train_tokens < args.train_tokens:
+        return False
+    print_rank_0(f"--train-tokens {args.train_tokens} reached: {progress.consumed_train_tokens} tokens "
+                 f"consumed at iteration {progress.iteration}")
+    return True
