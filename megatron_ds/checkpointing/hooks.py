@@ -1,5 +1,5 @@
 """Fault injection: a function the save path calls at each of its named phases, so a test can stop a save
-there and kill the job (tests/fault_injection.py). Nothing is installed in normal runs.
+there and kill the job (tests/support/fault_injection.py). Nothing is installed in normal runs.
 
 Phases, in the order a save reaches them:
     deepspeed-files    DeepSpeed's files are in the temporary folder, nothing of ours yet (training saves only)

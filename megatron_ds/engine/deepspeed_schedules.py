@@ -17,7 +17,7 @@ makes one, since a blocking send waits for its receive: in the steady state it g
 before the gradient send, which the previous stage only receives after its forward (a W after the send holds up
 that stage's activation send instead, and the pipeline idles a W per micro-batch); in the cool-down, which
 receives nothing, it goes after the send. So placed, the steps take the planner's time when played with blocking
-p2p (tests/glue/test_pipeline_schedules.py). Rank 0 sends no gradient
+p2p (tests/unit/engine/test_deepspeed_schedules.py). Rank 0 sends no gradient
 and keeps the whole backward. --enable-zbh1-exact-semantics changes nothing here: every weight gradient is taken
 before the optimizer step, which runs where 1F1B's runs, so the update is 1F1B's exactly.
 

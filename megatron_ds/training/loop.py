@@ -18,7 +18,6 @@ from megatron_ds.engine.curriculum import SequenceLengthCurriculum
 from megatron_ds.engine.ds_config import deepspeed_train_batch_size
 from megatron_ds.launch.runtime import (
     device,
-    print_rank_0,
 )
 from megatron_ds.observability.metrics import loss_scale
 from megatron_ds.training.distillation import distillation_loss_of
@@ -29,6 +28,7 @@ from megatron_ds.training.stopping import (
     grad_norm_to_check,
     stop_on_non_finite,
     stop_on_skipped_steps,
+    train_tokens_reached,
 )
 
 
@@ -44,14 +44,14 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     valid_iterator = batch_iterator(datasets.get("valid"), args.data, progress.consumed_valid_samples, device())
     evaluating = will_evaluate(args.data)
     experts = moe_layers(engine.module) if args.moe else None
-    skipped = ConsecutiveSkips(args.max_consecutive_skipped_steps)
+    skipped = ConsecutiveSkips(args.optimization.max_consecutive_skipped_steps)
     validator = result_validator(args, engine)
     observers = iteration_observers(args, engine, progress.iteration + 1, validator)
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
     for iteration in range(progress.iteration + 1, args.train_iters + 1):
-        if _train_tokens_reached(args, progress):
+        if train_tokens_reached(args.optimization.train_tokens, progress):
             break
         if watchdog is not None:
             watchdog.activity = f"iteration {iteration}"
@@ -67,10 +67,10 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
         progress.consumed_train_tokens += plan.tokens
-        grad_norm = grad_norm_to_check(args, engine)  # before the log line, which then reads the same float
+        grad_norm = grad_norm_to_check(args.optimization, engine)  # before the log line, which reads the same float
         logger.iteration(plan, loss, lr, engine, progress, other_losses)
         observers.logged(iteration, iteration % args.logging.log_interval == 0, logger.writers)
-        stop_on_non_finite(args, iteration, loss, grad_norm, checkpoints)
+        stop_on_non_finite(args.optimization, iteration, loss, grad_norm, checkpoints)
         stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
         if evaluating and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
@@ -229,13 +229,3 @@ def _sequence_length(engine, curriculum, iteration, seq_length):
     previous = curriculum.length
     _change_sequence_length(engine, previous, curriculum.advance_to(iteration))
     return curriculum.length
-
-
-def _train_tokens_reached(args, progress):
-    """Megatron-DeepSpeed's --train-tokens: no further iteration once that many tokens are consumed (checked
-    before each iteration, as its loop condition). Every rank counts the same batches, so all stop together."""
-    if args.train_tokens is None or progress.consumed_train_tokens < args.train_tokens:
-        return False
-    print_rank_0(f"--train-tokens {args.train_tokens} reached: {progress.consumed_train_tokens} tokens "
-                 f"consumed at iteration {progress.iteration}")
-    return True

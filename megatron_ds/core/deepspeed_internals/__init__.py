@@ -1,7 +1,8 @@
 """The one door into DeepSpeed's internals: private names, module state, instruction maps, monkeypatches,
 subclasses overriding private methods and optimizer fields that DeepSpeed does not offer as API. Nothing else in
-megatron_ds, tools/ or pretrain.py touches them (tests/glue/test_deepspeed_internals.py scans for the names in
-OWNED_NAMES, for subclasses of DeepSpeed's classes that override its private methods, and for __class__ assigned).
+megatron_ds, tools/ or pretrain.py touches them (tests/unit/core/test_deepspeed_internals.py scans for the names
+in OWNED_NAMES, for subclasses of DeepSpeed's classes that override its private methods, and for __class__
+assigned).
 
     version.py               the DeepSpeed versions supported (SUPPORTED_DEEPSPEED), checked at start-up
     moe_groups.py            DeepSpeed's expert-parallel groups, mpu and MoE token split, set from ours

@@ -1,0 +1,250 @@
+"""Checkpoints in training, through the real launcher: a resumed run repeats the uninterrupted one bit for
+bit (fp32, dropout on), a save killed with SIGKILL mid-way leaves the previous checkpoint published and
+loadable, SIGTERM saves and exits, a file whose bytes changed after the save is refused by its checksum; the
+checkpoint flags are validated. The format's and the manager's own tests (damaged checkpoints, other phases,
+--load messages, checksums) are in tests/unit/checkpointing/."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from megatron_ds.checkpointing import files, state
+from tests.support.checkpoints import (
+    TINY,
+    assert_previous_checkpoint_published,
+    corrupt_bytes,
+    full_state,
+    layout_flags,
+)
+from tests.support.fault_injection import pause_message
+from tests.support.launch import BIN, LOSS_LINE, REPO, assert_succeeded, launch
+
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--num-key-value-heads", "2", "--ffn-hidden-size", "64"]
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+
+
+def _printed(output):
+    """{iteration: the lm loss exactly as printed} and the same for validation losses."""
+    return dict(LOSS_LINE.findall(output)), dict(VALIDATION_LINE.findall(output))
+
+
+def _run(nproc, flags):
+    result = launch(nproc, flags, timeout=300)
+    assert_succeeded(result, tail=5000)
+    return result.stdout
+
+
+@pytest.mark.parametrize("family,tp,pp,dp,extra", [("gpt2", 2, 2, 1, ()),
+                                                  ("llama", 1, 1, 2, ("--async-save", "--attention-backend", "flash"))],
+                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save"])
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, pp, dp, extra):
+    """8 iterations straight (saving at 4 and 8) vs a new process that loads iteration 4 and trains 5-8:
+    every printed lm loss (and validation loss) is identical, and so is every saved tensor at iteration 8
+    (weights, fp32 master weights, Adam moments). The LLaMA runs write their checkpoints in the background
+    (--async-save) while training goes on, and draw their attention dropout as flash_attention's hashed mask."""
+    flags = TINY + (LLAMA if family == "llama" else []) + layout_flags(tp, pp) + [
+        "--train-iters", "8", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--eval-interval", "4", "--eval-iters", "1", *extra]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = _run(tp * pp * dp, flags + ["--save", str(straight), "--save-interval", "4"])
+    second = _run(tp * pp * dp, flags + ["--load", str(straight), "--load-iteration", "4", "--save", str(resumed)])
+
+    assert "RNG states restored" in second and "resuming at iteration 4, consumed samples 16" in second, second
+    loaded = files.read_metadata(straight / "global_step4")
+    assert f"checksums of {len(loaded['files'])} files (" in second, second
+    (losses, validation), (resumed_losses, resumed_validation) = _printed(first), _printed(second)
+    assert sorted(map(int, losses)) == list(range(1, 9)) and sorted(map(int, resumed_losses)) == [5, 6, 7, 8]
+    assert {i: losses[i] for i in resumed_losses} == resumed_losses, (losses, resumed_losses)
+    assert resumed_validation == {"8": validation["8"]}, (validation, resumed_validation)
+    assert len(set(losses.values())) > 1  # dropout and learning make every iteration different
+
+    expected, observed = full_state(straight / "global_step8"), full_state(resumed / "global_step8")
+    assert expected.optimizer_step == observed.optimizer_step == 8
+    for name, tensor in expected.weights.items():
+        assert torch.equal(tensor, observed.weights[name]), name
+        for key in state.OPTIMIZER_KEYS:
+            assert torch.equal(expected.optimizer[name][key], observed.optimizer[name][key]), (name, key)
+    metadata = files.read_metadata(resumed / "global_step8")
+    assert (metadata["iteration"], metadata["consumed_train_samples"], metadata["consumed_valid_samples"]) == \
+        (8, 32, 8)
+    for folder in (straight / "global_step8", resumed / "global_step8"):
+        _assert_every_file_has_its_checksum(folder)
+    assert (resumed / files.MEGATRON_TRACKER).read_text().strip() == "8"
+    assert (resumed / files.DEEPSPEED_POINTER).read_text().strip() == "global_step8"
+    assert (resumed / "global_step8" / files.DS_CONFIG_FILE).is_file()
+
+
+def _assert_every_file_has_its_checksum(folder):
+    """Each file of the checkpoint has the checksum its writer computed (the metadata file excluded)."""
+    metadata = files.read_metadata(folder)
+    assert set(metadata["checksums"]) == set(metadata["files"]), metadata["checksums"]
+    assert files.checksum_problems(str(folder), metadata["checksums"]) == []
+
+
+# --- killed saves -----------------------------------------------------------------------------------
+
+class _Job:
+    """A program under torchrun in the background (pretrain.py, or ["-m", "tests.support.fault_injection", ...]),
+    its output collected line by line."""
+
+    def __init__(self, nproc, program):
+        from tests.support.distributed import free_port
+        command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+                   *program]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self):
+        return "".join(self.lines)
+
+    def wait_for(self, text, timeout=240):
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if time.monotonic() > deadline or (self.process.poll() is not None and not self._reader.is_alive()):
+                self.kill()
+                raise AssertionError(f"{text!r} did not appear:\n{self.output[-5000:]}")
+            time.sleep(0.1)
+
+    def kill(self):
+        """SIGKILL torchrun and every rank (the ranks run in their own sessions)."""
+        try:
+            family = [psutil.Process(self.process.pid)]
+            family += family[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        for process in family:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait(timeout=60)
+        self._reader.join(timeout=10)
+
+
+KILL_FLAGS = TINY + layout_flags(1, 2) + ["--train-iters", "6", "--save-interval", "2", "--eval-interval", "0",
+                                           "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def _kill_during_save(save_dir, phase, *extra):
+    """Train with saves every 2 iterations; hold the save of iteration 4 at `phase`, then SIGKILL everything."""
+    job = _Job(2, ["-m", "tests.support.fault_injection", f"{phase}@4", *KILL_FLAGS, "--save", str(save_dir), *extra])
+    job.wait_for(pause_message(f"{phase}@4"))
+    job.kill()
+
+
+@pytest.fixture(scope="module")
+def killed_in_deepspeed_files(tmp_path_factory):
+    """Killed right after DeepSpeed wrote its files of iteration 4 into the temporary folder."""
+    save_dir = tmp_path_factory.mktemp("killed")
+    _kill_during_save(save_dir, "deepspeed-files")
+    return save_dir
+
+
+def test_save_killed_after_deepspeed_wrote_its_files_leaves_the_previous_checkpoint(killed_in_deepspeed_files):
+    save_dir = killed_in_deepspeed_files
+    notes = assert_previous_checkpoint_published(save_dir)
+    assert any(name.startswith("zero_pp_rank") for name in os.listdir(save_dir / "global_step4.tmp"))
+    assert not (save_dir / "global_step4").exists()
+    assert any("global_step4.tmp" in note for note in notes), notes
+    full_state(save_dir / "global_step2")  # every file of it reads
+
+
+def test_save_killed_after_publishing_the_folder_keeps_the_pointers(tmp_path):
+    """Killed after the rename, before the pointers moved: the new folder is complete but not loaded."""
+    _kill_during_save(tmp_path, "pointers")
+    notes = assert_previous_checkpoint_published(tmp_path)
+    assert any("global_step4 is newer" in note and "it is complete" in note for note in notes), notes
+    assert not files.problems_of(str(tmp_path / "global_step4"))
+
+
+@pytest.mark.parametrize("phase", ["deepspeed-files", "pointers"])
+def test_async_save_killed_mid_way_leaves_the_previous_checkpoint(tmp_path, phase):
+    """--async-save: the save of iteration 4 is written by a thread while training goes on; killed when every
+    rank's files are in the temporary folder, or after the rename before the pointers, iteration 2 stays
+    the published checkpoint."""
+    _kill_during_save(tmp_path, phase, "--async-save")
+    notes = assert_previous_checkpoint_published(tmp_path)
+    if phase == "deepspeed-files":
+        assert any(name.startswith("zero_pp_rank") for name in os.listdir(tmp_path / "global_step4.tmp"))
+        assert not (tmp_path / "global_step4").exists()
+    else:
+        assert any("global_step4 is newer" in note and "it is complete" in note for note in notes), notes
+
+
+@pytest.fixture(scope="module")
+def resumed_until_sigterm(killed_in_deepspeed_files, tmp_path_factory):
+    """(folder, output) of pretrain.py --load resuming after the SIGKILL in the middle of a save, with
+    --exit-signal-handler and saves every 2 iterations, until a SIGTERM sent to the launcher after iteration 5."""
+    save_dir = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(killed_in_deepspeed_files, save_dir)
+    flags = list(KILL_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "100000"  # run until the SIGTERM; the saved LR schedule goes on
+    job = _Job(2, ["pretrain.py", *flags, "--save", str(save_dir), "--load", str(save_dir), "--exit-signal-handler",
+                   "--use-checkpoint-opt_param-scheduler"])
+    job.wait_for(" iteration 5/100000 |")
+    job.process.send_signal(signal.SIGTERM)
+    job.process.wait(timeout=120)
+    job._reader.join(timeout=10)
+    return save_dir, job.output
+
+
+def test_killed_save_resumes_from_the_previous_checkpoint_and_sigterm_saves(resumed_until_sigterm):
+    """After the SIGKILL in the middle of a save, pretrain.py --load resumes from the previous checkpoint
+    (the stale temporary folder is ignored, then removed; every file's checksum verified); with
+    --exit-signal-handler a SIGTERM sent to the launcher makes the ranks finish the iteration, save and exit."""
+    save_dir, output = resumed_until_sigterm
+    assert "loaded checkpoint" in output and "global_step2" in output and "resuming at iteration 2" in output
+    assert "ignoring incomplete save(s) global_step4.tmp" in output, output[-4000:]
+    verified = re.search(r"; checksums of (\d+) files \([\d.]+ MiB\) verified in [\d.]+ s;", output)
+    assert verified and int(verified.group(1)) == len(files.read_metadata(save_dir / "global_step2")["files"]), \
+        output[-4000:]
+    exited = re.search(r"exiting at iteration (\d+): a rank received SIGTERM \(checkpoint saved\)", output)
+    assert exited, output[-4000:]
+    last = exited.group(1)
+    assert f" iteration {last}/100000 |" in output and f" iteration {int(last) + 1}/100000 |" not in output
+    assert files.read_pointer(save_dir) == f"global_step{last}"
+    assert not files.problems_of(str(save_dir / f"global_step{last}"))
+    _assert_every_file_has_its_checksum(save_dir / f"global_step{last}")
+    assert not (save_dir / "global_step4.tmp").exists()
+
+
+def test_a_model_states_file_changed_after_the_save_is_refused_and_nothing_trains(resumed_until_sigterm, tmp_path):
+    """The operator's fault: 20 KB of random bytes inside a DeepSpeed model-states file of the newest checkpoint,
+    its size unchanged. --load refuses it on every rank, naming the file and the last good checkpoint, before
+    anything trains or is saved."""
+    save_dir = tmp_path / "run"
+    shutil.copytree(resumed_until_sigterm[0], save_dir)
+    *_, good, newest = files.list_tags(save_dir)
+    states = max((save_dir / newest).glob("*model_states.pt"), key=lambda path: path.stat().st_size)
+    corrupt_bytes(states)
+    written = files.read_metadata(save_dir / newest)["checksums"][states.name]
+    flags = list(KILL_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "100000"
+    result = launch(2, flags + ["--save", str(save_dir), "--load", str(save_dir),
+                                "--use-checkpoint-opt_param-scheduler"], timeout=240)
+    assert result.returncode != 0, result.stdout[-4000:]
+    errors = {line for line in result.stdout.splitlines() if line.startswith("megatron_ds: error: ")}
+    assert errors == {
+        f"megatron_ds: error: checkpoint {save_dir / newest} is damaged or incomplete: {states.name} has checksum "
+        f"{files.file_checksum(str(states))}, {written} was written (its bytes changed after the save). the last "
+        f"good checkpoint is {save_dir / good} (iteration {files.iteration_of(good)}): load it with --load "
+        f"{save_dir} --load-iteration {files.iteration_of(good)}"}, result.stdout[-4000:]
+    assert not LOSS_LINE.search(result.stdout) and "saved checkpoint" not in result.stdout
+    assert files.list_tags(save_dir)[-1] == newest and files.read_pointer(save_dir) == newest
