@@ -155,13 +155,16 @@ def initialize_deterministically(module: torch.nn.Module, prefix: str, seed: int
     """Initialize every parameter that carries an `init_method`: draw the full tensor from a generator
     seeded by (seed, prefix.name), then keep this rank's shard. The same seed therefore gives the same
     full model for every (tp, pp, dp) layout. A parameter whose module path depends on the layout carries its
-    own layout-free `init_key` instead (an MoE expert: its global index, whatever the expert-parallel size)."""
+    own layout-free `init_key` instead (an MoE expert: its global index, whatever the expert-parallel size), or
+    `init_keys`, one per slice along the first dim (grouped experts: one expert each)."""
     for name, param in module.named_parameters():
         init_method = getattr(param, "init_method", None)
         if init_method is None or param.is_meta:  # meta: shapes only (planning), nothing to fill
             continue
         full = torch.empty(full_shape(param), dtype=torch.float32)
-        init_method(full, _generator_for(seed, getattr(param, "init_key", f"{prefix}.{name}")))
+        keys = getattr(param, "init_keys", None)
+        for part, key in zip(full if keys else [full], keys or [getattr(param, "init_key", f"{prefix}.{name}")]):
+            init_method(part, _generator_for(seed, key))
         param.copy_(_shard_of_full(full, param))
 
 

@@ -4,7 +4,8 @@
     transformer_layer.py   the pre-norm layer on sequence-first tensors, with recompute
     attention.py           self-attention: QKV column-parallel, core attention, Ulysses
     mlp.py                 the MLP: GeLU or SwiGLU, column- then row-parallel
-    moe.py                 Mixture of Experts on DeepSpeed-MoE's layer
+    moe.py                 Mixture of Experts on DeepSpeed-MoE's layer (Megatron-DeepSpeed's flags)
+    dropless_moe.py        dropless Mixture of Experts on DeepSpeed's router and grouped experts (Megatron-Core's)
     norms.py               LayerNorm and RMSNorm parameters (the math in fusions/)
     rotary.py              rotary position embedding: the angles (the rotation in fusions/)
     fused_ops.py           which fusions implementation each op of the model runs

@@ -11,6 +11,11 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("sdpa", "local", "flash")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# DeepSpeed's router scores a group of experts by its best expert ("max") or its two best ("top2_sum",
+# DeepSeek-V3's); Megatron-Core by the sum of its best topk / group_topk: these are the two it can take
+MOE_GROUP_SCORES = {1: "max", 2: "top2_sum"}
 # what full recompute means without a method or a count
 DEFAULT_RECOMPUTE_METHOD, DEFAULT_RECOMPUTE_NUM_LAYERS = "uniform", 1
 
@@ -69,6 +74,24 @@ class TransformerConfig:
     moe_residual: bool = False                   # PR-MoE's residual: a dense MLP beside the experts
     moe_loss_coeff: float = 0.1                  # the auxiliary load-balancing loss's weight
     moe_expert_tensor_parallel: bool = False     # experts sharded over TP (else each whole on its rank)
+    # Dropless Mixture of Experts (Megatron-Core's flags; core/transformer/dropless_moe.py): num_moe_experts
+    # routed experts of moe_ffn_hidden_size in the layers moe_layer_pattern marks 1 (one 0/1 per layer)
+    num_moe_experts: Optional[int] = None
+    moe_layer_pattern: Optional[Tuple[int, ...]] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -96,6 +119,7 @@ class TransformerConfig:
         self._check_rotary()
         self._check_recompute()
         self._check_moe()
+        self._check_dropless_moe()
 
     def _check_rotary(self):
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -139,9 +163,31 @@ class TransformerConfig:
         if self.moe_router_topk < 1:
             raise ValueError(f"moe_router_topk must be >= 1, got {self.moe_router_topk}")
 
+    def _check_dropless_moe(self):
+        if self.num_moe_experts is None:
+            return
+        if self.moe_layer_pattern is None:
+            self.moe_layer_pattern = (1,) * self.num_layers
+        self.moe_layer_pattern = tuple(self.moe_layer_pattern)
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        errors = dropless_moe_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
+
     @property
     def is_moe(self) -> bool:
+        """A DeepSpeed-MoE model (Megatron-DeepSpeed's flags)."""
         return max(self.num_experts) > 1
+
+    @property
+    def is_dropless_moe(self) -> bool:
+        """A model with dropless MoE layers (Megatron-Core's flags)."""
+        return self.num_moe_experts is not None
+
+    def dropless_moe_in_layer(self, layer_number) -> bool:
+        """Whether layer layer_number (1-based, global) is a dropless MoE layer (moe_layer_pattern)."""
+        return self.num_moe_experts is not None and bool(self.moe_layer_pattern[layer_number - 1])
 
     def experts_in_layer(self, layer_number) -> int:
         """Experts of layer layer_number (1-based, global): Megatron-DeepSpeed's placement, every
@@ -165,3 +211,47 @@ class TransformerConfig:
     def output_layer_init_std(self) -> float:
         """Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L)."""
         return self.init_method_std / (2.0 * self.num_layers) ** 0.5
+
+
+def moe_group_score_function(topk, group_topk):
+    """DeepSpeed's name for scoring a group of experts by its best topk // group_topk; None where it has none."""
+    return MOE_GROUP_SCORES.get(topk // group_topk) if topk % group_topk == 0 else None
+
+
+def dropless_moe_errors(config):
+    """What the dropless MoE layer cannot do with this configuration, each naming Megatron-Core's flag."""
+    experts, topk = config.num_moe_experts, config.moe_router_topk
+    errors = []
+    if experts < 1 or config.moe_expert_parallel_size < 1 or experts % config.moe_expert_parallel_size:
+        errors.append(f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size "
+                      f"{config.moe_expert_parallel_size}")
+    if len(config.moe_layer_pattern) != config.num_layers or set(config.moe_layer_pattern) - {0, 1}:
+        errors.append(f"--moe-layer-freq must give one 0 or 1 per layer ({config.num_layers}), got "
+                      f"{list(config.moe_layer_pattern)}")
+    if not config.gated_linear_unit:
+        errors.append("the dropless MoE layer's experts are DeepSpeed's GroupedExperts, which compute gated "
+                      "activations only: add --swiglu")
+    if config.moe_router_score_function not in MOE_SCORE_FUNCTIONS:
+        errors.append(f"--moe-router-score-function {config.moe_router_score_function}: one of "
+                      f"{MOE_SCORE_FUNCTIONS}")
+    if config.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+        errors.append(f"--moe-router-load-balancing-type {config.moe_router_load_balancing_type}: one of "
+                      f"{MOE_LOAD_BALANCING_TYPES}")
+    if not 1 <= topk <= max(experts, 1):
+        errors.append(f"--moe-router-topk {topk} must be between 1 and --num-experts {experts}")
+    return errors + _moe_group_errors(config)
+
+
+def _moe_group_errors(config):
+    groups, group_topk, topk = config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk
+    if groups is None and group_topk is None:
+        return []
+    if groups is None or group_topk is None:
+        return ["--moe-router-num-groups and --moe-router-group-topk go together"]
+    if groups < 1 or config.num_moe_experts % groups or not 1 <= group_topk <= groups:
+        return [f"--moe-router-num-groups {groups} must divide --num-experts {config.num_moe_experts}, and "
+                f"--moe-router-group-topk {group_topk} be between 1 and it"]
+    if moe_group_score_function(topk, group_topk) is None:
+        return [f"--moe-router-topk {topk} / --moe-router-group-topk {group_topk} must be 1 or 2: a group is "
+                f"scored by its best expert or its two best (DeepSeek-V3), the two scores DeepSpeed's router has"]
+    return []

@@ -1,0 +1,331 @@
+"""Dropless Mixture of Experts, as Megatron-Core builds it for DeepSeek-V3, Qwen3 and Mixtral, on DeepSpeed's
+expert-parallel components.
+
+- DeepSpeed's TokenChoiceTopKRouter chooses each token's top-k experts: softmax or sigmoid scores in fp32, the
+  choice optionally limited to the best expert groups, the expert bias (auxiliary-loss-free balancing) added for
+  the choice only, the chosen scores normalised and scaled.
+- Every chosen (token, expert) pair reaches its expert, none dropped: the pairs are sorted by expert, the
+  per-expert counts exchanged over the expert-parallel group first, then the tokens (an all-to-all with those
+  splits); DeepSpeed's GroupedExperts runs this rank's experts (torch._grouped_mm with --moe-grouped-gemm, else
+  one GEMM per expert); the outputs return the same way, are weighted by the routing scores and summed per token.
+- Under TP the layer's tokens are split over the TP ranks (Megatron's sequence parallelism already splits them;
+  without it this layer splits and gathers them), so the experts are whole on their rank (expert TP 1) and the
+  expert-parallel group may span TP and data-parallel ranks.
+- Shared experts: a dense MLP beside the routed experts, its output optionally scaled by a sigmoid gate
+  (Qwen2-MoE's), added.
+- The balance losses as Megatron-Core defines them (aux_loss: Switch Transformer's over the micro-batch;
+  seq_aux_loss: per sequence, DeepSeek-V3's; global_aux_loss: over the global batch) and the z-loss reach the
+  router's gradient through AuxiliaryLossGradient, the same way as DeepSpeed-MoE's auxiliary loss.
+"""
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.ep_experts import GroupedExperts
+from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+from megatron_ds.core import parallel_state
+from megatron_ds.core.tensor_parallel.layers import mark_sequence_parallel_parameter
+from megatron_ds.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron_ds.core.tensor_parallel.random import init_method_normal, set_init_method
+from megatron_ds.core.transformer.mlp import MLP
+from megatron_ds.core.transformer.moe import AuxiliaryLossGradient
+from megatron_ds.core.transformer.transformer_config import moe_group_score_function
+
+
+class Router(TokenChoiceTopKRouter):
+    """DeepSpeed's router with Megatron-Core's options; forward(x [T, h], expert_bias) -> (weights [T, k] fp32,
+    experts [T, k], tokens per expert [E], logits [T, E] fp32)."""
+
+    def __init__(self, config):
+        softmax = config.moe_router_score_function == "softmax"
+        groups = config.moe_router_num_groups
+        super().__init__(config.hidden_size, config.num_moe_experts, groups,
+                         config.moe_router_group_topk if groups else None, config.moe_router_topk,
+                         config.moe_router_score_function,
+                         # Megatron-Core: softmax over the chosen logits (unless --moe-router-pre-softmax), which
+                         # is the softmax over all of them normalised; sigmoid scores normalised when k > 1
+                         route_norm=not config.moe_router_pre_softmax if softmax else config.moe_router_topk > 1,
+                         route_scale=config.moe_router_topk_scaling_factor or 1.0, gate_bias=False,
+                         group_score_func=moe_group_score_function(config.moe_router_topk,
+                                                                   config.moe_router_group_topk or 1) or "max")
+        self.gate.weight.data = self.gate.weight.data.to(config.params_dtype)
+        set_init_method(self.gate.weight, init_method_normal(config.init_method_std))
+        self._logits = None
+        self.gate.register_forward_hook(self._keep_logits)
+
+    def _keep_logits(self, module, inputs, output):
+        self._logits = output
+
+    def forward(self, x, expert_bias=None):
+        weights, experts, counts = super().forward(x, expert_bias)
+        logits, self._logits = self._logits.float(), None
+        return weights, experts, counts, logits
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _exchange(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _exchange(rows, output_splits, input_splits, group):
+    received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
+    return received
+
+
+def _expert_major_order(counts_by_source):
+    """Row order that turns rows grouped by (source rank, expert) into rows grouped by (expert, source rank)."""
+    sources, experts = counts_by_source.shape
+    sizes = counts_by_source.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    chunks = torch.arange(sources * experts).view(sources, experts).t().reshape(-1)
+    chunk_sizes = sizes[chunks]
+    first_of_chunk = torch.cumsum(chunk_sizes, 0) - chunk_sizes
+    within = torch.arange(int(sizes.sum())) - first_of_chunk.repeat_interleave(chunk_sizes)
+    return starts[chunks].repeat_interleave(chunk_sizes) + within
+
+
+class AllToAllDispatcher:
+    """Sends each (token, expert) row to the rank holding the expert and brings the expert's output back.
+    group None: expert parallelism 1, every expert here."""
+
+    def __init__(self, num_experts, group):
+        self.group = group
+        self.ranks = dist.get_world_size(group) if group is not None else 1
+        self.local_experts = num_experts // self.ranks
+
+    def run(self, rows, counts, experts):
+        """rows [N, h] sorted by global expert, counts [E]: experts(rows of this rank's experts, their counts)
+        for every row, in the same order."""
+        if self.ranks == 1:
+            return experts(rows, counts)
+        counts_by_rank = counts.view(self.ranks, self.local_experts)
+        received_counts = torch.empty_like(counts_by_rank)
+        dist.all_to_all_single(received_counts, counts_by_rank, group=self.group)  # [source, local expert]
+        send_splits = counts_by_rank.sum(1).tolist()
+        receive_splits = received_counts.sum(1).tolist()
+        received = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
+        order = _expert_major_order(received_counts.cpu())
+        computed = experts(received[order.to(received.device)], received_counts.sum(0))
+        returned = computed[torch.argsort(order).to(computed.device)]
+        return _AllToAll.apply(returned, send_splits, receive_splits, self.group)
+
+
+class DroplessMoE(torch.nn.Module):
+    """The MLP of a dropless MoE layer. forward(x [s, b, h]) -> (output, None), as MLP's (output, bias).
+    expert_group: the expert-parallel process group (None: all experts on this rank); global_group: the ranks of
+    a pipeline stage whose tokens differ (TP, sequence- and data-parallel), over which global_aux_loss counts."""
+
+    def __init__(self, config, layer_number, expert_group=None, global_group=None):
+        super().__init__()
+        self.config = config
+        self.topk = config.moe_router_topk
+        self.num_experts = config.num_moe_experts
+        self.router = Router(config)
+        self.dispatcher = AllToAllDispatcher(self.num_experts, expert_group)
+        self.experts = _grouped_experts(config, self.dispatcher.local_experts)
+        expert_rank = dist.get_rank(expert_group) if expert_group is not None else 0
+        _name_experts(self.experts, f"decoder.layers.{layer_number - 1}.mlp.experts",
+                      expert_rank * self.dispatcher.local_experts, config)
+        self.shared_experts = _shared_experts(config)
+        self.shared_gate = None
+        if config.moe_shared_expert_gate:
+            self.shared_gate = torch.nn.Linear(config.hidden_size, 1, bias=False, dtype=config.params_dtype)
+            set_init_method(self.shared_gate.weight, init_method_normal(config.init_method_std))
+            if config.sequence_parallel:
+                mark_sequence_parallel_parameter(self.shared_gate.weight)
+        self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        self.counts_group = None  # the ranks that split a micro-batch's tokens with this one
+        if self.tensor_parallel > 1:  # the router sees this rank's share of the tokens
+            mark_sequence_parallel_parameter(self.router.gate.weight)
+            self.counts_group = parallel_state.get_tensor_model_parallel_group()
+        self.global_group = global_group if global_group is not None else self.counts_group
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=config.moe_router_enable_expert_bias)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=False)  # since the last bias update / load report
+        self.register_buffer("global_batch_counts", torch.zeros(self.num_experts), persistent=False)
+        self.global_batch_forwards = 0  # micro-batches since begin_global_batch, for global_aux_loss
+        self.auxiliary_losses = []  # the balance and z-losses of each forward, detached, for the log line
+        self.auxiliary_gradient_scale = 1.0  # AuxiliaryLossGradient's, for the global batch under way
+
+    def forward(self, hidden_states):
+        tokens = self._tokens_of_this_rank(hidden_states)
+        shape = tokens.shape
+        flat = tokens.reshape(-1, shape[-1])
+        bias = self.expert_bias if self.config.moe_router_enable_expert_bias else None
+        weights, chosen, counts, logits = self.router(flat, bias)
+        if self.training:
+            self.tokens_per_expert += counts.to(self.tokens_per_expert)
+        routed = self._routed(flat, weights, chosen, counts).view(shape)
+        routed = self._with_auxiliary_losses(routed, logits, chosen, shape)
+        output = self._all_tokens(routed)
+        if self.shared_experts is not None:
+            output = output + self._shared(hidden_states)
+        return output, None
+
+    def _tokens_of_this_rank(self, hidden_states):
+        if self.tensor_parallel == 1 or self.config.sequence_parallel:
+            return hidden_states
+        return scatter_to_sequence_parallel_region(hidden_states)
+
+    def _all_tokens(self, routed):
+        if self.tensor_parallel == 1 or self.config.sequence_parallel:
+            return routed
+        return gather_from_sequence_parallel_region(routed, tensor_parallel_output_grad=False)
+
+    def _routed(self, flat, weights, chosen, counts):
+        """Each token's k expert outputs, weighted and summed."""
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token_of_row = order // self.topk
+        outputs = self.dispatcher.run(flat[token_of_row], counts.to(torch.int64), self.experts)
+        weighted = outputs * weights.reshape(-1)[order].unsqueeze(-1).to(outputs.dtype)
+        return torch.zeros_like(flat).index_add(0, token_of_row, weighted)
+
+    def _shared(self, hidden_states):
+        output, bias = self.shared_experts(hidden_states)
+        output = output if bias is None else output + bias
+        if self.shared_gate is not None:
+            output = output * torch.sigmoid(self.shared_gate(hidden_states))
+        return output
+
+    def _with_auxiliary_losses(self, routed, logits, chosen, shape):
+        loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_group,
+                            self._global_counts(logits, chosen), _group_size(self.global_group))
+        loss = loss + z_loss(self.config, logits)
+        self.auxiliary_losses.append(loss.detach())
+        if self.training and torch.is_grad_enabled() and loss.requires_grad:
+            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale)
+        return routed
+
+    def _global_counts(self, logits, chosen):
+        """global_aux_loss's counts: the mean per micro-batch over the global batch so far, this one included."""
+        if self.config.moe_router_load_balancing_type != "global_aux_loss" or not self.training:
+            return None
+        counts = _summed(routing_map(logits, chosen).sum(0).detach(), self.global_group)
+        self.global_batch_counts += counts.to(self.global_batch_counts)
+        self.global_batch_forwards += 1
+        return self.global_batch_counts.to(counts) / self.global_batch_forwards
+
+    def begin_global_batch(self, gradient_scale):
+        """Before a global batch: forget the recorded losses and global counts; start the losses' gradients at
+        gradient_scale (what DeepSpeed scales the main loss's by)."""
+        self.auxiliary_losses = []
+        self.auxiliary_gradient_scale = gradient_scale
+        self.global_batch_counts.zero_()
+        self.global_batch_forwards = 0
+
+
+def routing_map(logits, chosen):
+    """[T, E] 0/1: which experts each token chose."""
+    return torch.zeros_like(logits).scatter(1, chosen, 1.0)
+
+
+def _scores_for_balance(config, logits):
+    """The per-expert scores the balance losses weigh: softmax, or sigmoid normalised over the experts."""
+    if config.moe_router_score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def switch_balance_loss(scores, tokens_per_expert, total_tokens, topk, num_experts, coeff):
+    """Switch Transformer's loss as Megatron-Core writes it: E x sum_i f_i P_i x coeff, with f_i the share of the
+    k choices that went to expert i and P_i the mean score of expert i (sum_i over every column of scores)."""
+    return (scores.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
+
+
+def balance_loss(config, logits, chosen, seq_length, counts_group=None, global_counts=None, global_ranks=1):
+    """Megatron-Core's load-balancing loss of --moe-router-load-balancing-type over this rank's tokens (logits
+    [T, E] fp32, T = seq_length x batch in [s, b] order); 0 for none. counts_group: the ranks whose tokens join
+    this rank's in the counts (the TP ranks, which split a micro-batch's tokens); global_counts: global_aux_loss's
+    mean counts per micro-batch over the global batch so far, summed over global_ranks ranks."""
+    kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if kind == "none" or not coeff:
+        return logits.new_zeros(())
+    scores, chosen_map = _scores_for_balance(config, logits), routing_map(logits, chosen)
+    experts, topk, share = logits.shape[-1], config.moe_router_topk, _group_size(counts_group)
+    if kind == "seq_aux_loss":  # each sequence on its own: the batch folded into the experts' dimension
+        batch = logits.shape[0] // seq_length
+        counts = _summed(chosen_map.view(seq_length, batch * experts).sum(0), counts_group)
+        return switch_balance_loss(scores.view(seq_length, -1), counts, seq_length * share, topk, experts,
+                                   coeff) / batch
+    if kind == "global_aux_loss" and global_counts is not None:
+        return switch_balance_loss(scores, global_counts, logits.shape[0] * global_ranks, topk, experts, coeff)
+    counts = _summed(chosen_map.sum(0), counts_group)
+    return switch_balance_loss(scores, counts, logits.shape[0] * share, topk, experts, coeff)
+
+
+def _group_size(group):
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _summed(counts, group):
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    return counts
+
+
+def z_loss(config, logits):
+    """ST-MoE's router z-loss: coeff x mean over tokens of logsumexp(logits)^2 (0 without --moe-z-loss-coeff)."""
+    if not config.moe_z_loss_coeff:
+        return logits.new_zeros(())
+    return torch.logsumexp(logits, dim=-1).square().mean() * config.moe_z_loss_coeff
+
+
+def _grouped_experts(config, local_experts):
+    experts = GroupedExperts(config.hidden_size, config.moe_ffn_hidden_size, local_experts,
+                             use_grouped_mm=config.moe_grouped_gemm, disable_triton_grouped_mm=True)
+    return experts.to(config.params_dtype)
+
+
+def _name_experts(experts, prefix, first_expert, config):
+    """Each expert's slice of w1 (gate), w3 (up) and w2 (down) drawn by its global index, so every expert-parallel
+    size starts from the same model; the parameters tagged for DeepSpeed's expert-data-parallel reduction."""
+    group_name = parallel_state.expert_group_name(config.moe_expert_parallel_size)
+    local = experts.num_experts
+    for name, std in (("w1", config.init_method_std), ("w3", config.init_method_std),
+                      ("w2", config.output_layer_init_std)):
+        param = getattr(experts, name)
+        set_init_method(param, init_method_normal(std))
+        param.init_keys = [f"{prefix}.{first_expert + index}.{name}" for index in range(local)]
+        param.allreduce, param.group_name = False, group_name
+        param.model_parallel = True  # other experts (or other tokens' gradients) on each TP rank
+
+
+def _shared_experts(config):
+    if not config.moe_shared_expert_intermediate_size:
+        return None
+    return MLP(replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size))
+
+
+def dropless_layers(model):
+    return [module for module in model.modules() if isinstance(module, DroplessMoE)]
+
+
+def update_expert_bias(layers, group=None):
+    """Auxiliary-loss-free balancing, once per optimizer step: each layer's bias moves by rate x sign(mean load -
+    load), the loads those of the global batch (summed over micro-batches and over `group`: the ranks whose
+    tokens differ, data- and tensor-/sequence-parallel), so the bias stays identical on every rank. Resets the
+    counts. One all-reduce for all layers."""
+    if not layers:
+        return
+    counts = _summed(torch.stack([layer.tokens_per_expert for layer in layers]), group)
+    for layer, load in zip(layers, counts):
+        if layer.config.moe_router_enable_expert_bias:
+            offset = load.mean() - load
+            layer.expert_bias += torch.sign(offset) * layer.config.moe_router_bias_update_rate
+        layer.tokens_per_expert.zero_()
