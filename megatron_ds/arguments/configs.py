@@ -8,8 +8,9 @@ reads (a fact two components need, such as --seq-length, is copied into both fro
   data           DataConfig: what data/builder.py reads to build and feed the datasets
   optimization   OptimizationConfig: the optimizer, its LR schedule and batch schedule, precision
   checkpointing  CheckpointingConfig: saving, loading and the exit policy
-  logging        LoggingConfig: the log line, TensorBoard / W&B and the profiler
+  logging        LoggingConfig: the log line, TensorBoard / W&B, the profiler and the pipeline timeline
   distillation   DistillationConfig (--kd): the teacher's checkpoint and the loss weights; None without --kd
+  rerun          RerunConfig: --rerun-mode's validation of results, its checks and its error injection
 
 The resolved arguments themselves stay for the places that print or record the whole command line.
 """
@@ -21,7 +22,7 @@ import torch
 from megatron_ds.checkpointing.files import args_to_dict
 from megatron_ds.core.optimizer_param_scheduler import LRSchedule, lr_schedule_from_args
 
-PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging", "distillation")
+PARTS = ("model", "parallel", "data", "optimization", "checkpointing", "logging", "distillation", "rerun")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class DataConfig:
     train_iters: int
     eval_interval: Optional[int]
     eval_iters: int
+    curriculum_learning_legacy: Optional[Dict[str, Any]]  # the DeepSpeed JSON's enabled legacy curriculum block
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class LoggingConfig:
     profile_step_end: int
     profile_ranks: Tuple[int, ...]
     profile_dir: Optional[str]
+    pipeline_timeline: Optional[str]       # --pipeline-timeline's folder
     pipeline_timeline_iterations: Optional[Tuple[int, int]]
     train_iters: int               # the facts the iteration line reports, and W&B's default folder (--save)
     world_size: int
@@ -146,6 +149,21 @@ class DistillationConfig:
     num_layers_teacher: Optional[int]      # each checked against the teacher's checkpoint when given
     hidden_size_teacher: Optional[int]
     num_attention_heads_teacher: Optional[int]
+
+
+@dataclass(frozen=True)
+class RerunConfig:
+    rerun_mode: str
+    rerun_stats_interval: int
+    check_for_nan_in_loss_and_grad: bool
+    fp16: bool
+    check_for_spiky_loss: bool
+    spiky_loss_factor: float
+    error_injection_rate: int
+    error_injection_type: str
+    skip_spiky_batches: bool
+    data_parallel_size: int
+    moe: bool
 
 
 def _picked(cls, args, **derived):
@@ -171,6 +189,10 @@ def checkpointing_config(args) -> CheckpointingConfig:
 
 def distillation_config(args) -> Optional[DistillationConfig]:
     return _picked(DistillationConfig, args) if args.kd else None
+
+
+def rerun_config(args) -> RerunConfig:
+    return _picked(RerunConfig, args)
 
 
 def logging_config(args) -> LoggingConfig:

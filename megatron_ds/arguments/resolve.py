@@ -269,7 +269,7 @@ def configuration_parts(args, model, batch_schedule):
     return {"model": model, "parallel": checks.parallel_layout(args, args.zero_stage),
             "data": configs.data_config(args), "optimization": configs.optimization_config(args, batch_schedule),
             "checkpointing": configs.checkpointing_config(args), "logging": configs.logging_config(args),
-            "distillation": configs.distillation_config(args)}
+            "distillation": configs.distillation_config(args), "rerun": configs.rerun_config(args)}
 
 
 def profile_values(args):

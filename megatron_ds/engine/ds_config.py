@@ -271,10 +271,11 @@ def _fp16_block(args, user_block):
     return block
 
 
-def deepspeed_train_batch_size(args, global_batch_size):
+def deepspeed_train_batch_size(ulysses, global_batch_size):
     """DeepSpeed's train_batch_size for a global batch: its data-parallel ranks are the sequence-data-parallel
-    ones (engine/mpu.py), so it counts each Ulysses rank's slice of a micro-batch as a micro-batch of its own."""
-    return global_batch_size * args.ds_sequence_parallel_size
+    ones (engine/mpu.py), so it counts each Ulysses rank's slice (of `ulysses`) of a micro-batch as a micro-batch
+    of its own."""
+    return global_batch_size * ulysses
 
 
 def build_deepspeed_config(args):
@@ -282,7 +283,8 @@ def build_deepspeed_config(args):
     config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
               if key not in _BLOCKS_KEPT_FROM_DEEPSPEED}
     accumulation = micro_batches_per_step(args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
-    config.update({"train_batch_size": deepspeed_train_batch_size(args, args.global_batch_size),
+    batch = deepspeed_train_batch_size(args.ds_sequence_parallel_size, args.global_batch_size)
+    config.update({"train_batch_size": batch,
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,
                    "gradient_accumulation_steps": accumulation,
                    "gradient_clipping": args.clip_grad})

@@ -42,14 +42,16 @@ def recorded_iterations(logging, first_iteration, last_iteration):
     return range(first_iteration + 1, min(first_iteration + 1 + RECORDED_AFTER_WARMUP, last_iteration + 1))
 
 
-def pipeline_timeline(args, engine, first_iteration):
-    """The run's PipelineTimeline with --pipeline-timeline, else one that records nothing."""
-    if not args.pipeline_timeline:
+def pipeline_timeline(logging, parallel, model, engine, first_iteration):
+    """The run's PipelineTimeline with --pipeline-timeline (from its LoggingConfig, ParallelLayout and
+    TransformerConfig), else one that records nothing."""
+    if not logging.pipeline_timeline:
         return NoTimeline()
-    iterations = recorded_iterations(args.logging, first_iteration, args.train_iters)
+    iterations = recorded_iterations(logging, first_iteration, logging.train_iters)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    return PipelineTimeline(args.pipeline_timeline, engine, iterations, stage, dist.get_rank(), args.pipeline_schedule,
-                            args.virtual_pipeline_stages, full_recompute=args.recompute_granularity == "full")
+    return PipelineTimeline(logging.pipeline_timeline, engine, iterations, stage, dist.get_rank(),
+                            parallel.pipeline_schedule, parallel.virtual_stages,
+                            full_recompute=model.recompute_granularity == "full")
 
 
 class NoTimeline:

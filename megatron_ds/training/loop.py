@@ -37,28 +37,31 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     once --train-tokens are consumed; checkpoints (a CheckpointManager) saves at intervals, on a signal and
     at the end, and may stop the loop early."""
     progress = progress or TrainingProgress()
-    curriculum = (SequenceLengthCurriculum(args.curriculum_learning_legacy, args.seq_length)
-                  if args.curriculum_learning_legacy else None)
-    train_data = _TrainData(datasets.get("train"), args.data, curriculum)
+    data = args.data
+    curriculum = (SequenceLengthCurriculum(data.curriculum_learning_legacy, data.seq_length)
+                  if data.curriculum_learning_legacy else None)
+    train_data = _TrainData(datasets.get("train"), data, curriculum)
     train_data.start_at(progress.consumed_train_samples)
-    valid_iterator = batch_iterator(datasets.get("valid"), args.data, progress.consumed_valid_samples, device())
-    evaluating = will_evaluate(args.data)
-    experts = moe_layers(engine.module) if args.moe else None
+    valid_iterator = batch_iterator(datasets.get("valid"), data, progress.consumed_valid_samples, device())
+    evaluating = will_evaluate(data)
+    experts = moe_layers(engine.module) if args.model.is_moe else None
     skipped = ConsecutiveSkips(args.optimization.max_consecutive_skipped_steps)
-    validator = result_validator(args, engine)
-    observers = iteration_observers(args, engine, progress.iteration + 1, validator)
+    validator = result_validator(args.rerun, engine)
+    observers = iteration_observers(args.logging, args.parallel, args.model, engine, progress.iteration + 1,
+                                    validator)
     engine.train()
     if checkpoints is not None:
         checkpoints.restore_rng()  # last thing before the first iteration, so a resume repeats the saved run
-    for iteration in range(progress.iteration + 1, args.train_iters + 1):
+    for iteration in range(progress.iteration + 1, args.optimization.train_iters + 1):
         if train_tokens_reached(args.optimization.train_tokens, progress):
             break
         if watchdog is not None:
             watchdog.activity = f"iteration {iteration}"
-        plan = plan_iteration(iteration, progress, args.optimization.batch_schedule, args.micro_batch_size,
-                              args.data_parallel_size, _sequence_length(engine, curriculum, iteration, args.seq_length),
+        plan = plan_iteration(iteration, progress, args.optimization.batch_schedule, data.micro_batch_size,
+                              args.parallel.data_parallel,
+                              _sequence_length(engine, curriculum, iteration, data.seq_length),
                               by_curriculum=curriculum is not None)
-        begin_iteration(args, engine, plan)
+        begin_iteration(args.parallel, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         observers.begin(iteration, plan)
         loss, other_losses = _train_global_batch(engine, train_data, plan, progress, experts, validator,
@@ -72,9 +75,10 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         observers.logged(iteration, iteration % args.logging.log_interval == 0, logger.writers)
         stop_on_non_finite(args.optimization, iteration, loss, grad_norm, checkpoints)
         stop_on_skipped_steps(skipped, engine, iteration, checkpoints)
-        if evaluating and iteration % args.eval_interval == 0:
-            logger.validation(iteration, evaluate(args, engine, valid_iterator, plan.micro_batches, curriculum))
-            progress.consumed_valid_samples += args.eval_iters * plan.global_batch_size
+        if evaluating and iteration % data.eval_interval == 0:
+            logger.validation(iteration, evaluate(data, args.distillation, engine, valid_iterator,
+                                                  plan.micro_batches, curriculum))
+            progress.consumed_valid_samples += data.eval_iters * plan.global_batch_size
         if checkpoints is not None and checkpoints.after_iteration(progress):
             observers.finish(progress.iteration, stopped_early=True)
             return progress
@@ -133,11 +137,12 @@ class _IterationBatch:
         return self.train_data.describe(self.first, self.size)
 
 
-def begin_iteration(args, engine, plan):
+def begin_iteration(parallel, engine, plan):
     """Hand the plan to DeepSpeed's engine (the ramp-up changes its batch: more micro-batches of the same size)
     and to the LR scheduler (its step counts the plan's samples and tokens)."""
-    if deepspeed_train_batch_size(args, plan.global_batch_size) != engine.train_batch_size():
-        engine.set_train_batch_size(deepspeed_train_batch_size(args, plan.global_batch_size))
+    batch = deepspeed_train_batch_size(parallel.ulysses, plan.global_batch_size)
+    if batch != engine.train_batch_size():
+        engine.set_train_batch_size(batch)
     engine.lr_scheduler.begin_iteration(plan)
 
 
@@ -195,23 +200,23 @@ def _mean_over_data_parallel(value):
     return value / parallel_state.get_sequence_data_parallel_world_size()
 
 
-def evaluate(args, engine, iterator, accumulation_steps, curriculum=None):
-    """The mean loss of --eval-iters global batches, at the full --seq-length."""
+def evaluate(data, distillation, engine, iterator, accumulation_steps, curriculum=None):
+    """The mean loss of --eval-iters global batches (data: the DataConfig), at the full --seq-length."""
     if curriculum is not None:
-        _change_sequence_length(engine, curriculum.length, args.seq_length)
+        _change_sequence_length(engine, curriculum.length, data.seq_length)
     engine.eval()
-    _renew_pipeline_buffers(args, engine)
-    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False)[0] for _ in range(args.eval_iters)]
+    _renew_pipeline_buffers(distillation, engine)
+    losses = [run_global_batch(engine, iterator, accumulation_steps, train=False)[0] for _ in range(data.eval_iters)]
     engine.train()
-    _renew_pipeline_buffers(args, engine)
+    _renew_pipeline_buffers(distillation, engine)
     if curriculum is not None:
-        _change_sequence_length(engine, args.seq_length, curriculum.length)
+        _change_sequence_length(engine, data.seq_length, curriculum.length)
     return sum(losses) / len(losses)
 
 
-def _renew_pipeline_buffers(args, engine):
+def _renew_pipeline_buffers(distillation, engine):
     """--kd: the stages hand on the teacher's hidden states in training only, so the pipeline's buffers change."""
-    if args.distillation is not None and isinstance(engine, deepspeed.PipelineEngine):
+    if distillation is not None and isinstance(engine, deepspeed.PipelineEngine):
         engine.reset_activation_shape()
 
 

@@ -56,25 +56,26 @@ class IterationObservers:
             observer.finish(iteration, stopped_early)
 
 
-def iteration_observers(args, engine, first_iteration, validator):
-    """The run's observers; validator: the --rerun-mode validator (result_validator), whose statistics are
-    reported at the log interval."""
-    observers = [_Timeline(pipeline_timeline(args, engine, first_iteration)),
-                 _Profiler(IterationProfiler(args.logging, dist.get_rank())),
-                 _CompileCost(CompileWatch(bool(compiled_ops(args.model))))]
+def iteration_observers(logging, parallel, model, engine, first_iteration, validator):
+    """The run's observers, from its LoggingConfig, ParallelLayout and TransformerConfig; validator: the
+    --rerun-mode validator (result_validator), whose statistics are reported at the log interval."""
+    observers = [_Timeline(pipeline_timeline(logging, parallel, model, engine, first_iteration)),
+                 _Profiler(IterationProfiler(logging, dist.get_rank())),
+                 _CompileCost(CompileWatch(bool(compiled_ops(model))))]
     if isinstance(validator, ReproducibilityStats):
-        observers.append(_Reproducibility(validator, args.logging.log_interval))
-    if args.logging.log_straggler:
-        observers.append(_Stragglers(_straggler_detector(args.logging)))
+        observers.append(_Reproducibility(validator, logging.log_interval))
+    if logging.log_straggler:
+        observers.append(_Stragglers(_straggler_detector(logging)))
     return IterationObservers(observers)
 
 
-def result_validator(args, engine):
-    """--rerun-mode's validator (megatron_ds/training/resilience/rerun.py), or None when disabled."""
-    if args.rerun_mode == "validate_results":
-        return ResultValidator(Validation.from_args(args), engine)
-    if args.rerun_mode == "report_stats":
-        return ReproducibilityStats(Validation.from_args(args), engine, args.rerun_stats_interval)
+def result_validator(rerun, engine):
+    """--rerun-mode's validator (megatron_ds/training/resilience/rerun.py) from the run's RerunConfig, or None
+    when disabled."""
+    if rerun.rerun_mode == "validate_results":
+        return ResultValidator(Validation.from_config(rerun), engine)
+    if rerun.rerun_mode == "report_stats":
+        return ReproducibilityStats(Validation.from_config(rerun), engine, rerun.rerun_stats_interval)
     return None
 
 

@@ -255,9 +255,9 @@ def install(out_folder):
             with open(os.path.join(out_folder, f"rank{dist.get_rank()}.json"), "w") as file:
                 json.dump(counter.report(), file, indent=1)
 
-    def noting_begin_iteration(args, engine, plan):
+    def noting_begin_iteration(parallel, engine, plan):
         counter.iteration = plan.iteration
-        return begin_iteration(args, engine, plan)
+        return begin_iteration(parallel, engine, plan)
 
     entry.train, loop.begin_iteration = counting_train, noting_begin_iteration
     return counter

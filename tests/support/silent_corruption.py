@@ -36,9 +36,9 @@ def install_corruption(rank, iteration, kind=""):
             engine.module.register_forward_hook(corrupt)
         return engine
 
-    def note_iteration(args, engine, plan):
+    def note_iteration(parallel, engine, plan):
         state["iteration"] = plan.iteration
-        return begin_iteration(args, engine, plan)
+        return begin_iteration(parallel, engine, plan)
 
     initialize.setup_engine, loop.begin_iteration = setup_and_corrupt, note_iteration
 

@@ -171,7 +171,7 @@ def run_step(engine, args, micro_batches=None):
         activation = activation_between_stages(args.model, batch[0],
                                                parallel_state.get_tensor_model_parallel_world_size())
         answers = deepspeed_internals.pipeline_integer_messages(engine, activation)
-    loop.begin_iteration(args, engine, plan)
+    loop.begin_iteration(args.parallel, engine, plan)
     recorder = StepRecorder(answers, next(engine.module.parameters()).fake_mode)
     with recorder:
         loop.run_global_batch(engine, itertools.repeat(batch), plan.micro_batches, train=True)

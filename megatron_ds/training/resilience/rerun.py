@@ -72,17 +72,18 @@ class Validation:
     no_other_replica: str = None   # why a reproduced result cannot be computed on other devices; None: it can
 
     @classmethod
-    def from_args(cls, args):
-        return cls(check_nan=args.check_for_nan_in_loss_and_grad and not args.fp16,
-                   check_spike=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor,
-                   injection_rate=args.error_injection_rate, injection_type=args.error_injection_type,
-                   skip_spiky_batches=args.skip_spiky_batches, no_other_replica=_no_other_replica(args))
+    def from_config(cls, rerun):
+        """From the run's RerunConfig (arguments/configs.py)."""
+        return cls(check_nan=rerun.check_for_nan_in_loss_and_grad and not rerun.fp16,
+                   check_spike=rerun.check_for_spiky_loss, spiky_loss_factor=rerun.spiky_loss_factor,
+                   injection_rate=rerun.error_injection_rate, injection_type=rerun.error_injection_type,
+                   skip_spiky_batches=rerun.skip_spiky_batches, no_other_replica=_no_other_replica(rerun))
 
 
-def _no_other_replica(args):
-    if args.data_parallel_size == 1:
+def _no_other_replica(rerun):
+    if rerun.data_parallel_size == 1:
         return "one data-parallel replica: no other devices hold the same weights"
-    if args.moe:
+    if rerun.moe:
         return "an MoE model: experts on other ranks compute its tokens whichever replica reads them"
     return None
 
