@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from megatron_ds.arguments.flags import flag_defaults, moe_layer_pattern
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
@@ -52,8 +53,14 @@ def parallel_layout(args, zero_stage=None) -> ParallelLayout:
 def model_shape(args) -> ModelShape:
     return ModelShape(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                       num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
-                      seq_length=args.seq_length, num_experts=tuple(args.num_experts),
-                      expert_interval=args.expert_interval, ffn_origin=_ffn_origin(args))
+                      seq_length=args.seq_length, ffn_origin=_ffn_origin(args), **_moe_shape(args))
+
+
+def _moe_shape(args):
+    """DeepSpeed-MoE's expert counts and interval, or the dropless layers' pattern."""
+    if getattr(args, "dropless_moe", False):
+        return {"dropless_moe_layers": moe_layer_pattern(args.moe_layer_freq, args.num_layers)}
+    return {"num_experts": tuple(args.num_experts), "expert_interval": args.expert_interval}
 
 
 def layout_errors(args):
@@ -417,6 +424,75 @@ def moe_errors(args):
         errors.append(f"--topk {args.topk} must be between 1 and the experts of a layer ({fewest})")
     if args.moe_min_capacity < 0:
         errors.append(f"--moe-min-capacity {args.moe_min_capacity} must be >= 0")
+    return errors
+
+
+# Megatron-Core's MoE flags (the dropless layer) and Megatron-DeepSpeed's (DeepSpeed-MoE), by destination
+DROPLESS_MOE_FLAGS = {
+    "moe_layer_freq": "--moe-layer-freq", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_router_topk": "--moe-router-topk", "moe_router_score_function": "--moe-router-score-function",
+    "moe_router_pre_softmax": "--moe-router-pre-softmax",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
+    "moe_router_num_groups": "--moe-router-num-groups", "moe_router_group_topk": "--moe-router-group-topk",
+    "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+    "moe_router_bias_update_rate": "--moe-router-bias-update-rate",
+    "moe_router_load_balancing_type": "--moe-router-load-balancing-type", "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+    "moe_z_loss_coeff": "--moe-z-loss-coeff",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate", "moe_grouped_gemm": "--moe-grouped-gemm",
+    "moe_token_dispatcher_type": "--moe-token-dispatcher-type",
+    "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size"}
+DEEPSPEED_MOE_FLAGS = {
+    "topk": "--topk", "expert_interval": "--expert-interval", "moe_expert_parallel_size": "--moe-expert-parallel-size",
+    "moe_train_capacity_factor": "--moe-train-capacity-factor",
+    "moe_eval_capacity_factor": "--moe-eval-capacity-factor",
+    "moe_min_capacity": "--moe-min-capacity", "moe_loss_coeff": "--moe-loss-coeff",
+    "create_moe_param_group": "--create-moe-param-group", "moe_token_dropping": "--disable-moe-token-dropping",
+    "moe_top2_2nd_expert_sampling": "--disable-moe-top2-2nd-expert-sampling",
+    "enable_expert_tensor_parallelism": "--enable-expert-tensor-parallelism", "mlp_type": "--mlp-type"}
+
+
+def dropless_moe_flags_given(args):
+    """Megatron-Core's MoE flags on the command line: any of them selects the dropless layer."""
+    return [flag for dest, flag in DROPLESS_MOE_FLAGS.items() if getattr(args, dest) not in (None, False)]
+
+
+def moe_family_errors(args):
+    """The dropless layer's flags as given (before defaults fill them): one family of MoE flags, one expert
+    count, and only what the layer builds."""
+    dropless = dropless_moe_flags_given(args)
+    if not dropless:
+        return []
+    defaults = flag_defaults()
+    deepspeed = [flag for dest, flag in DEEPSPEED_MOE_FLAGS.items() if getattr(args, dest) != defaults[dest]]
+    errors = []
+    if deepspeed:
+        errors.append(f"{', '.join(dropless)} are Megatron-Core's MoE flags (the dropless layer) and "
+                      f"{', '.join(deepspeed)} Megatron-DeepSpeed's (DeepSpeed-MoE): they choose different MoE "
+                      f"layers; give one family's flags")
+    if len(args.num_experts) != 1 or args.num_experts[0] < 2:
+        errors.append(f"{', '.join(dropless)} need --num-experts: one count of experts (> 1), got "
+                      f"{' '.join(map(str, args.num_experts))}")
+    return errors + _dropless_moe_unbuilt_errors(args)
+
+
+def _dropless_moe_unbuilt_errors(args):
+    errors = []
+    if args.moe_expert_capacity_factor is not None:
+        errors.append(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: the dropless layer drops "
+                      f"no token and has no capacity; leave it unset")
+    if args.moe_token_dispatcher_type == "allgather":
+        errors.append("--moe-token-dispatcher-type allgather is not built; alltoall is (per-expert counts, then "
+                      "the tokens, over the expert-parallel group)")
+    if args.expert_tensor_parallel_size not in (None, 1):
+        errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: the dropless layer keeps "
+                      f"each expert whole on its rank (1); splitting experts is not built yet")
+    if args.save or args.load:
+        given = " ".join(flag for flag, value in (("--save", args.save), ("--load", args.load)) if value)
+        errors.append(f"{given}: checkpoints of the dropless MoE layer (experts by global index, the expert bias) "
+                      f"are not built yet; train without them")
     return errors
 
 

@@ -3,6 +3,7 @@
 Only the parser lives here; what the flags imply is worked out in `megatron_ds.arguments.resolve`.
 """
 import argparse
+import ast
 import functools
 import sys
 import types
@@ -12,6 +13,8 @@ from megatron_ds.core.pipeline_schedules import SCHEDULES
 from megatron_ds.core.transformer.transformer_config import (
     ATTENTION_BACKENDS,
     FUSION_BACKENDS,
+    MOE_LOAD_BALANCING_TYPES,
+    MOE_SCORE_FUNCTIONS,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_GRANULARITIES,
@@ -401,6 +404,76 @@ def _add_distillation_args(parser):
                        help="1: a dense teacher (a Mixture-of-Experts teacher is not built)")
 
 
+def moe_layer_freq(text):
+    """Megatron-LM's --moe-layer-freq: N (every N-th layer from the first is an MoE layer) or a list expression of
+    0s and 1s, one per layer, such as "[0]*3+[1]*58" or "([1]*3+[0])*2" (only lists, ints, + and * are read)."""
+    text = str(text).strip()
+    if "[" not in text:
+        return int(text)
+    return _pattern(ast.parse(text, mode="eval").body, text)
+
+
+def moe_layer_pattern(freq, num_layers):
+    """Megatron-LM's reading of --moe-layer-freq: N marks layers 0, N, 2N, ... (0-based); a list is the pattern."""
+    return tuple(freq) if isinstance(freq, list) else tuple(int(layer % freq == 0) for layer in range(num_layers))
+
+
+def _pattern(node, text):
+    if isinstance(node, ast.List):
+        return [_pattern(element, text) for element in node.elts]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left, text), _pattern(node.right, text)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"--moe-layer-freq {text!r}: only lists of 0 and 1, integers, + and * are understood")
+
+
+def _add_dropless_moe_args(parser):
+    """Megatron-Core's MoE flags: any of them given selects the dropless layer (core/transformer/dropless_moe.py)
+    for --num-experts; Megatron-DeepSpeed's MoE flags select DeepSpeed-MoE. None: not given (resolve fills
+    Megatron-Core's default)."""
+    group = parser.add_argument_group("Mixture of Experts, Megatron-Core's flags: the dropless layer")
+    group.add_argument("--moe-layer-freq", type=moe_layer_freq, default=None,
+                       help="N: every N-th layer from the first is an MoE layer; or a pattern, one 0/1 per layer, "
+                            "such as \"[0]*3+[1]*58\" (default 1: every layer)")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN (default: "
+                       "--ffn-hidden-size)")
+    group.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    group.add_argument("--moe-router-score-function", choices=MOE_SCORE_FUNCTIONS, default=None,
+                       help="softmax (default) or sigmoid (DeepSeek-V3)")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="softmax over all experts before the choice (the chosen scores then not normalised)")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help="the chosen scores' scale (DeepSeek-V3: 2.5)")
+    group.add_argument("--moe-router-num-groups", type=int, default=None,
+                       help="group-limited routing: the experts in this many groups")
+    group.add_argument("--moe-router-group-topk", type=int, default=None,
+                       help="group-limited routing: the groups a token may choose from")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="auxiliary-loss-free balancing: a per-expert bias added to the scores for the choice")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                       help="the bias's step per iteration (default 1e-3)")
+    group.add_argument("--moe-router-load-balancing-type", choices=MOE_LOAD_BALANCING_TYPES, default=None,
+                       help="aux_loss (default), seq_aux_loss, global_aux_loss or none")
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=None, help="the balance loss's weight (default 0)")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None, help="the router z-loss's weight")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="a shared expert of this FFN beside the routed ones")
+    group.add_argument("--moe-shared-expert-gate", action="store_true",
+                       help="the shared expert's output scaled by a sigmoid gate (Qwen2-MoE)")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="the experts as grouped GEMMs (torch._grouped_mm), not one GEMM each")
+    group.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default=None,
+                       help="alltoall (the one built): per-expert counts, then the tokens, over the EP group")
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="unset: dropless (the only mode of this layer)")
+    group.add_argument("--expert-model-parallel-size", type=int, default=None,
+                       help="ranks splitting the experts, across TP and data-parallel ranks (default 1)")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="ranks splitting each expert: 1 (experts whole on their rank, MoE parallel folding)")
+
+
 def _add_unbuilt_feature_args(parser):
     """Megatron-DeepSpeed flags of features megatron_ds does not build (yet): parsed so that a launch script's
     command line reads, and refused by name (arguments/checks.py) when they ask for the feature."""
@@ -454,7 +527,7 @@ def build_parser(prog="pretrain.py"):
     parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
     for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
                 _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_distillation_args,
-                _add_unbuilt_feature_args, compat.add_arguments):
+                _add_dropless_moe_args, _add_unbuilt_feature_args, compat.add_arguments):
         add(parser)
     return parser
 

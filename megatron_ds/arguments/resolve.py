@@ -37,6 +37,7 @@ import re
 import torch
 
 from megatron_ds.arguments import checks, compat, configs
+from megatron_ds.arguments.flags import moe_layer_pattern
 from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
@@ -76,7 +77,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     args = argparse.Namespace(**vars(flags))
     args.world_size = world_size
     raise_if_invalid(checks.size_errors(args))
-    errors = checks.schedule_errors(args)  # on the flags as given, before defaults fill them
+    errors = checks.schedule_errors(args) + checks.moe_family_errors(args)  # on the flags as given
     vars(args).update(model_defaults(args), **load_values(args))
     errors += _apply(args, profile_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
@@ -141,8 +142,8 @@ def model_defaults(args):
               "ffn_hidden_size": _given(args.ffn_hidden_size, default_ffn_hidden_size(args.hidden_size, args.swiglu)),
               "lr_decay_iters": _given(args.lr_decay_iters, args.train_iters),
               "lr_decay_samples": _given(args.lr_decay_samples, args.train_samples),
-              "tokenizer_type": tokenizer_type(args),
-              "moe": max(args.num_experts) > 1}  # a Mixture of Experts (--num-experts above 1)
+              "tokenizer_type": tokenizer_type(args)}
+    values.update(moe_family_values(args, values["ffn_hidden_size"]))
     if args.use_rotary_position_embeddings:
         values["position_embedding_type"] = "rope"
     if args.recompute_activations and args.recompute_granularity is None:
@@ -157,6 +158,25 @@ def model_defaults(args):
         unit = "samples" if args.train_samples is not None else "iters"
         values[f"lr_warmup_{unit}"] = int(args.lr_warmup_fraction * (values[f"lr_decay_{unit}"] or 0))
     return values
+
+
+def moe_family_values(args, ffn_hidden_size):
+    """Which MoE layer --num-experts builds: the dropless layer when any of Megatron-Core's MoE flags is given
+    (their Megatron-Core defaults filled in, and its expert-parallel size the one EP size of the layout), else
+    DeepSpeed-MoE (Megatron-DeepSpeed's flags; `moe`)."""
+    if not checks.dropless_moe_flags_given(args):
+        return {"moe": max(args.num_experts) > 1, "dropless_moe": False}
+    expert_parallel = _given(args.expert_model_parallel_size, 1)
+    return {"moe": False, "dropless_moe": True, "moe_router_topk": _given(args.moe_router_topk, 2),
+            "moe_router_score_function": _given(args.moe_router_score_function, "softmax"),
+            "moe_router_bias_update_rate": _given(args.moe_router_bias_update_rate, 1e-3),
+            "moe_router_load_balancing_type": _given(args.moe_router_load_balancing_type, "aux_loss"),
+            "moe_aux_loss_coeff": _given(args.moe_aux_loss_coeff, 0.0),
+            "moe_token_dispatcher_type": _given(args.moe_token_dispatcher_type, "alltoall"),
+            "moe_ffn_hidden_size": _given(args.moe_ffn_hidden_size, ffn_hidden_size),
+            "moe_layer_freq": _given(args.moe_layer_freq, 1),
+            "expert_model_parallel_size": expert_parallel, "moe_expert_parallel_size": expert_parallel,
+            "expert_tensor_parallel_size": 1}
 
 
 def _given(value, default):
@@ -321,7 +341,7 @@ def transformer_config(args, check_fusions):
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
-    return TransformerConfig(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -344,3 +364,23 @@ def transformer_config_from_args(args) -> TransformerConfig:
         moe_token_dropping=args.moe_token_dropping, moe_top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
         moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff,
         moe_expert_tensor_parallel=args.enable_expert_tensor_parallelism)
+    return TransformerConfig(**{**fields, **_dropless_moe_fields(args)})
+
+
+def _dropless_moe_fields(args):
+    """The dropless layer's TransformerConfig fields (none without Megatron-Core's MoE flags)."""
+    if not getattr(args, "dropless_moe", False):
+        return {}
+    return dict(
+        num_experts=(1,), num_moe_experts=args.num_experts[0],
+        moe_layer_pattern=moe_layer_pattern(args.moe_layer_freq, args.num_layers),
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_grouped_gemm=args.moe_grouped_gemm)

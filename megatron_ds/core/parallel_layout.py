@@ -25,6 +25,7 @@ class ModelShape:
     num_experts: Tuple[int, ...] = (1,)
     expert_interval: int = 2
     ffn_origin: str = ""
+    dropless_moe_layers: Tuple[int, ...] = ()   # the dropless MoE layers' pattern (one 0/1 per layer); () for none
 
     @property
     def is_moe(self) -> bool:
@@ -127,7 +128,7 @@ class ParallelLayout:
         """Every rule the layout breaks for the model; with batch = (micro batch, global batch) the batch
         arithmetic too, and with a known zero_stage the ZeRO rules."""
         found = (self._division_problems(model) + self._schedule_problems() + self._sequence_problems(model)
-                 + self._expert_problems(model))
+                 + self._expert_problems(model) + self._dropless_expert_problems(model))
         if batch is not None and self.divides_world:
             found += self.batch_problems(*batch)
         return found + self.zero_problems(model)
@@ -217,6 +218,28 @@ class ParallelLayout:
         ]
         return _broken(rules) + self._stages_without_experts(model)
 
+    def _dropless_expert_problems(self, model):
+        """The dropless MoE layer: EP spans runs of a stage's ranks (TP x Ulysses x DP), and every pipeline stage
+        holds an MoE layer (DeepSpeed reduces the experts' gradient norm on the stages that have experts only)."""
+        if not any(model.dropless_moe_layers) or self.expert < 1:
+            return []
+        ep, stage, pp, layers = self.expert, self.stage_ranks, self.pipeline, len(model.dropless_moe_layers)
+        per_stage = layers // pp if layers % pp == 0 else None
+        stages = [] if per_stage is None else [model.dropless_moe_layers[index * per_stage:(index + 1) * per_stage]
+                                               for index in range(pp)]
+        empty = [index for index, stage_layers in enumerate(stages) if not any(stage_layers)]
+        rules = [
+            (stage and stage % ep, "expert parallel size does not divide a stage's ranks",
+             f"EP {ep} over the {stage} ranks of a stage",
+             f"--expert-model-parallel-size {ep} does not divide the {stage} ranks of a pipeline stage (world size "
+             f"{self.world_size} / PP {pp}): the experts are spread over consecutive runs of them"),
+            (pp > 1 and empty, "a pipeline stage without MoE layers",
+             f"PP {pp}: stage(s) {', '.join(map(str, empty))} without an MoE layer",
+             f"--pipeline-model-parallel-size {pp} with --moe-layer-freq: pipeline stage(s) "
+             f"{', '.join(map(str, empty))} would hold no MoE layer; every stage needs one"),
+        ]
+        return _broken(rules)
+
     def _data_or_none(self):
         return self.data_parallel if self.divides_world else None
 
@@ -260,7 +283,8 @@ class ParallelLayout:
              f"--zero-stage {stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports "
              f"only ZeRO stage 0 or 1 (ZeRO-2/3 shard gradients, which the pipeline accumulates across "
              f"micro-batches); use --zero-stage 1, or PP 1 for ZeRO-2/3"),
-            (stage == 3 and model.is_moe, "ZeRO-3 with MoE", "DeepSpeed's ZeRO-3 does not shard MoE experts",
+            (stage == 3 and (model.is_moe or any(model.dropless_moe_layers)), "ZeRO-3 with MoE",
+             "DeepSpeed's ZeRO-3 does not shard MoE experts",
              f"--zero-stage 3 with --num-experts {experts}: DeepSpeed's ZeRO-3 does not shard MoE experts; use "
              f"--zero-stage 0, 1 or 2"),
         ]

@@ -336,6 +336,13 @@ def initialize_expert_parallel(expert_parallel_size, expert_tensor_parallel=Fals
                 register(name, group, ranks)
 
 
+def expert_parallel_group(expert_parallel_size):
+    """This rank's expert-parallel process group of that size (initialize_expert_parallel made it), None at EP 1."""
+    if expert_parallel_size == 1:
+        return None
+    return deepspeed_internals.expert_parallel_group(expert_group_name(expert_parallel_size))
+
+
 def expert_groups_by_axis(expert_parallel_size, expert_tensor_parallel=False):
     """{'expert': [...], 'expert-data': [...]}: every expert group's ranks, for start-up logs."""
     parallel, data = expert_parallel_rank_lists(get_topology(), expert_parallel_size, expert_tensor_parallel)

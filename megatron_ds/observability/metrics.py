@@ -42,7 +42,8 @@ from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import model_flops_per_iteration
 from megatron_ds.launch.runtime import device, print_rank_0
 
-OTHER_LOSSES = ("moe loss", "kd loss")  # beside the lm loss in the iteration line, in this order
+OTHER_LOSSES = ("moe loss", "load balancing loss", "kd loss")  # beside the lm loss in the iteration line, in order
+EXPERT_LOAD = "tokens per expert max/mean"  # the dropless MoE layers' worst balance, after the losses
 
 # --timing-log-level of each timer, in the order Megatron prints them
 TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2, "batch-generator": 2,
@@ -451,6 +452,8 @@ class MetricsLogger:
         if s.get("curriculum-seqlen") is not None:
             optional += f" curriculum seqlen: {s['curriculum-seqlen']} |"
         others = "".join(f" {name}: {s[name]:.6E} |" for name in OTHER_LOSSES if s.get(name) is not None)
+        if s.get(EXPERT_LOAD) is not None:
+            others += f" {EXPERT_LOAD}: {s[EXPERT_LOAD]:.3f} |"
         return (f" iteration {iteration}/{config.train_iters} | consumed samples: {s['consumed-samples']} |"
                 f" consumed tokens: {s['consumed-tokens']} |"
                 f" elapsed time per iteration (ms): {seconds * 1000:.1f} | learning rate: {s['learning-rate']:.6E} |"

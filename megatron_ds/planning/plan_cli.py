@@ -18,6 +18,7 @@ from megatron_ds.arguments import (
     resolve,
     tokenizer_type,
 )
+from megatron_ds.arguments.checks import dropless_moe_flags_given
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.launch.devices import DEVICES, device_spec
 from megatron_ds.planning import report
@@ -90,7 +91,12 @@ def validated_args(args):
     if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
         vars(flags).update(WITHOUT_MEMORY_CHOICES)
-    return resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
+    resolved = resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
+    if resolved.dropless_moe:
+        raise ArgumentsError([f"{', '.join(dropless_moe_flags_given(args))}: the planner and the dry run do not "
+                              f"plan the dropless MoE layer yet (its memory, all-to-all volume and FLOPs); "
+                              f"Megatron-DeepSpeed's MoE flags (DeepSpeed-MoE) are planned"])
+    return resolved
 
 
 def model_summary(model: ModelSpec) -> dict:

@@ -50,8 +50,9 @@ def start_up(args, watchdog=None, all_reduce_note=None, building_model=contextli
 def initialize_groups(args):
     """The model-parallel groups and, for an MoE, the expert groups (every rank creates all of them, in order)."""
     parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel))
-    if args.moe:
+    if args.moe or args.dropless_moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
+    if args.moe:
         mend_token_split()
 
 
@@ -84,13 +85,15 @@ def log_startup(args, config, engine, peak, peak_source):
                  f"ZeRO stage {args.zero_stage}")
     for axis, groups in parallel_state.all_groups_by_axis().items():
         print_rank_0(f"{axis}-parallel groups: {groups}")
-    if config.is_moe:
+    if config.is_moe or config.is_dropless_moe:
         for axis, groups in parallel_state.expert_groups_by_axis(config.moe_expert_parallel_size,
                                                                  config.moe_expert_tensor_parallel).items():
             print_rank_0(f"{axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
     if config.is_moe:
         _log_experts(args, config)
+    if config.is_dropless_moe:
+        _log_dropless_experts(config)
     print_rank_0(f"effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     compiled = compiled_ops(config)
@@ -135,3 +138,13 @@ def warn_of_16_bit_on_this_cpu(args):
         text = sixteen_bit_warning_here(args.params_dtype)
         if text:
             print_rank_0(f"WARNING: {text}")
+
+
+def _log_dropless_experts(config):
+    layers, ep = sum(config.moe_layer_pattern), config.moe_expert_parallel_size
+    shared = (f", a shared expert of FFN {config.moe_shared_expert_intermediate_size}"
+              if config.moe_shared_expert_intermediate_size else "")
+    print_rank_0(f"dropless Mixture of Experts: {config.num_moe_experts} experts of FFN {config.moe_ffn_hidden_size} "
+                 f"in {layers} of {config.num_layers} layers, top-{config.moe_router_topk} "
+                 f"({config.moe_router_score_function}){shared}; {config.num_moe_experts // ep} experts per rank "
+                 f"(EP {ep}); {'grouped GEMMs' if config.moe_grouped_gemm else 'a GEMM per expert'}")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import parallel_state
+from megatron_ds.core.transformer.dropless_moe import dropless_layers, update_expert_bias
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.data.builder import batch_iterator, describe_samples, will_evaluate
 from megatron_ds.engine.curriculum import SequenceLengthCurriculum
@@ -45,6 +46,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     valid_iterator = batch_iterator(datasets.get("valid"), data, progress.consumed_valid_samples, device())
     evaluating = will_evaluate(data)
     experts = moe_layers(engine.module) if args.model.is_moe else None
+    dropless = dropless_layers(engine.module) if args.model.is_dropless_moe else None
     skipped = ConsecutiveSkips(args.optimization.max_consecutive_skipped_steps)
     validator = result_validator(args.rerun, engine)
     observers = iteration_observers(args.logging, args.parallel, args.model, engine, progress.iteration + 1,
@@ -64,8 +66,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         begin_iteration(args.parallel, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         observers.begin(iteration, plan)
-        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, experts, validator,
-                                                 iteration)
+        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, (experts, dropless),
+                                                 validator, iteration)
         observers.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
@@ -105,17 +107,38 @@ class _TrainData:
         return describe_samples(self.dataset, first, count)
 
 
-def _train_global_batch(engine, train_data, plan, progress, experts, validator, iteration):
+def _train_global_batch(engine, train_data, plan, progress, moe, validator, iteration):
     """(lm loss, other losses) of the iteration's global batch (run_global_batch), its optimizer step taken;
-    through the validator (megatron_ds/training/resilience/rerun.py) when there is one."""
+    through the validator (megatron_ds/training/resilience/rerun.py) when there is one. moe: this rank's
+    (DeepSpeed-MoE layers, dropless MoE layers), each None where the model has none."""
+    experts, dropless = moe
+
     def compute():
-        return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts)
+        return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts,
+                                dropless=dropless)
 
     if validator is None:
-        return compute()
-    batch = _IterationBatch(train_data, progress.consumed_train_samples, plan.global_batch_size)
-    loss, other_losses, _ = validator.run_iteration(iteration, compute, batch)
+        loss, other_losses = compute()
+    else:
+        batch = _IterationBatch(train_data, progress.consumed_train_samples, plan.global_batch_size)
+        loss, other_losses, _ = validator.run_iteration(iteration, compute, batch)
+    if dropless is not None:
+        other_losses["tokens per expert max/mean"] = _balance_experts(dropless)
     return loss, other_losses
+
+
+def _balance_experts(layers):
+    """After the optimizer step: the expert biases updated from the global batch's loads (summed over the ranks
+    of the stage: TP, then sequence- and data-parallel); the largest max/mean load of any layer, over the
+    pipeline stages."""
+    groups = [group for group, size in ((parallel_state.get_tensor_model_parallel_group(),
+                                         parallel_state.get_tensor_model_parallel_world_size()),
+                                        (parallel_state.get_sequence_data_parallel_group(),
+                                         parallel_state.get_sequence_data_parallel_world_size())) if size > 1]
+    imbalance = update_expert_bias(layers, groups).max() if layers else torch.zeros(())
+    imbalance = imbalance.to(device())
+    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+    return imbalance.item()
 
 
 @dataclass(frozen=True)
@@ -146,19 +169,23 @@ def begin_iteration(parallel, engine, plan):
     engine.lr_scheduler.begin_iteration(plan)
 
 
-def run_global_batch(engine, iterator, accumulation_steps, train, experts=None):
-    """One global batch; returns (lm loss, {"moe loss": MoE auxiliary loss, "kd loss": the distillation term}
-    (those the run has)), each the mean over all micro-batches and data-parallel ranks. experts: this rank's MoE
-    layers (moe_layers(engine.module), possibly none on this stage) when the model is an MoE and its auxiliary
-    loss is wanted, else None."""
+def run_global_batch(engine, iterator, accumulation_steps, train, experts=None, dropless=None):
+    """One global batch; returns (lm loss, {"moe loss": DeepSpeed-MoE's auxiliary loss, "load balancing loss":
+    the dropless layers' balance and z-losses, "kd loss": the distillation term} (those the run has)), each the
+    mean over all micro-batches and data-parallel ranks. experts / dropless: this rank's DeepSpeed-MoE / dropless
+    MoE layers (possibly none on this stage) when the model has them and their losses are wanted, else None."""
+    # the auxiliary losses' gradients are started inside the MoE layers: scaled as DeepSpeed scales the loss's
     if experts is not None:
-        # the auxiliary loss's gradient is started inside the MoE layers: scaled as DeepSpeed scales the loss's
         begin_global_batch(experts, loss_scale(engine) / accumulation_steps)
+    for layer in dropless or ():
+        layer.begin_global_batch(loss_scale(engine) / accumulation_steps)
     distillation = distillation_loss_of(engine.module) if train else None
     if distillation is not None:
         distillation.begin_global_batch()
     loss = _run_micro_batches(engine, iterator, accumulation_steps, train)
     others = {} if experts is None else {"moe loss": _moe_loss(experts)}
+    if dropless is not None:
+        others["load balancing loss"] = _moe_loss(dropless, summed_over_tensor_parallel=True)
     if distillation is not None:  # the engine's loss is the weighted sum: the line reports the two terms
         loss, others["kd loss"] = _mean_over_data_parallel(distillation.global_batch_losses(device())).tolist()
     return loss, others
@@ -184,10 +211,13 @@ def _run_micro_batches(engine, iterator, accumulation_steps, train):
     return _mean_over_data_parallel(total / accumulation_steps).item()
 
 
-def _moe_loss(experts):
+def _moe_loss(experts, summed_over_tensor_parallel=False):
     """The MoE auxiliary loss of the global batch: this stage's layers' (each the mean over micro-batches),
-    summed over the pipeline stages, mean over the data-parallel ranks."""
+    summed over the pipeline stages (and over the TP ranks where each holds its share of the tokens: the dropless
+    layers), mean over the data-parallel ranks."""
     local = auxiliary_loss_of(experts).to(device())
+    if summed_over_tensor_parallel:
+        dist.all_reduce(local, group=parallel_state.get_tensor_model_parallel_group())
     dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
     return _mean_over_data_parallel(local).item()
 

@@ -10,6 +10,7 @@ import torch
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
 from megatron_ds.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_ds.core.transformer.dropless_moe import DroplessMoE
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 from megatron_ds.engine.deepspeed_schedules import install_schedule, pipeline_module_class
 from megatron_ds.engine.gradient_reduction import install_flat_gradient_reduction
@@ -54,11 +55,12 @@ def setup_engine(args, config, building_model=contextlib.nullcontext):
     model = model.to(device())
     optimizer, scheduler = build_optimizer_and_scheduler(args.optimization, model)
     pipelined = args.pipeline_model_parallel_size > 1
-    engine, _, _, _ = deepspeed.initialize(args=deepspeed_device_arguments(), model=model, optimizer=optimizer,
-                                           lr_scheduler=scheduler,
-                                           config=copy.deepcopy(args.effective_deepspeed_config),  # it may edit it
-                                           mpu=None if pipelined else ModelParallelUnit(),
-                                           dist_init_required=False)
+    with _dropless_moe_counted(config):
+        engine, _, _, _ = deepspeed.initialize(args=deepspeed_device_arguments(), model=model, optimizer=optimizer,
+                                               lr_scheduler=scheduler,
+                                               config=copy.deepcopy(args.effective_deepspeed_config),  # it may edit it
+                                               mpu=None if pipelined else ModelParallelUnit(),
+                                               dist_init_required=False)
     deepspeed_internals.mend_zero_stage_0(engine)
     deepspeed_internals.zero_bf16_fp32_gradients_once(engine.optimizer)
     if pipelined:
@@ -68,3 +70,11 @@ def setup_engine(args, config, building_model=contextlib.nullcontext):
         parallel_state.assert_matches_deepspeed_engine(engine)
     install_flat_gradient_reduction(engine, parallel_state.get_sequence_data_parallel_group())
     return engine
+
+
+def _dropless_moe_counted(config):
+    """DeepSpeed's engine builds its optimizer for expert parameters only when it sees MoE layers: our dropless
+    layers are shown to it as such."""
+    if not config.is_dropless_moe:
+        return contextlib.nullcontext()
+    return deepspeed_internals.engine_counting_as_moe(DroplessMoE)

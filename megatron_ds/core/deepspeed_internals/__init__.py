@@ -29,7 +29,9 @@ from megatron_ds.core.deepspeed_internals.engine_mends import (
     replace_gradient_reduction,
 )
 from megatron_ds.core.deepspeed_internals.moe_groups import (
+    engine_counting_as_moe,
     expert_data_parallel_rank,
+    expert_parallel_group,
     expert_parallel_rank,
     install_moe_tensor_parallel_gather,
     install_moe_token_functions,
@@ -85,8 +87,9 @@ OWNED_NAMES = (
     "_INSTRUCTION_MAP", "_hp_mapping", "_hp_optimizer_states_linked",
     "single_partition_of_fp32_groups", "fp32_groups_flat_partition", "bit16_groups", "bf16_groups", "fp16_groups",
     "non_expert_gradients", "has_moe_layers", "buffered_allreduce_fallback", "cur_scale", "loss_scaler",
-    "optimizer.param_names", "engine.checkpoint_engine",
-    "_get_expert_parallel_rank", "_get_expert_data_parallel_rank", "_get_expert_parallel_group_dict",
+    "optimizer.param_names", "engine.checkpoint_engine", "engine.MoE",
+    "_get_expert_parallel_rank", "_get_expert_data_parallel_rank", "_get_expert_parallel_group",
+    "_get_expert_parallel_group_dict",
     "_get_expert_data_parallel_group_dict", "_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
     "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "expert_tensor_parallel_world_size",
     "groups.mpu", "_gather_tokens", "sharded_moe.drop_tokens", "sharded_moe.gather_tokens",

@@ -1,6 +1,7 @@
 """DeepSpeed's expert-parallel groups and mpu (deepspeed.utils.groups) and DeepSpeed-MoE's token split over TP
-(deepspeed.moe.mappings, sharded_moe), set from ours.
+(deepspeed.moe.mappings, sharded_moe), set from ours; the engine told that our dropless layers are MoE layers.
 """
+import contextlib
 
 
 def expert_parallel_rank(group_name):
@@ -8,6 +9,13 @@ def expert_parallel_rank(group_name):
     Relies on groups._get_expert_parallel_group_dict and _get_expert_parallel_rank (0.19.8)."""
     from deepspeed.utils import groups
     return groups._get_expert_parallel_rank(group_name) if group_name in groups._get_expert_parallel_group_dict() else 0
+
+
+def expert_parallel_group(group_name):
+    """DeepSpeed's expert-parallel process group `group_name` of this rank. Relies on
+    groups._get_expert_parallel_group (0.19.8)."""
+    from deepspeed.utils import groups
+    return groups._get_expert_parallel_group(group_name)
 
 
 def expert_data_parallel_rank(group_name):
@@ -55,6 +63,21 @@ def moe_token_functions():
     """DeepSpeed's own (drop_tokens, gather_tokens) from deepspeed.moe.mappings (0.19.8)."""
     from deepspeed.moe import mappings
     return mappings.drop_tokens, mappings.gather_tokens
+
+
+@contextlib.contextmanager
+def engine_counting_as_moe(layer_class):
+    """While DeepSpeed builds an engine, it takes `layer_class` modules for MoE layers as it takes its own
+    deepspeed.moe.layer.MoE (each has num_experts): the engine then builds its ZeRO / BF16 optimizer with the
+    expert-data-parallel groups the experts' parameters name (group_name). Relies on engine.py's module-level
+    MoE, which its isinstance checks read (0.19.8)."""
+    from deepspeed.runtime import engine
+    original = engine.MoE
+    engine.MoE = (original, layer_class)
+    try:
+        yield
+    finally:
+        engine.MoE = original
 
 
 def install_moe_token_functions(drop_tokens, gather_tokens):

@@ -205,7 +205,7 @@ class DroplessMoE(torch.nn.Module):
     def _with_auxiliary_losses(self, routed, logits, chosen, shape):
         loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_group,
                             self._global_counts(logits, chosen), _group_size(self.global_group))
-        loss = loss + z_loss(self.config, logits)
+        loss = loss + z_loss(self.config, logits) / _group_size(self.counts_group)  # this rank's share of the mean
         self.auxiliary_losses.append(loss.detach())
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
             return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale)
@@ -316,16 +316,17 @@ def dropless_layers(model):
     return [module for module in model.modules() if isinstance(module, DroplessMoE)]
 
 
-def update_expert_bias(layers, group=None):
+def update_expert_bias(layers, groups=()):
     """Auxiliary-loss-free balancing, once per optimizer step: each layer's bias moves by rate x sign(mean load -
-    load), the loads those of the global batch (summed over micro-batches and over `group`: the ranks whose
-    tokens differ, data- and tensor-/sequence-parallel), so the bias stays identical on every rank. Resets the
-    counts. One all-reduce for all layers."""
-    if not layers:
-        return
-    counts = _summed(torch.stack([layer.tokens_per_expert for layer in layers]), group)
+    load), the loads those of the global batch (summed over micro-batches and over `groups`: together the ranks
+    whose tokens differ, TP and sequence- and data-parallel), so the bias stays identical on every rank. Resets
+    the counts; returns each layer's max / mean load. One all-reduce per group for all layers."""
+    counts = torch.stack([layer.tokens_per_expert for layer in layers])
+    for group in groups:
+        dist.all_reduce(counts, group=group)
     for layer, load in zip(layers, counts):
         if layer.config.moe_router_enable_expert_bias:
             offset = load.mean() - load
             layer.expert_bias += torch.sign(offset) * layer.config.moe_router_bias_update_rate
         layer.tokens_per_expert.zero_()
+    return counts.max(1).values / counts.mean(1).clamp(min=1e-20)

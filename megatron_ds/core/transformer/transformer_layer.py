@@ -8,8 +8,10 @@ import contextlib
 
 import torch
 
+from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
+from megatron_ds.core.transformer.dropless_moe import DroplessMoE
 from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.mlp import MLP
 from megatron_ds.core.transformer.moe import MoEMLP
@@ -26,8 +28,7 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        experts = config.experts_in_layer(layer_number)
-        self.mlp = MLP(config) if experts == 1 else MoEMLP(config, experts, layer_number)
+        self.mlp = _mlp(config, layer_number)
         self.bias_dropout_add = op_implementation(config, "bias_dropout_add")
         # layers this one recomputes in backward (itself alone by default under full recompute); a layer
         # absorbed into another's chunk passes its input through, the leader having already applied it
@@ -93,3 +94,11 @@ def recompute_chunk_count(recompute_method, recompute_num_layers, stage_layers):
     if recompute_method == "block":
         return min(size, stage_layers)
     return -(-stage_layers // size)
+
+
+def _mlp(config, layer_number):
+    """The layer's MLP: dense, DeepSpeed-MoE's (Megatron-DeepSpeed's flags) or the dropless MoE (Megatron-Core's)."""
+    if config.dropless_moe_in_layer(layer_number):
+        return DroplessMoE(config, layer_number, parallel_state.expert_parallel_group(config.moe_expert_parallel_size))
+    experts = config.experts_in_layer(layer_number)
+    return MLP(config) if experts == 1 else MoEMLP(config, experts, layer_number)

@@ -12,6 +12,8 @@ the router and its top-k experts, each an MLP of the dense MLP's shape, so the M
 i.e. the FLOPs of the active parameters. An MoE layer with top-k (without residual) costs what a dense layer
 with a k times wider FFN does, plus 2 h E. Not counted (as in Megatron-DeepSpeed): the gate's softmax and
 top-k, dispatch and combine, and the padding of the experts' capacity buffers (capacity factor > 1).
+The dropless MoE layer (Megatron-Core's flags; config.dropless_moe_in_layer): the router 2 h E, k experts of
+moe_ffn_hidden_size (gated), the shared expert of its own width and its gate 2 h.
 A dense model (num_experts 1) gets exactly the formula above.
 """
 from dataclasses import dataclass
@@ -30,11 +32,21 @@ def moe_mlp_flops_per_token(config, num_experts) -> float:
     return 2 * h * num_experts + config.moe_router_topk * mlp_flops_per_token(config) + residual
 
 
+def dropless_moe_flops_per_token(config) -> float:
+    """A dropless MoE layer's MLP part per token: router, top-k routed experts, the shared expert and its gate."""
+    h = config.hidden_size
+    routed = config.moe_router_topk * 2 * h * config.moe_ffn_hidden_size * 3
+    shared = 2 * h * (config.moe_shared_expert_intermediate_size or 0) * 3
+    return 2 * h * config.num_moe_experts + routed + shared + (2 * h if config.moe_shared_expert_gate else 0)
+
+
 def layer_gemm_flops_per_token(config, layer_number) -> float:
     """Weight GEMMs of layer `layer_number` (1-based, global) per token: attention plus the dense MLP, or an
     MoE layer's router, top-k experts and residual."""
     h, d, heads = config.hidden_size, config.kv_channels, config.num_attention_heads
     attention = 2 * (h * (heads + 2 * config.num_query_groups) * d + heads * d * h)
+    if config.dropless_moe_in_layer(layer_number):
+        return attention + dropless_moe_flops_per_token(config)
     experts = config.experts_in_layer(layer_number)
     return attention + (mlp_flops_per_token(config) if experts == 1 else moe_mlp_flops_per_token(config, experts))
 

@@ -193,8 +193,9 @@ def test_the_bias_moves_each_expert_toward_the_mean_load():
         layer = _layer(config)
     layer.expert_bias.zero_()
     layer.tokens_per_expert.copy_(torch.tensor([5.0, 1, 3, 3, 0, 9, 2, 1]))  # mean 3
-    update_expert_bias([layer])
+    imbalance = update_expert_bias([layer])
     assert layer.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0.01, -0.01, 0.01, 0.01])
+    assert imbalance.tolist() == [3.0]
     assert layer.tokens_per_expert.sum().item() == 0
 
 
@@ -288,7 +289,7 @@ def _identical_bias():
     config = _config(moe_router_enable_expert_bias=True)
     layer = _layer(config, _expert_groups(2))
     layer(_tokens(torch.float64, seed=dist.get_rank()))
-    update_expert_bias([layer], group=None if dist.get_world_size() == 1 else dist.group.WORLD)
+    update_expert_bias([layer], [dist.group.WORLD])
     biases = [torch.empty(EXPERTS, dtype=torch.float32) for _ in range(dist.get_world_size())]
     dist.all_gather(biases, layer.expert_bias)
     assert all(torch.equal(bias, biases[0]) for bias in biases)

@@ -1,0 +1,64 @@
+"""The dropless MoE layer through pretrain.py (Megatron-Core's MoE flags) on real ranks: a LLaMA-style model with
+4 experts, top-2, the expert bias and a balance loss trains the same at every expert-parallel size, with Megatron's
+sequence parallelism, and in DeepSpeed's pipeline engine under 1F1B, ZB-H1 and DualPipeV (fp32, dropout 0): the lm
+loss, the balance loss and the load of each iteration equal EP 1's at DP 2."""
+import re
+
+import pytest
+
+from tests.support.launch import assert_succeeded, launch, losses
+from tests.support.layouts import COMMON, FAMILIES, ITERATIONS
+
+DROPLESS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff",
+            "0.01", "--moe-router-enable-expert-bias", "--moe-grouped-gemm"]
+BALANCE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? load balancing loss: (\S+) \| tokens per expert max/mean: "
+                     r"(\S+) \|")
+_runs = {}
+
+
+def _run(ranks, *flags):
+    key = (ranks, flags)
+    if key not in _runs:
+        result = launch(ranks, COMMON + FAMILIES["llama"] + DROPLESS + list(flags))
+        assert_succeeded(result, tail=4000)
+        _runs[key] = result.stdout
+    return _runs[key]
+
+
+def _trajectory(output):
+    lm = losses(output)
+    balance = {int(i): (float(loss), float(load)) for i, loss, load in BALANCE.findall(output)}
+    assert sorted(lm) == sorted(balance) == list(range(1, ITERATIONS + 1)), output[-3000:]
+    return lm, balance
+
+
+def _assert_same_training(output, reference):
+    lm, balance = _trajectory(output)
+    expected_lm, expected_balance = _trajectory(reference)
+    assert expected_lm[ITERATIONS] < expected_lm[1], expected_lm
+    for iteration in expected_lm:
+        assert lm[iteration] == pytest.approx(expected_lm[iteration], rel=1e-5, abs=0), (iteration, lm, expected_lm)
+        assert balance[iteration][0] == pytest.approx(expected_balance[iteration][0], rel=1e-5), (iteration, balance)
+        assert balance[iteration][1] == pytest.approx(expected_balance[iteration][1], rel=1e-5), (iteration, balance)
+
+
+def test_expert_parallelism_over_data_parallel_ranks_trains_the_same_model():
+    output = _run(2, "--expert-model-parallel-size", "2")
+    _assert_same_training(output, _run(2))
+    assert "dropless Mixture of Experts: 4 experts of FFN 48 in 4 of 4 layers, top-2 (softmax); 2 experts per " \
+           "rank (EP 2); grouped GEMMs" in output
+    assert "expert-parallel groups: [[0, 1]]" in output
+
+
+def test_expert_parallelism_across_sequence_parallel_tensor_parallel_ranks_trains_the_same_model():
+    """TP 2 with Megatron's SP: each TP rank routes its half of the sequence; EP 2 spans the two TP ranks."""
+    _assert_same_training(_run(2, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--make-vocab-size-divisible-by", "128", "--expert-model-parallel-size", "2"), _run(2))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "dualpipev"])
+def test_pipeline_schedules_train_the_same_model(schedule):
+    """PP 2 at DP 1: the MoE layers inside DeepSpeed's pipeline stages; ZB-H1 and DualPipeV defer the experts'
+    weight gradients as every other weight's."""
+    _assert_same_training(_run(2, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule), _run(2))
+

@@ -1,0 +1,88 @@
+"""Megatron-Core's MoE flags select the dropless layer, with Megatron-Core's defaults; Megatron-DeepSpeed's keep
+DeepSpeed-MoE; the two families are not mixed, and what the dropless layer does not build is refused by name."""
+import pytest
+
+from megatron_ds.arguments import ArgumentsError, parse_args
+from megatron_ds.arguments.flags import moe_layer_freq, moe_layer_pattern
+from megatron_ds.planning import plan_cli
+from tests.support.flags import TINY_MODEL
+
+LLAMA = TINY_MODEL + ["--swiglu", "--normalization", "RMSNorm", "--num-layers", "4"]
+
+
+def _args(*flags, world=1):
+    return parse_args(LLAMA + list(flags), world_size=world)
+
+
+def test_a_megatron_core_flag_selects_the_dropless_layer_with_megatron_cores_defaults():
+    args = _args("--num-experts", "8", "--moe-grouped-gemm")
+    config = args.model
+    assert args.dropless_moe and not args.moe
+    assert (config.num_moe_experts, config.num_experts, config.moe_router_topk, config.moe_router_score_function,
+            config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, config.moe_ffn_hidden_size) == \
+        (8, (1,), 2, "softmax", "aux_loss", 0.0, config.ffn_hidden_size)
+    assert config.moe_layer_pattern == (1, 1, 1, 1) and args.parallel.expert == 1
+
+
+def test_megatron_deepspeeds_flags_alone_keep_deepspeed_moe():
+    args = _args("--num-experts", "4", "--topk", "2")
+    assert args.moe and not args.dropless_moe and args.model.num_moe_experts is None
+
+
+def test_the_expert_parallel_size_is_the_layouts():
+    args = _args("--num-experts", "4", "--expert-model-parallel-size", "2", world=2)
+    assert args.parallel.expert == 2 and args.model.moe_expert_parallel_size == 2
+
+
+@pytest.mark.parametrize("freq, pattern", [("2", (1, 0, 1, 0)), ("[0]+[1]*3", (0, 1, 1, 1)),
+                                           ("([1]+[0])*2", (1, 0, 1, 0))])
+def test_moe_layer_freq_reads_as_megatron_lm_reads_it(freq, pattern):
+    assert moe_layer_pattern(moe_layer_freq(freq), 4) == pattern
+    assert _args("--num-experts", "4", "--moe-layer-freq", freq).model.moe_layer_pattern == pattern
+
+
+def test_a_pattern_is_read_not_run():
+    with pytest.raises(ValueError, match="only lists of 0 and 1"):
+        moe_layer_freq("[__import__('os')]")
+
+
+def _errors(*flags, world=1):
+    with pytest.raises(ArgumentsError) as raised:
+        _args(*flags, world=world)
+    return str(raised.value)
+
+
+def test_the_two_families_are_not_mixed_and_unbuilt_parts_are_refused_together():
+    error = _errors("--num-experts", "4", "--moe-router-topk", "2", "--topk", "2", "--moe-expert-capacity-factor",
+                    "1.0", "--save", "/tmp/nowhere", "--expert-tensor-parallel-size", "2")
+    assert ("--moe-router-topk, --moe-expert-capacity-factor, --expert-tensor-parallel-size are Megatron-Core's MoE "
+            "flags (the dropless layer) and --topk Megatron-DeepSpeed's (DeepSpeed-MoE)") in error
+    assert "--moe-expert-capacity-factor 1.0: the dropless layer drops no token" in error
+    assert "--expert-tensor-parallel-size 2: the dropless layer keeps each expert whole" in error
+    assert "--save: checkpoints of the dropless MoE layer" in error
+
+
+def test_the_layer_needs_its_experts_and_gated_experts():
+    assert "need --num-experts: one count of experts (> 1), got 1" in _errors("--moe-router-topk", "2")
+    error = _error_without_swiglu()
+    assert "compute gated activations only: add --swiglu" in error
+
+
+def _error_without_swiglu():
+    with pytest.raises(ArgumentsError) as raised:
+        parse_args(TINY_MODEL + ["--num-experts", "4", "--moe-grouped-gemm"], world_size=1)
+    return str(raised.value)
+
+
+def test_each_pipeline_stage_needs_an_moe_layer():
+    error = _errors("--num-experts", "4", "--moe-layer-freq", "[0]*2+[1]*2", "--pipeline-model-parallel-size", "2",
+                    world=2)
+    assert "pipeline stage(s) 0 would hold no MoE layer" in error
+
+
+def test_the_planner_says_it_does_not_plan_the_layer_yet():
+    parser = plan_cli.build_plan_parser()
+    args = parser.parse_args(LLAMA + ["--num-experts", "4", "--moe-router-topk", "2", "--world-size", "1",
+                                      "--gpus-per-node", "1"])
+    with pytest.raises(ArgumentsError, match="do not plan the dropless MoE layer yet"):
+        plan_cli.validated_args(args)
