@@ -1,12 +1,15 @@
 """Dense model vs Mixture of Experts with the same active parameters, through pretrain.py on CPU ranks.
 
     python bench/moe.py [--ranks 2] [--experts 8] [--topk 2] [--hidden-size 256] [--ffn-hidden-size 1024] ...
+    python bench/moe.py --dropless ...   # SwiGLU models; the dropless layer beside DeepSpeed-MoE
 
 The MoE replaces the MLP of every other layer by `--experts` experts of FFN width ffn / topk, so a token's
 active MLP parameters equal the dense model's (plus the router); experts are spread over all ranks (EP =
 --ranks). Printed for each: tokens/s and model TFLOP/s per rank (median iteration), the MoE's tokens/s over the
 dense model's, and the share of the MoE's rank 0 time spent in the all-to-alls (torch.profiler over two iterations
-after the timed ones: dispatch and combine, forward and backward).
+after the timed ones: dispatch and combine, forward and backward). With --dropless every model is SwiGLU and a
+third launch runs the dropless layer (Megatron-Core's flags, grouped GEMMs, the same layers and experts): its
+tokens/s over the dense model's and over DeepSpeed-MoE's.
 
 Method (bench/turns.py): both launches start together and take turns iteration by iteration, so that a slowdown of
 this shared host falls on both alike; the ratio is taken within each rotation, a round's is the median of its
@@ -63,19 +66,33 @@ def _moe_flags(args, profile_dir):
             str(last), "--profile-dir", str(profile_dir)]
 
 
+def _dropless_flags(args):
+    """The dropless layer in the same layers as DeepSpeed-MoE's (every 2nd, 1-based), the same experts."""
+    pattern = "([0]+[1])*" + str(args.num_layers // 2)
+    return ["--ffn-hidden-size", str(args.ffn_hidden_size), "--moe-ffn-hidden-size",
+            str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts), "--moe-router-topk",
+            str(args.topk), "--expert-model-parallel-size", str(args.ranks), "--moe-layer-freq", pattern,
+            "--moe-grouped-gemm"]
+
+
 def _command(args, flags, iterations):
     return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(args.ranks), "--master_port",
             str(free_port()), "bench/turns.py", *_flags(args, iterations), *flags]
 
 
-def _teraflop_per_rank_per_iteration(args, moe):
-    """Model TFLOP of one iteration per rank, by the formula MFU uses (the MoE's: its active parameters)."""
+def _teraflop_per_rank_per_iteration(args, side):
+    """Model TFLOP of one iteration per rank, by the formula MFU uses (an MoE's: its active parameters)."""
     from megatron_ds.core.models.gpt import model_flops_per_iteration
     from megatron_ds.core.transformer import TransformerConfig
-    experts = dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, num_experts=(args.experts,),
-                   moe_router_topk=args.topk) if moe else dict(ffn_hidden_size=args.ffn_hidden_size)
+    experts = {"dense": dict(ffn_hidden_size=args.ffn_hidden_size),
+               "moe": dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, num_experts=(args.experts,),
+                           moe_router_topk=args.topk),
+               "dropless": dict(ffn_hidden_size=args.ffn_hidden_size, num_moe_experts=args.experts,
+                                moe_ffn_hidden_size=args.ffn_hidden_size // args.topk, moe_router_topk=args.topk,
+                                moe_layer_pattern=(0, 1) * (args.num_layers // 2))}[side]
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                               num_attention_heads=args.num_attention_heads, **experts)
+                               num_attention_heads=args.num_attention_heads, gated_linear_unit=args.dropless,
+                               **experts)
     return model_flops_per_iteration(config, args.vocab_size, args.micro_batch_size * args.ranks,
                                      args.seq_length) / args.ranks / 1e12
 
@@ -102,14 +119,19 @@ def main(argv=None):
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--dropless", action="store_true", help="SwiGLU models, and the dropless layer beside")
     add_arguments(parser, rotations_per_round=24)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length
     with tempfile.TemporaryDirectory() as folder:
         profile_dir = os.path.join(folder, "profile")
-        dense = _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size)], total_rotations(args))
-        moe = _command(args, _moe_flags(args, profile_dir), total_rotations(args) + 2)
-        seconds, _ = run_in_turns({"dense": (dense, args.ranks), "moe": (moe, args.ranks)}, folder,
+        family = ["--swiglu"] if args.dropless else []
+        sides = {"dense": _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size), *family],
+                                   total_rotations(args)),
+                 "moe": _command(args, _moe_flags(args, profile_dir) + family, total_rotations(args) + 2)}
+        if args.dropless:
+            sides["dropless"] = _command(args, _dropless_flags(args) + family, total_rotations(args))
+        seconds, _ = run_in_turns({name: (command, args.ranks) for name, command in sides.items()}, folder,
                                   {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
     timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
@@ -117,13 +139,19 @@ def main(argv=None):
           f"{args.micro_batch_size} per rank; both launches {method_words(args)}: {WARM_UP} warm-up "
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     print(host_line())
-    for name, label in (("dense", f"dense  (FFN {args.ffn_hidden_size})"),
-                        ("moe", f"MoE    ({args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, "
-                                f"top-{args.topk}, every 2nd layer, EP {args.ranks})")):
-        print(f"{label}: {tokens / timed[name]:,.0f} tokens/s, "
-              f"{_teraflop_per_rank_per_iteration(args, name == 'moe') / timed[name]:.4f} TFLOP/s per rank")
+    experts = f"{args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, top-{args.topk}, every 2nd layer"
+    labels = {"dense": f"dense  (FFN {args.ffn_hidden_size})",
+              "moe": f"MoE    ({experts}, EP {args.ranks})",
+              "dropless": f"dropless MoE ({experts}, grouped GEMMs, EP {args.ranks})"}
+    for name in seconds:
+        print(f"{labels[name]}: {tokens / timed[name]:,.0f} tokens/s, "
+              f"{_teraflop_per_rank_per_iteration(args, name) / timed[name]:.4f} TFLOP/s per rank")
     ratio = Ratio.of(seconds["dense"], seconds["moe"], args.rounds, WARM_UP).text(args.max_spread)
     print(f"MoE / dense tokens/s: {ratio}; all-to-all share of the MoE's rank 0 time: {100 * share:.1f}%")
+    if args.dropless:
+        for other in ("dense", "moe"):
+            ratio = Ratio.of(seconds[other], seconds["dropless"], args.rounds, WARM_UP).text(args.max_spread)
+            print(f"dropless / {'DeepSpeed-MoE' if other == 'moe' else 'dense'} tokens/s: {ratio}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,19 @@ def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
     assert share > 0  # the profiler saw the all-to-alls
 
 
+def test_moe_bench_puts_the_dropless_layer_beside_dense_and_deepspeed_moe():
+    command = [sys.executable, "bench/moe.py", "--dropless", "--ranks", "2", "--experts", "4", "--num-layers", "2",
+               "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",
+               "--rounds", "1", "--rotations-per-round", "2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert_succeeded(result, tail=2000)
+    assert "dropless MoE (4 experts of FFN 32, top-2, every 2nd layer, grouped GEMMs, EP 2):" in result.stdout
+    for other in ("dense", "DeepSpeed-MoE"):
+        assert re.search(rf"dropless / {other} tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)",
+                         result.stdout), result.stdout
+
+
 def test_long_context_bench_finds_the_longest_sequence_per_sequence_parallel_size():
     """A tiny search (one length each) with a budget that fits: a row per SP size with the length, the peak
     memory per rank and the rate; a budget below the Python runtime fits nothing."""
