@@ -1,7 +1,8 @@
 """The dropless MoE layer through pretrain.py (Megatron-Core's MoE flags) on real ranks: a LLaMA-style model with
 4 experts, top-2, the expert bias and a balance loss trains the same at every expert-parallel size, with Megatron's
 sequence parallelism, and in DeepSpeed's pipeline engine under 1F1B, ZB-H1 and DualPipeV (fp32, dropout 0): the lm
-loss, the balance loss and the load of each iteration equal EP 1's at DP 2."""
+loss, the balance loss and the load of each iteration equal EP 1's at the same data-parallel size (DP 2; EP 2 and 4
+at DP 4 against EP 1 at DP 4)."""
 import re
 
 import pytest
@@ -48,6 +49,11 @@ def test_expert_parallelism_over_data_parallel_ranks_trains_the_same_model():
     assert "dropless Mixture of Experts: 4 experts of FFN 48 in 4 of 4 layers, top-2 (softmax); 2 experts per " \
            "rank (EP 2); grouped GEMMs" in output
     assert "expert-parallel groups: [[0, 1]]" in output
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_sizes_at_data_parallel_4_train_the_same_model(ep):
+    _assert_same_training(_run(4, "--expert-model-parallel-size", str(ep)), _run(4))
 
 
 def test_expert_parallelism_across_sequence_parallel_tensor_parallel_ranks_trains_the_same_model():
