@@ -2,7 +2,7 @@
 4 experts, top-2, the expert bias and a balance loss trains the same at every expert-parallel size, with Megatron's
 sequence parallelism, and in DeepSpeed's pipeline engine under 1F1B, ZB-H1 and DualPipeV (fp32, dropout 0): the lm
 loss, the balance loss and the load of each iteration equal EP 1's at the same data-parallel size (DP 2; EP 2 and 4
-at DP 4 against EP 1 at DP 4)."""
+at DP 4 against EP 1 at DP 4), and with full recompute; bf16 tracks fp32."""
 import re
 
 import pytest
@@ -68,3 +68,14 @@ def test_pipeline_schedules_train_the_same_model(schedule):
     weight gradients as every other weight's."""
     _assert_same_training(_run(2, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule), _run(2))
 
+
+
+def test_full_recompute_trains_the_same_model_and_bf16_tracks_fp32():
+    """A recomputed layer routes its tokens twice (its counts double, their balance does not change); bf16 through
+    DeepSpeed's BF16_Optimizer with the experts' parameter groups."""
+    reference = _run(2)
+    _assert_same_training(_run(2, "--expert-model-parallel-size", "2", "--recompute-granularity", "full"), reference)
+    sixteen_bit, full = losses(_run(2, "--expert-model-parallel-size", "2", "--bf16")), losses(reference)
+    assert sorted(sixteen_bit) == list(range(1, ITERATIONS + 1))
+    for iteration in full:
+        assert sixteen_bit[iteration] == pytest.approx(full[iteration], rel=1e-3), (iteration, sixteen_bit, full)
