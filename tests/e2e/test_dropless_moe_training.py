@@ -79,3 +79,15 @@ def test_full_recompute_trains_the_same_model_and_bf16_tracks_fp32():
     assert sorted(sixteen_bit) == list(range(1, ITERATIONS + 1))
     for iteration in full:
         assert sixteen_bit[iteration] == pytest.approx(full[iteration], rel=1e-3), (iteration, sixteen_bit, full)
+
+
+def test_no_token_is_dropped_in_any_iteration():
+    """The experts compute every token of the global batch (8 samples x 32 tokens) twice (top-2) in every layer,
+    every iteration, across EP 2 with TP 2 and SP (the rows each rank's experts computed, summed over the ranks)."""
+    result = launch(2, COMMON + FAMILIES["llama"] + DROPLESS + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
+        "--expert-model-parallel-size", "2"], program=("-m", "tests.support.expert_choices"))
+    assert_succeeded(result, tail=4000)
+    choices = re.findall(r"expert rows: \[([0-9, ]+)\]", result.stdout)
+    assert len(choices) == ITERATIONS, result.stdout[-3000:]
+    assert all([int(count) for count in line.split(",")] == [8 * 32 * 2] * 4 for line in choices), choices
