@@ -91,3 +91,24 @@ def test_no_token_is_dropped_in_any_iteration():
     choices = re.findall(r"expert rows: \[([0-9, ]+)\]", result.stdout)
     assert len(choices) == ITERATIONS, result.stdout[-3000:]
     assert all([int(count) for count in line.split(",")] == [8 * 32 * 2] * 4 for line in choices), choices
+
+
+def _loads(bias):
+    """50 iterations of 8 experts, sigmoid top-2, with the routers skewed toward their first two experts: each
+    iteration's max/mean load (64 samples x 32 tokens a step: 512 choices per expert when balanced)."""
+    flags = [*COMMON, *FAMILIES["llama"], "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+             "32", "--moe-router-score-function", "sigmoid", "--moe-router-bias-update-rate", "0.002",
+             "--moe-grouped-gemm", "--expert-model-parallel-size", "2", "--train-iters", "50", "--global-batch-size",
+             "64", *(["--moe-router-enable-expert-bias"] if bias else [])]
+    result = launch(2, flags, program=("-m", "tests.support.skewed_router", "0.2"))
+    assert_succeeded(result, tail=4000)
+    loads = [float(load) for load in re.findall(r"tokens per expert max/mean: (\S+) \|", result.stdout)]
+    assert len(loads) == 50, result.stdout[-3000:]
+    return loads
+
+
+def test_the_expert_bias_balances_a_skewed_router_and_nothing_else_does():
+    with_bias, without = _loads(bias=True), _loads(bias=False)
+    assert with_bias[0] == without[0] > 2.5, (with_bias[:3], without[:3])  # the skew, before any update
+    assert min(with_bias) < 1.2 and sorted(with_bias[-10:])[5] < 1.3, with_bias
+    assert min(without) > 1.5, without
