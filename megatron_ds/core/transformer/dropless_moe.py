@@ -17,6 +17,7 @@ expert-parallel components.
   seq_aux_loss: per sequence, DeepSeek-V3's; global_aux_loss: over the global batch) and the z-loss reach the
   router's gradient through AuxiliaryLossGradient, the same way as DeepSpeed-MoE's auxiliary loss.
 """
+import math
 from dataclasses import replace
 
 import torch
@@ -126,10 +127,9 @@ class AllToAllDispatcher:
 
 class DroplessMoE(torch.nn.Module):
     """The MLP of a dropless MoE layer. forward(x [s, b, h]) -> (output, None), as MLP's (output, bias).
-    expert_group: the expert-parallel process group (None: all experts on this rank); global_group: the ranks of
-    a pipeline stage whose tokens differ (TP, sequence- and data-parallel), over which global_aux_loss counts."""
+    expert_group: the expert-parallel process group (None: all experts on this rank)."""
 
-    def __init__(self, config, layer_number, expert_group=None, global_group=None):
+    def __init__(self, config, layer_number, expert_group=None):
         super().__init__()
         self.config = config
         self.topk = config.moe_router_topk
@@ -152,7 +152,6 @@ class DroplessMoE(torch.nn.Module):
         if self.tensor_parallel > 1:  # the router sees this rank's share of the tokens
             mark_sequence_parallel_parameter(self.router.gate.weight)
             self.counts_group = parallel_state.get_tensor_model_parallel_group()
-        self.global_group = global_group if global_group is not None else self.counts_group
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
                              persistent=config.moe_router_enable_expert_bias)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
@@ -203,19 +202,33 @@ class DroplessMoE(torch.nn.Module):
         return output
 
     def _with_auxiliary_losses(self, routed, logits, chosen, shape):
+        groups = self._stage_token_groups()
         loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_group,
-                            self._global_counts(logits, chosen), _group_size(self.global_group))
+                            self._global_counts(logits, chosen, groups), math.prod(map(_group_size, groups)))
         loss = loss + z_loss(self.config, logits) / _group_size(self.counts_group)  # this rank's share of the mean
         self.auxiliary_losses.append(loss.detach())
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
             return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale)
         return routed
 
-    def _global_counts(self, logits, chosen):
-        """global_aux_loss's counts: the mean per micro-batch over the global batch so far, this one included."""
+    def _stage_token_groups(self):
+        """The groups whose ranks hold the stage's other tokens: TP (where the tokens are split over it) and the
+        sequence- and data-parallel ranks; none before the process groups exist."""
+        if self.config.moe_router_load_balancing_type != "global_aux_loss" or \
+                not parallel_state.model_parallel_is_initialized():
+            return []
+        data = [parallel_state.get_sequence_data_parallel_group()] \
+            if parallel_state.get_sequence_data_parallel_world_size() > 1 else []
+        return ([self.counts_group] if self.counts_group is not None else []) + data
+
+    def _global_counts(self, logits, chosen, groups):
+        """global_aux_loss's counts: the mean per micro-batch over the global batch so far, this one included,
+        summed over `groups` (the stage's ranks)."""
         if self.config.moe_router_load_balancing_type != "global_aux_loss" or not self.training:
             return None
-        counts = _summed(routing_map(logits, chosen).sum(0).detach(), self.global_group)
+        counts = routing_map(logits, chosen).sum(0).detach()
+        for group in groups:
+            dist.all_reduce(counts, group=group)
         self.global_batch_counts += counts.to(self.global_batch_counts)
         self.global_batch_forwards += 1
         return self.global_batch_counts.to(counts) / self.global_batch_forwards

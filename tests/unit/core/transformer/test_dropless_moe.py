@@ -298,3 +298,26 @@ def _identical_bias():
 
 def test_the_bias_update_is_identical_on_every_rank():
     run_distributed(_identical_bias, 2, timeout=120)
+
+
+def _global_balance_over_data_parallel_ranks():
+    """global_aux_loss on 2 data-parallel ranks: each rank's loss weighs its own scores by the counts of both ranks'
+    tokens, over both ranks' tokens (Megatron-Core's), so the two ranks' losses add up to the loss of their union."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    config = _config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01)
+    layer = _layer(config).train()
+    tokens = [_tokens(torch.float64, seed=rank) for rank in range(2)]
+    layer(tokens[dist.get_rank()])
+    logits = [(x.reshape(-1, HIDDEN) @ layer.router.gate.weight.t()).detach() for x in tokens]
+    counts = sum(_routing_map_of(row, config.moe_router_topk).sum(0) for row in logits)
+    mine = torch.softmax(logits[dist.get_rank()], -1)
+    expected = EXPERTS * 0.01 * (mine.sum(0) * counts).sum() / (2 * (2 * SEQ * BATCH) ** 2)
+    torch.testing.assert_close(layer.auxiliary_losses[0].double(), expected, rtol=1e-5, atol=0)  # fp32 scores
+
+
+def _routing_map_of(logits, topk):
+    return torch.zeros_like(logits).scatter(1, logits.topk(topk, -1).indices, 1.0)
+
+
+def test_global_aux_loss_counts_the_tokens_of_every_data_parallel_rank():
+    run_distributed(_global_balance_over_data_parallel_ranks, 2, timeout=120)
