@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import parallel_state
-from megatron_ds.core.transformer.dropless_moe import dropless_layers, update_expert_bias
+from megatron_ds.core.transformer.dropless_moe import dropless_layers, stage_token_groups, update_expert_bias
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.data.builder import batch_iterator, describe_samples, will_evaluate
 from megatron_ds.engine.curriculum import SequenceLengthCurriculum
@@ -131,11 +131,7 @@ def _balance_experts(layers):
     """After the optimizer step: the expert biases updated from the global batch's loads (summed over the ranks
     of the stage: TP, then sequence- and data-parallel); the largest max/mean load of any layer, over the
     pipeline stages."""
-    groups = [group for group, size in ((parallel_state.get_tensor_model_parallel_group(),
-                                         parallel_state.get_tensor_model_parallel_world_size()),
-                                        (parallel_state.get_sequence_data_parallel_group(),
-                                         parallel_state.get_sequence_data_parallel_world_size())) if size > 1]
-    imbalance = update_expert_bias(layers, groups).max() if layers else torch.zeros(())
+    imbalance = update_expert_bias(layers, stage_token_groups()).max() if layers else torch.zeros(())
     imbalance = imbalance.to(device())
     dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
     return imbalance.item()

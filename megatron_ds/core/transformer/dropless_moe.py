@@ -202,7 +202,7 @@ class DroplessMoE(torch.nn.Module):
         return output
 
     def _with_auxiliary_losses(self, routed, logits, chosen, shape):
-        groups = self._stage_token_groups()
+        groups = stage_token_groups() if self.config.moe_router_load_balancing_type == "global_aux_loss" else []
         loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_group,
                             self._global_counts(logits, chosen, groups), math.prod(map(_group_size, groups)))
         loss = loss + z_loss(self.config, logits) / _group_size(self.counts_group)  # this rank's share of the mean
@@ -210,16 +210,6 @@ class DroplessMoE(torch.nn.Module):
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
             return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale)
         return routed
-
-    def _stage_token_groups(self):
-        """The groups whose ranks hold the stage's other tokens: TP (where the tokens are split over it) and the
-        sequence- and data-parallel ranks; none before the process groups exist."""
-        if self.config.moe_router_load_balancing_type != "global_aux_loss" or \
-                not parallel_state.model_parallel_is_initialized():
-            return []
-        data = [parallel_state.get_sequence_data_parallel_group()] \
-            if parallel_state.get_sequence_data_parallel_world_size() > 1 else []
-        return ([self.counts_group] if self.counts_group is not None else []) + data
 
     def _global_counts(self, logits, chosen, groups):
         """global_aux_loss's counts: the mean per micro-batch over the global batch so far, this one included,
@@ -240,6 +230,16 @@ class DroplessMoE(torch.nn.Module):
         self.auxiliary_gradient_scale = gradient_scale
         self.global_batch_counts.zero_()
         self.global_batch_forwards = 0
+
+
+def stage_token_groups():
+    """The groups whose ranks hold a pipeline stage's other tokens: TP where it splits them (the layer routes its
+    share) and the sequence- and data-parallel ranks; none before the process groups exist."""
+    if not parallel_state.model_parallel_is_initialized():
+        return []
+    sizes = ((parallel_state.get_tensor_model_parallel_group, parallel_state.get_tensor_model_parallel_world_size),
+             (parallel_state.get_sequence_data_parallel_group, parallel_state.get_sequence_data_parallel_world_size))
+    return [group() for group, size in sizes if size() > 1]
 
 
 def routing_map(logits, chosen):
