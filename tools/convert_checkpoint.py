@@ -1,6 +1,6 @@
 """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and from
-Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM).
-One process, CPU only, no download.
+Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, with
+experts in every layer <-> MixtralForCausalLM). One process, CPU only, no download.
 
     # another layout (any data-parallel size loads the result); optimizer states reshaped too unless --no-optim
     python tools/convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 \\
@@ -10,6 +10,8 @@ One process, CPU only, no download.
     # from Hugging Face, for pretrain.py --load ckpt_from_hf --finetune
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf \\
         --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
+    # a Mixtral into the dropless MoE layer (Megatron-Core's MoE flags; default --moe-layer deepspeed-moe)
+    python tools/convert_checkpoint.py --from-hf mixtral --save ckpt_dropless --moe-layer dropless
     # from and back to Megatron-DeepSpeed's checkpoints (weights, optimizer states, data position, LR schedule)
     python tools/convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds
     python tools/convert_checkpoint.py --to-megatron-deepspeed --load ckpt --save mds_ckpt

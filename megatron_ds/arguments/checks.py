@@ -9,10 +9,10 @@ import re
 
 import torch
 
-from megatron_ds.arguments.flags import flag_defaults, moe_layer_pattern
+from megatron_ds.arguments.flags import flag_defaults
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
@@ -249,6 +249,10 @@ def zero_stage_errors(args):
     if args.rerun_mode != "disabled" and args.zero_stage == 3:
         errors.append(f"--rerun-mode {args.rerun_mode} does not support ZeRO stage 3 (its gradients cannot yet be "
                       f"dropped for the replay); use --zero-stage 0, 1 or 2")
+    if getattr(args, "dropless_moe", False) and args.zero_stage == 0 and (args.save or args.load):
+        given = "--save" if args.save else "--load"
+        errors.append(f"{given} with the dropless MoE layer needs --zero-stage 1 or 2 (its experts' optimizer "
+                      f"states are read per expert from ZeRO's partitions), got --zero-stage 0")
     return errors
 
 
@@ -441,7 +445,8 @@ DROPLESS_MOE_FLAGS = {
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_shared_expert_gate": "--moe-shared-expert-gate", "moe_grouped_gemm": "--moe-grouped-gemm",
     "moe_token_dispatcher_type": "--moe-token-dispatcher-type",
-    "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
+    "moe_expert_capacity_factor": "--moe-expert-capacity-factor", "moe_token_drop_policy": "--moe-token-drop-policy",
+    "moe_pad_expert_input_to_capacity": "--moe-pad-expert-input-to-capacity",
     "expert_model_parallel_size": "--expert-model-parallel-size",
     "expert_tensor_parallel_size": "--expert-tensor-parallel-size"}
 DEEPSPEED_MOE_FLAGS = {
@@ -455,8 +460,10 @@ DEEPSPEED_MOE_FLAGS = {
 
 
 def dropless_moe_flags_given(args):
-    """Megatron-Core's MoE flags on the command line: any of them selects the dropless layer."""
-    return [flag for dest, flag in DROPLESS_MOE_FLAGS.items() if getattr(args, dest) not in (None, False)]
+    """Megatron-Core's MoE flags on the command line: any of them selects the dropless layer (a value of 0 too:
+    not given is None, or False for a switch)."""
+    return [flag for dest, flag in DROPLESS_MOE_FLAGS.items() if getattr(args, dest) is not None
+            and getattr(args, dest) is not False]
 
 
 def moe_family_errors(args):
@@ -480,19 +487,12 @@ def moe_family_errors(args):
 
 def _dropless_moe_unbuilt_errors(args):
     errors = []
-    if args.moe_expert_capacity_factor is not None:
-        errors.append(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: the dropless layer drops "
-                      f"no token and has no capacity; leave it unset")
-    if args.moe_token_dispatcher_type == "allgather":
-        errors.append("--moe-token-dispatcher-type allgather is not built; alltoall is (per-expert counts, then "
-                      "the tokens, over the expert-parallel group)")
+    if args.moe_pad_expert_input_to_capacity:
+        errors.append("--moe-pad-expert-input-to-capacity is not built: the experts take each one's count of pairs "
+                      "(padding would only add pairs of weight 0); leave it unset")
     if args.expert_tensor_parallel_size not in (None, 1):
         errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: the dropless layer keeps "
                       f"each expert whole on its rank (1); splitting experts is not built yet")
-    if args.save or args.load:
-        given = " ".join(flag for flag, value in (("--save", args.save), ("--load", args.load)) if value)
-        errors.append(f"{given}: checkpoints of the dropless MoE layer (experts by global index, the expert bias) "
-                      f"are not built yet; train without them")
     return errors
 
 

@@ -15,6 +15,8 @@ from megatron_ds.core.transformer.transformer_config import (
     FUSION_BACKENDS,
     MOE_LOAD_BALANCING_TYPES,
     MOE_SCORE_FUNCTIONS,
+    MOE_TOKEN_DISPATCHERS,
+    MOE_TOKEN_DROP_POLICIES,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_GRANULARITIES,
@@ -413,11 +415,6 @@ def moe_layer_freq(text):
     return _pattern(ast.parse(text, mode="eval").body, text)
 
 
-def moe_layer_pattern(freq, num_layers):
-    """Megatron-LM's reading of --moe-layer-freq: N marks layers 0, N, 2N, ... (0-based); a list is the pattern."""
-    return tuple(freq) if isinstance(freq, list) else tuple(int(layer % freq == 0) for layer in range(num_layers))
-
-
 def _pattern(node, text):
     if isinstance(node, ast.List):
         return [_pattern(element, text) for element in node.elts]
@@ -464,10 +461,17 @@ def _add_dropless_moe_args(parser):
                        help="the shared expert's output scaled by a sigmoid gate (Qwen2-MoE)")
     group.add_argument("--moe-grouped-gemm", action="store_true",
                        help="the experts as grouped GEMMs (torch._grouped_mm), not one GEMM each")
-    group.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default=None,
-                       help="alltoall (the one built): per-expert counts, then the tokens, over the EP group")
+    group.add_argument("--moe-token-dispatcher-type", choices=MOE_TOKEN_DISPATCHERS, default=None,
+                       help="alltoall (default): per-expert counts, then the tokens, over the EP group; allgather: "
+                            "every EP rank gathers the group's tokens, the weighted sums reduce-scattered back")
     group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                       help="unset: dropless (the only mode of this layer)")
+                       help="each expert's capacity, ceil(tokens x topk / experts x factor) of a rank's pairs, the "
+                            "rest dropped (unset: dropless)")
+    group.add_argument("--moe-token-drop-policy", choices=MOE_TOKEN_DROP_POLICIES, default=None,
+                       help="with a capacity: drop the pairs of lowest routing weight (probs, default) or the last "
+                            "tokens (position)")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="not built (refused): the experts take uneven counts")
     group.add_argument("--expert-model-parallel-size", type=int, default=None,
                        help="ranks splitting the experts, across TP and data-parallel ranks (default 1)")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,

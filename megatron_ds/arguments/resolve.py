@@ -37,12 +37,11 @@ import re
 import torch
 
 from megatron_ds.arguments import checks, compat, configs
-from megatron_ds.arguments.flags import moe_layer_pattern
 from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, build_tokenizer
 from megatron_ds.engine.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
 
@@ -173,6 +172,7 @@ def moe_family_values(args, ffn_hidden_size):
             "moe_router_load_balancing_type": _given(args.moe_router_load_balancing_type, "aux_loss"),
             "moe_aux_loss_coeff": _given(args.moe_aux_loss_coeff, 0.0),
             "moe_token_dispatcher_type": _given(args.moe_token_dispatcher_type, "alltoall"),
+            "moe_token_drop_policy": _given(args.moe_token_drop_policy, "probs"),
             "moe_ffn_hidden_size": _given(args.moe_ffn_hidden_size, ffn_hidden_size),
             "moe_layer_freq": _given(args.moe_layer_freq, 1),
             "expert_model_parallel_size": expert_parallel, "moe_expert_parallel_size": expert_parallel,
@@ -383,4 +383,6 @@ def _dropless_moe_fields(args):
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_grouped_gemm=args.moe_grouped_gemm)
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy)

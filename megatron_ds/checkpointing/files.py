@@ -32,7 +32,7 @@ import zlib
 import torch
 
 from megatron_ds.checkpointing.hooks import reached_save_phase
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size
+from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
 
 METADATA_FILE = "megatron_ds_checkpoint.json"
 DS_CONFIG_FILE = "ds_config.json"
@@ -357,17 +357,32 @@ def model_shape(args):
     }
 
 
+_NOT_DROPLESS = {"dropless_moe_layers": None, "moe_ffn_hidden_size": None,
+                 "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": None}
+
+
 def _experts_shape(get):
-    """Mixture of Experts: the experts per MoE layer, the interval and the residual MLP; dense: one expert."""
+    """Mixture of Experts: the experts per MoE layer, and DeepSpeed-MoE's interval and residual MLP or the dropless
+    layer's pattern of MoE layers, expert FFN and shared expert; dense: one expert."""
     counts = list(get("num_experts") or [1])
     if max(counts) <= 1:
-        return {"num_experts": [1], "expert_interval": None, "mlp_type": None}
+        return {"num_experts": [1], "expert_interval": None, "mlp_type": None, **_NOT_DROPLESS}
+    if get("dropless_moe"):
+        return {"num_experts": counts, "expert_interval": None, "mlp_type": None,
+                "dropless_moe_layers": list(moe_layer_pattern(get("moe_layer_freq"), get("num_layers"))),
+                "moe_ffn_hidden_size": get("moe_ffn_hidden_size"),
+                "moe_shared_expert_intermediate_size": get("moe_shared_expert_intermediate_size"),
+                "moe_shared_expert_gate": bool(get("moe_shared_expert_gate"))}
     return {"num_experts": counts, "expert_interval": get("expert_interval"),
-            "mlp_type": get("mlp_type") or "standard"}
+            "mlp_type": get("mlp_type") or "standard", **_NOT_DROPLESS}
 
 
 def is_moe(shape):
     return max(shape["num_experts"]) > 1
+
+
+def is_dropless_moe(shape):
+    return shape.get("dropless_moe_layers") is not None
 
 
 def model_family(shape):
@@ -388,6 +403,10 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
                 "rotary_percent": "--rotary-percent", "num_experts": "--num-experts",
                 "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",
+                "dropless_moe_layers": "the dropless MoE layers (Megatron-Core's MoE flags, --moe-layer-freq)",
+                "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+                "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+                "moe_shared_expert_gate": "--moe-shared-expert-gate",
                 "bias": "biases (--disable-bias-linear)",
                 "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
 

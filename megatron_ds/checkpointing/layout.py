@@ -20,6 +20,16 @@ Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on
     decoder.layers.{i}.mlp.deepspeed_moe.gate.wg.weight          the router [experts, h]
     decoder.layers.{i}.mlp.mlp.*, decoder.layers.{i}.mlp.coefficient.*   PR-MoE's residual MLP and its mix
 
+The dropless MoE layer (Megatron-Core's flags; core/transformer/dropless_moe.py), experts whole on each TP rank:
+    decoder.layers.{i}.mlp.experts.{e}.w1 / .w3 / .w2            expert e's gate [ffn, h], up [ffn, h], down
+                                                                  [h, ffn] (Mixtral's names); live, a rank's
+                                                                  experts are slices along dim 0 of one grouped
+                                                                  tensor `...mlp.experts.w1` [E / EP, ffn, h]
+    decoder.layers.{i}.mlp.router.gate.weight                    the router [experts, h]
+    decoder.layers.{i}.mlp.expert_bias                           the expert bias [experts] fp32 (a buffer)
+    decoder.layers.{i}.mlp.shared_experts.*                      the shared expert: split over TP as the dense MLP
+    decoder.layers.{i}.mlp.shared_gate.weight                    its sigmoid gate [1, h]
+
 The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
 `output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,
 1..L transformer layers, L+1 final norm, L+2 untied head) and `tied_modules.embedding.` for the
@@ -38,6 +48,8 @@ POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _DEEPSPEED_EXPERT = re.compile(r"\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
+_GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.w[123]$")
+_CANONICAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 class LayoutError(ValueError):
@@ -57,6 +69,12 @@ def deepspeed_expert_index(local_name):
     return int(match.group(1)) if match else None
 
 
+def is_grouped_experts(name):
+    """A dropless layer's grouped experts' tensor (several experts, one per slice along dim 0), by live or
+    canonical name."""
+    return _GROUPED_EXPERTS.search(name) is not None
+
+
 def is_expert_parameter(name):
     """An expert's parameter, by canonical or DeepSpeed name."""
     return ".mlp.experts." in name or _DEEPSPEED_EXPERT.search(name) is not None
@@ -67,6 +85,22 @@ def live_parameter_names(module, num_layers, pipelined):
     core/transformer/moe.py): only the module knows which experts its expert-parallel rank holds."""
     return [(getattr(param, "init_key", None) or canonical_name(local, num_layers, pipelined), param)
             for local, param in module.named_parameters()]
+
+
+def grouped_expert_slices(live):
+    """{live canonical name of a grouped experts' tensor: the canonical names of its slices, one expert each} of
+    live_parameter_names' list: the dropless layer tags the tensor with them as `init_keys` (its experts' global
+    indices)."""
+    return {name: list(param.init_keys) for name, param in live if getattr(param, "init_keys", None)}
+
+
+def live_buffer_names(module, num_layers, pipelined):
+    """[(canonical name, buffer)] of the model state that is no parameter: the persistent buffers (the dropless
+    layer's expert bias)."""
+    parameters = {id(param) for param in module.parameters()}
+    return [(canonical_name(local, num_layers, pipelined), tensor)
+            for local, tensor in module.state_dict(keep_vars=True).items()
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in parameters]
 
 
 def _canonical_module_name(local_name, num_layers, pipelined):
@@ -121,6 +155,8 @@ def partition_rule(name, swiglu, sharded_experts=False):
     if not match:
         return None
     rest = match.group(2)
+    if rest.startswith("mlp.shared_experts."):  # the dropless layer's shared expert: an MLP like the dense one
+        rest = "mlp." + rest[len("mlp.shared_experts."):]
     if _EXPERT_REST.match(rest):
         rest = "mlp." + _EXPERT_REST.sub("", rest) if sharded_experts else None
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -155,6 +191,12 @@ def merge_tensors(shards, rule):
 
 def layer_index(name):
     match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def expert_index(name):
+    """The global index of the expert a canonical name belongs to, None for any other name."""
+    match = _CANONICAL_EXPERT.search(name)
     return int(match.group(1)) if match else None
 
 

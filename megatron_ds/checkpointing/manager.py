@@ -40,8 +40,9 @@ from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.hooks import reached_save_phase
 from megatron_ds.checkpointing.load_plan import TrainingProgress
+from megatron_ds.checkpointing.rank_state import stack_expert_slices
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
-from megatron_ds.checkpointing.state import read_rank_state, read_resharded_rank_state
+from megatron_ds.checkpointing.state import grouped_expert_files, read_rank_state, read_resharded_rank_state
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
 from megatron_ds.launch.runtime import device, print_rank_0
@@ -155,6 +156,7 @@ class CheckpointManager:
         engine.save_checkpoint(self.config.save, tag=tag + files.TMP_SUFFIX,
                                client_state=self._client_state(progress, metadata),
                                save_latest=False)
+        self._save_grouped_experts(tmp_path)
         rng_state = {**collect_rng_state(), **_coordinates()}
         rng_path = os.path.join(tmp_path, files.rng_file_name(dist.get_rank()))
         self.last_saved_iteration = progress.iteration
@@ -162,6 +164,15 @@ class CheckpointManager:
             self._save_synchronously(tmp_path, rng_state, rng_path, metadata, start)
         else:
             self._save_in_background(tmp_path, rng_state, rng_path, metadata, start)
+
+    def _save_grouped_experts(self, tmp_path):
+        """The dropless layers' experts, one file per expert by its global index, written by the first rank of each
+        expert-data-parallel group (DeepSpeed's MoE save knows only its own MoE layers; its model-states files
+        hold the experts of one expert-parallel rank, which no load reads)."""
+        if not self.model.is_dropless_moe or _expert_coordinates(self.layout.expert)["edp"] != 0:
+            return
+        for name, tensors in grouped_expert_files(self.engine.module, self.engine.checkpoint_mp_rank).items():
+            self.writer.save(tensors, os.path.join(tmp_path, name))
 
     def _client_state(self, progress, metadata):
         """What DeepSpeed writes into its model-states files besides the model: our progress and metadata (a
@@ -276,7 +287,7 @@ class CheckpointManager:
                 "sequence_parallel_size": layout.ulysses,
                 "zero_stage": layout.zero_stage, "precision": str(self.model.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain", "stage_placement": layout.stage_placement,
-                "expert_parallel_size": layout.expert if max(self.model.num_experts) > 1 else 1,
+                "expert_parallel_size": layout.expert if self.model.is_moe or self.model.is_dropless_moe else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 
     def _rank_entries(self):
@@ -431,13 +442,19 @@ class CheckpointManager:
         """This rank's RankState: its own (TP, PP) shard when the layout allows, else resharded."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        live = layout.live_parameter_names(self.engine.module, self.model.num_layers, self.pipelined)
+        grouped = layout.grouped_expert_slices(live)
         if not resharded:
-            return read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
-        names = [name for name, _ in layout.live_parameter_names(self.engine.module, self.model.num_layers,
+            state = read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
+            return stack_expert_slices(state, grouped)
+        names = [expert for name, _ in live for expert in grouped.get(name, [name])]
+        buffers = [name for name, _ in layout.live_buffer_names(self.engine.module, self.model.num_layers,
                                                                  self.pipelined)]
         target = (self.layout.tensor, tp_rank, self.layout.expert_tensor_parallel)
-        return read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
-                                         self.request.shape["padded_vocab_size"], with_optimizer=load_optimizer)
+        state = read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
+                                          self.request.shape["padded_vocab_size"], with_optimizer=load_optimizer,
+                                          buffer_names=buffers)
+        return stack_expert_slices(state, grouped)
 
     def _stage_rng_state(self, path, metadata, resharded):
         """Read this rank's RNG states (restored by restore_rng right before training)."""

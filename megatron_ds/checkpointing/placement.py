@@ -10,7 +10,8 @@ from megatron_ds.core import deepspeed_internals
 
 
 def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
-    """Copy this rank's weights (and fp32 master weights and Adam moments) into the engine."""
+    """Copy this rank's weights and persistent buffers (and fp32 master weights and Adam moments) into the
+    engine."""
     names = {}
     problems = []
     with torch.no_grad():
@@ -23,6 +24,11 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
                 problems.append(f"{name} has shape {tuple(tensor.shape)}, the model {tuple(param.shape)}")
             else:
                 param.copy_(tensor.to(param.dtype))
+        for name, buffer in layout.live_buffer_names(engine.module, num_layers, pipelined):
+            if name not in state.weights:
+                problems.append(f"{name} is missing")
+            else:
+                buffer.copy_(state.weights[name].to(buffer.dtype))
     if problems:
         raise CheckpointError("the checkpoint does not fit this rank's model:\n  - " + "\n  - ".join(problems))
     optimizer = engine.optimizer

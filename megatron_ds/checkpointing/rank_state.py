@@ -60,10 +60,26 @@ def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
             continue
         rule = layout.partition_rule(name, swiglu, sharded_experts)
         weights[name] = layout.split_tensor(tensor, rule, tp_size, tp_rank)
-        if optimizer is not None:
+        if optimizer is not None and name in full.optimizer:  # not for a persistent buffer
             optimizer[name] = {key: layout.split_tensor(value, rule, tp_size, tp_rank)
                                for key, value in full.optimizer[name].items()}
     return RankState(weights, optimizer, full.optimizer_step if optimizer is not None else None)
+
+
+def stack_expert_slices(state: RankState, grouped):
+    """The state with each grouped experts' tensor's per-expert entries stacked along dim 0 under its live name
+    (weights and optimizer states). grouped: {live name: [the canonical names of its slices]}
+    (layout.grouped_expert_slices)."""
+    missing = [expert for slices in grouped.values() for expert in slices if expert not in state.weights]
+    if missing:
+        raise CheckpointError(f"the checkpoint holds no {', '.join(missing)} (experts this rank's model holds)")
+    for name, slices in grouped.items():
+        state.weights[name] = torch.stack([state.weights.pop(expert) for expert in slices])
+        if state.optimizer is not None:
+            per_expert = [state.optimizer.pop(expert) for expert in slices]
+            state.optimizer[name] = {key: torch.stack([states[key] for states in per_expert])
+                                     for key in OPTIMIZER_KEYS}
+    return state
 
 
 class ZeroPartitions:

@@ -17,6 +17,7 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError, load_file
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.rank_state import OPTIMIZER_KEYS, FullState, RankState, ZeroPartitions, rank_state_of
+from megatron_ds.core.transformer.dropless_moe import expert_slice_names
 
 
 def _layout(metadata):
@@ -100,8 +101,23 @@ def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
         pattern = os.path.join(path, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")
         for file_path in sorted(glob.glob(pattern)):
             for name, value in load_file(file_path).items():
-                weights[layout.canonical_name(name, num_layers, pipelined)] = value
+                # the dropless layer's files hold canonical names already (grouped_expert_files)
+                canonical = layout.layer_index(name) is not None
+                weights[name if canonical else layout.canonical_name(name, num_layers, pipelined)] = value
     return weights
+
+
+def grouped_expert_files(module, mp_rank):
+    """{file name: {canonical name: tensor}} of the dropless layers' experts this rank holds, one file per layer
+    and expert named as DeepSpeed names an expert's file (`layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt`, l
+    the global layer index here) and read back like one (_read_expert_files). Copies, detached."""
+    by_file = {}
+    for param in module.parameters():
+        for index, name in enumerate(getattr(param, "init_keys", None) or ()):
+            file_name = (f"layer_{layout.layer_index(name)}_expert_{layout.expert_index(name)}_mp_rank_"
+                         f"{mp_rank:02d}_model_states.pt")
+            by_file.setdefault(file_name, {})[name] = param[index].detach().clone()
+    return by_file
 
 
 def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_layers, pipelined):
@@ -126,21 +142,23 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
             owners = _expert_owners(metadata, entry["pp"], _expert_shard(metadata, entry["tp"]), shapes, num_layers,
                                     pipelined)
         else:
-            owners = [(data_parallel, canonical)]
-        for ranks, name_of in owners:
+            owners = [(data_parallel, lambda local, states: {canonical(local): states})]
+        for ranks, canonical_states in owners:
             cut = partitions.cut(group, ranks, shapes)
             if cut is None:
                 return None, None  # saved before the first optimizer step
             group_states, step = cut
-            optimizer.update({name_of(local): value for local, value in group_states.items()})
+            for local, states in group_states.items():
+                optimizer.update(canonical_states(local, states))
     return optimizer, step
 
 
 def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
-    """[(ranks, canonical name of a local name)] for an expert parameter group of the stage (of tp_rank's expert
-    shards, with expert tensor parallelism): per expert-parallel rank, the (dp, mp_rank) of its
+    """[(ranks, canonical states of a local name's states)] for an expert parameter group of the stage (of
+    tp_rank's expert shards, with expert tensor parallelism): per expert-parallel rank, the (dp, mp_rank) of its
     expert-data-parallel ranks in order (their ZeRO partitions concatenate to the flat of the experts it holds),
-    and the naming of its local experts by their global index."""
+    and the naming of its local experts by their global index (a dropless layer's grouped tensor: one name per
+    expert, each its slice)."""
     entries = _stage_entries(metadata, pp_rank, tp_rank)
     if any("ep" not in entry for entry in entries):
         raise CheckpointError("the checkpoint's metadata has no expert-parallel ranks (saved before megatron_ds "
@@ -153,13 +171,18 @@ def _expert_owners(metadata, pp_rank, tp_rank, shapes, num_layers, pipelined):
             local_experts[layer] = max(local_experts.get(layer, 0), index + 1)
 
     def naming(ep_rank):
-        def name_of(local):
+        def canonical_states(local, states):
             name = layout.canonical_name(local, num_layers, pipelined)
+            if layout.is_grouped_experts(local):
+                count = shapes[local][0]
+                names = expert_slice_names(name, ep_rank * count, count)
+                return {expert: {key: value[index] for key, value in states.items()}
+                        for index, expert in enumerate(names)}
             if layout.deepspeed_expert_index(local) is None:
-                return name
+                return {name: states}
             first = ep_rank * local_experts[layout.layer_index(name)]
-            return layout.canonical_name(local, num_layers, pipelined, first_expert=first)
-        return name_of
+            return {layout.canonical_name(local, num_layers, pipelined, first_expert=first): states}
+        return canonical_states
 
     owners = []
     for ep_rank in sorted({entry["ep"] for entry in entries}):
@@ -228,6 +251,8 @@ def read_full_state(path, metadata, with_optimizer=True):
             if any(state is None for state in states):
                 optimizer = None
                 continue
+            if name not in states[0]:  # a persistent buffer (the expert bias): no optimizer states
+                continue
             optimizer[name] = {key: layout.merge_tensors([state[name][key] for state in states], rule)
                                for key in OPTIMIZER_KEYS}
             steps.update(per_tp[tp][stage].optimizer_step for tp in range(tp_size))
@@ -241,16 +266,17 @@ def read_full_state(path, metadata, with_optimizer=True):
                      model_config=metadata.get("model_config"))
 
 
-def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_optimizer=True):
+def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_optimizer=True, buffer_names=()):
     """The RankState of one rank of another layout, read from the checkpoint folder `path`. target: (tp_size,
-    tp_rank, sharded_experts) of that rank; names: the canonical names it holds. Only the saved pipeline stages
+    tp_rank, sharded_experts) of that rank; names: the canonical names of the parameters it holds, buffer_names:
+    of its persistent buffers (weights without optimizer states). Only the saved pipeline stages
     holding those names are read (every saved TP rank of them), one stage at a time: each tensor is merged over
     the saved TP ranks, its vocabulary rows padded or cut to vocab_rows, split for the target rank, and the
     stage's files are let go before the next stage is read. So a rank holds one saved stage and its own share at
     most, never the whole model (unless one stage is all of it)."""
     args = metadata["args"]
     saved_tp = metadata["layout"]["tensor_model_parallel_size"]
-    stage_of = _stage_to_read(names, args, metadata["layout"]["pipeline_model_parallel_size"])
+    stage_of = _stage_to_read([*names, *buffer_names], args, metadata["layout"]["pipeline_model_parallel_size"])
     swiglu = bool(args.get("swiglu"))
     saved_rule = lambda name: layout.partition_rule(name, swiglu, bool(args.get("enable_expert_tensor_parallelism")))  # noqa: E731
     tp_size, tp_rank, sharded_experts = target
@@ -266,9 +292,9 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
         shards = [read_rank_state(path, metadata, tp, stage, with_optimizer) for tp in range(saved_tp)]
         if optimizer is not None and any(shard.optimizer is None for shard in shards):
             optimizer = None  # saved before the first optimizer step
-        for name in [name for name in names if stage_of[name] == stage]:
+        for name in [name for name in stage_of if stage_of[name] == stage]:
             weights[name] = reshard([shard.weights.pop(name) for shard in shards], name)
-            if optimizer is not None:
+            if optimizer is not None and name not in buffer_names:
                 states = [shard.optimizer.pop(name) for shard in shards]
                 optimizer[name] = {key: reshard([state[key] for state in states], name) for key in OPTIMIZER_KEYS}
         if optimizer is not None:

@@ -57,10 +57,21 @@ def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
              if expert_tensor_parallelism else [])
     problems = [f"--num-experts {count} is not divisible by --target-expert-parallel-size {ep}"
                 for count in sorted(set(shape["num_experts"])) if ep and count % ep]
-    empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"])
-    if shape["num_layers"] % pp == 0 and empty:
+    if files.is_dropless_moe(shape) and expert_tensor_parallelism == "on":
+        problems.append("--target-expert-tensor-parallelism on: the dropless MoE layer keeps each expert whole on "
+                        "its rank (expert TP 1)")
+    if shape["num_layers"] % pp:
+        return problems
+    if files.is_dropless_moe(shape):
+        pattern, per_stage = shape["dropless_moe_layers"], shape["num_layers"] // pp
+        empty = [stage for stage in range(pp) if not any(pattern[stage * per_stage:(stage + 1) * per_stage])]
+        placement = f"--moe-layer-freq {pattern}"
+    else:
+        empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"])
+        placement = f"--expert-interval {shape['expert_interval']}"
+    if empty:
         problems.append(f"pipeline stage(s) {empty} of --target-pipeline-model-parallel-size {pp} would hold no MoE "
-                        f"layer (--expert-interval {shape['expert_interval']})")
+                        f"layer ({placement})")
     return problems
 
 
@@ -93,9 +104,15 @@ def _training_hint(full, tp, pp):
         return hint + " (any data-parallel size)"
     if args.get("enable_expert_tensor_parallelism"):
         hint += " --enable-expert-tensor-parallelism"
-    return (hint + f" --moe-expert-parallel-size {args.get('moe_expert_parallel_size') or 1} (each file holds every "
-            f"expert: any data-parallel size and any expert-parallel size that divides the experts and the "
-            f"data-parallel size)")
+    return (hint + f" {_expert_parallel_flag(full.model, args)} (each file holds every expert: any data-parallel "
+            f"size and any expert-parallel size that divides the experts and the data-parallel size)")
+
+
+def _expert_parallel_flag(shape, args):
+    """The flag of the expert-parallel size recorded for an MoE model, in its MoE layer's family."""
+    if files.is_dropless_moe(shape):
+        return f"--expert-model-parallel-size {args.get('expert_model_parallel_size') or 1}"
+    return f"--moe-expert-parallel-size {args.get('moe_expert_parallel_size') or 1}"
 
 
 def _set_expert_layout(args, ep, expert_tensor_parallelism):
@@ -103,6 +120,8 @@ def _set_expert_layout(args, ep, expert_tensor_parallelism):
     whether its experts are split over TP ("on") or whole ("off"; None: as they are)."""
     if ep is not None:
         args["moe_expert_parallel_size"] = ep
+        if args.get("dropless_moe"):  # Megatron-Core's flag of the same size
+            args["expert_model_parallel_size"] = ep
     if expert_tensor_parallelism is not None:
         args["enable_expert_tensor_parallelism"] = expert_tensor_parallelism == "on"
 
@@ -130,6 +149,9 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
     from transformers import AutoModelForCausalLM
     full, path = load_full(load_dir, iteration, with_optimizer=False)
     args = full.args
+    if files.is_dropless_moe(full.model) and args.get("moe_expert_capacity_factor") is not None:
+        _log(f"note: the model was run with --moe-expert-capacity-factor {args['moe_expert_capacity_factor']:g} "
+             f"(experts over capacity drop tokens); MixtralForCausalLM drops none")
     rows = args["vocab_size"] if trim_vocab_padding else full.weights[layout.WORD_EMBEDDINGS].size(0)
     config, hf_state = huggingface.to_hf_state(full.model, args, full.weights, rows)
     model = AutoModelForCausalLM.from_config(config)
@@ -184,15 +206,16 @@ def _write_tokenizer_config(hf_dir, tokenizer_class, eos):
         json.dump(config, handle, indent=1)
 
 
-def read_hf(hf_dir, divisible_by=None, tp=1):
-    """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`."""
+def read_hf(hf_dir, divisible_by=None, tp=1, moe_layer="deepspeed-moe"):
+    """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`; a Mixtral's experts in
+    the MoE layer `moe_layer` (huggingface.MOE_LAYERS)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
     model = _load_hf_model(hf_dir)
     if config.model_type == "gpt2" and config.activation_function != "gelu":
         _log(f"note: the HF model uses activation_function {config.activation_function!r} (tanh approximation); "
              f"megatron_ds's GeLU is exact (erf): outputs differ slightly")
-    model_args, weights = huggingface.from_hf_state(config, model.state_dict())
+    model_args, weights = huggingface.from_hf_state(config, model.state_dict(), moe_layer)
     sidecar = os.path.join(hf_dir, huggingface.SIDECAR_FILE)
     base = json.load(open(sidecar))["args"] if os.path.isfile(sidecar) else {}
     args = {**_default_args(), **base, **model_args}
@@ -268,19 +291,23 @@ def _hf_tokenizer_args(hf_dir, base):
     return {key: base[key] for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if key in base}
 
 
-def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None):
-    full = read_hf(hf_dir, divisible_by, tp)
+def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None,
+            moe_layer="deepspeed-moe"):
+    full = read_hf(hf_dir, divisible_by, tp, moe_layer)
     _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
     full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
                                             source=os.path.abspath(hf_dir))
     shape = full.model
-    layout_text = f"TP {tp} x PP {pp}" + (f" x EP {ep or 1}, {shape['num_experts'][0]} experts per layer"
-                                          if files.is_moe(shape) else "")
+    experts = files.is_moe(shape)
+    moe_layer_text = "the dropless MoE layer" if files.is_dropless_moe(shape) else "DeepSpeed-MoE"
+    layout_text = f"TP {tp} x PP {pp}" + (f" x EP {ep or 1}, {shape['num_experts'][0]} experts per layer in "
+                                          f"{moe_layer_text}" if experts else "")
     _log(f"wrote {folder} ({files.model_family(shape)} family, {layout_text}, weights only) from {hf_dir}; "
          f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
-         f"{model_flags(shape, full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}")
+         f"{model_flags(shape, full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}"
+         + (f" {_expert_parallel_flag(shape, full.args)}" if experts else ""))
     return folder
 
 
@@ -353,8 +380,38 @@ def model_flags(shape, args):
     if not shape["tied_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
-    if files.is_moe(shape):
+    if files.is_dropless_moe(shape):
+        flags.append(dropless_moe_flags(shape, args))
+    elif files.is_moe(shape):
         flags.append(moe_flags(shape, args))
+    return " ".join(flags)
+
+
+def dropless_moe_flags(shape, args):
+    """The pretrain.py flags of a dropless MoE model (Megatron-Core's; the routing from its saved arguments)."""
+    pattern = ",".join(map(str, shape["dropless_moe_layers"]))
+    flags = [f"--num-experts {shape['num_experts'][0]}", f"--moe-layer-freq '[{pattern}]'",
+             f"--moe-ffn-hidden-size {shape['moe_ffn_hidden_size']}", f"--moe-router-topk {args['moe_router_topk']}",
+             f"--moe-router-score-function {args['moe_router_score_function']}"]
+    if args.get("moe_router_num_groups"):
+        flags.append(f"--moe-router-num-groups {args['moe_router_num_groups']} --moe-router-group-topk "
+                     f"{args['moe_router_group_topk']}")
+    if args.get("moe_router_topk_scaling_factor"):
+        flags.append(f"--moe-router-topk-scaling-factor {args['moe_router_topk_scaling_factor']:g}")
+    if args.get("moe_router_pre_softmax"):
+        flags.append("--moe-router-pre-softmax")
+    if args.get("moe_router_enable_expert_bias"):
+        flags.append("--moe-router-enable-expert-bias")
+    if args.get("moe_router_load_balancing_type") not in (None, "aux_loss"):
+        flags.append(f"--moe-router-load-balancing-type {args['moe_router_load_balancing_type']}")
+    if args.get("moe_aux_loss_coeff"):
+        flags.append(f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff']:g}")
+    if args.get("moe_grouped_gemm"):
+        flags.append("--moe-grouped-gemm")
+    if shape["moe_shared_expert_intermediate_size"]:
+        flags.append(f"--moe-shared-expert-intermediate-size {shape['moe_shared_expert_intermediate_size']}")
+    if shape["moe_shared_expert_gate"]:
+        flags.append("--moe-shared-expert-gate")
     return " ".join(flags)
 
 

@@ -4,19 +4,23 @@ import sys
 
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.conversion import convert
+from megatron_ds.conversion.huggingface import MOE_LAYERS
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
 from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, LLaMA
 family with experts in every layer <-> MixtralForCausalLM), and to and from Megatron-DeepSpeed's checkpoints (GPT and
 LLaMA families, with their optimizer states). A Mixture of Experts checkpoint is read at any expert-parallel
 size and written with every expert in each file (--target-expert-parallel-size checks and records the size to train
-at)."""
+at). A Mixtral comes in as DeepSpeed-MoE (Megatron-DeepSpeed's MoE flags) or, with --moe-layer dropless, as the
+dropless MoE layer (Megatron-Core's flags); either exports back with --to-hf, a dropless model only with Mixtral's
+routing (softmax, top-k renormalised, no shared expert, no moved expert bias, every layer MoE)."""
 EXAMPLES = """examples:
   convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 --target-tensor-parallel-size 1 \\
       --target-pipeline-model-parallel-size 2
   convert_checkpoint.py --to-hf --load ckpt --save hf_model
   convert_checkpoint.py --from-hf hf_model --save ckpt_from_hf --target-tensor-parallel-size 2 \\
       --target-pipeline-model-parallel-size 2
+  convert_checkpoint.py --from-hf mixtral --save ckpt_dropless --moe-layer dropless --target-expert-parallel-size 4
   convert_checkpoint.py --from-megatron-deepspeed mds_ckpt --save ckpt_from_mds
   convert_checkpoint.py --to-megatron-deepspeed --load ckpt --save mds_ckpt --target-data-parallel-size 8"""
 
@@ -44,13 +48,19 @@ def build_parser():
                         help="--to-megatron-deepspeed: the data-parallel size of its ZeRO-1 files (DeepSpeed loads "
                              "them at that size; default: the source run's)")
     parser.add_argument("--target-expert-parallel-size", type=int, default=None,
-                        help="Mixture of Experts: the --moe-expert-parallel-size to train the result with (checked "
-                             "against the experts; the files hold every expert, so any valid size loads them)")
+                        help="Mixture of Experts: the expert-parallel size to train the result with "
+                             "(--moe-expert-parallel-size, or the dropless layer's --expert-model-parallel-size; "
+                             "checked against the experts; the files hold every expert, so any valid size loads "
+                             "them)")
     parser.add_argument("--target-expert-tensor-parallelism", choices=["on", "off"], default=None,
                         help="Mixture of Experts: split the experts over TP in the files (train with "
                              "--enable-expert-tensor-parallelism) or keep them whole (default: as the source)")
     parser.add_argument("--no-optim", action="store_true",
                         help="reshape, --to-megatron-deepspeed: drop the optimizer states")
+    parser.add_argument("--moe-layer", choices=MOE_LAYERS, default=MOE_LAYERS[0],
+                        help="--from-hf of a MixtralForCausalLM: its experts in DeepSpeed-MoE (deepspeed-moe, the "
+                             "default; train with --topk, --expert-interval ...) or in the dropless MoE layer "
+                             "(dropless; train with --moe-router-topk, --moe-ffn-hidden-size ..., as printed)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
     parser.add_argument("--trim-vocab-padding", action="store_true",
@@ -66,7 +76,8 @@ def main(argv=None):
         if args.from_hf:
             convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
                             args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by,
-                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism)
+                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism,
+                            args.moe_layer)
         elif args.from_megatron_deepspeed:
             convert.from_megatron_deepspeed(args.from_megatron_deepspeed, args.save, args.target_tensor_parallel_size,
                                             args.target_pipeline_model_parallel_size, args.load_iteration)

@@ -5,21 +5,32 @@ GPT-2 family (LayerNorm, GeLU, learned positions, biases) <-> GPT2LMHeadModel:
   - c_attn's output columns are [all q heads; all k heads; all v heads], ours per head [q, k, v]: rows reordered;
   - activation_function "gelu" (exact erf, as ours; GPT-2's own default "gelu_new" is the tanh approximation).
 LLaMA family (RMSNorm, SwiGLU, RoPE, no biases) <-> LlamaForCausalLM, and with experts in every layer
-<-> MixtralForCausalLM (each expert our SwiGLU MLP, the router DeepSpeed's gate):
+<-> MixtralForCausalLM, through either MoE layer (--from-hf picks one, `moe_layer`):
   - our QKV rows per query group [q heads of the group, k, v] split into q_proj, k_proj, v_proj (GQA kept:
     query head n uses key/value head n // (heads / kv heads) in both);
-  - our fc1 [gate; up] split into gate_proj and up_proj; RoPE is rotate-half in both, so no permutation.
+  - our fc1 [gate; up] split into gate_proj and up_proj; RoPE is rotate-half in both, so no permutation;
+  - DeepSpeed-MoE: each expert our SwiGLU MLP (fc1 [gate; up], fc2), the router DeepSpeed's gate;
+  - the dropless layer: each expert w1 (gate), w3 (up), w2 (down), the router `mlp.router.gate`; its default
+    routing is Mixtral's (the softmax over the chosen logits is the softmax over every expert renormalised over
+    the chosen), and what Mixtral's router cannot do (sigmoid scores, group-limited choice, a scaling factor,
+    --moe-router-pre-softmax, a moved expert bias) or its layers hold (a shared expert, dense layers) is
+    refused on export.
 
 The vocabulary rows go across as they are (our padding rows included, so a round trip reproduces every
 tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
 """
+import argparse
+
 import torch
 
 from megatron_ds.arguments import flag_defaults
-from megatron_ds.checkpointing.files import CheckpointError, is_moe, model_family
+from megatron_ds.arguments.checks import DEEPSPEED_MOE_FLAGS, DROPLESS_MOE_FLAGS
+from megatron_ds.arguments.resolve import moe_family_values
+from megatron_ds.checkpointing.files import CheckpointError, is_dropless_moe, is_moe, model_family
 from megatron_ds.checkpointing.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
 SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
+MOE_LAYERS = ("deepspeed-moe", "dropless")  # what --from-hf makes of Mixtral's experts (convert_cli --moe-layer)
 
 
 def _layer(i, rest):
@@ -34,6 +45,9 @@ def to_hf_state(shape, args, weights, vocab_rows):
     family = model_family(shape)
     if family == "gpt2":
         return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)
+    if family == "llama" and is_dropless_moe(shape):
+        return (_dropless_mixtral_config(args, shape, weights, vocab_rows),
+                _to_llama(weights, shape, vocab_rows, _dropless_mlp_to_hf))
     if family == "llama" and is_moe(shape):
         return _mixtral_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _mixtral_mlp_to_hf)
     if family == "llama":
@@ -99,6 +113,7 @@ def _to_gpt2(weights, shape, vocab_rows):
 
 
 def _llama_config(args, shape, vocab_rows, config_class=None, **extra):
+    """extra: more (or other) config values, such as a Mixtral's intermediate_size."""
     from transformers import LlamaConfig
     if shape["rotary_percent"] != 1.0:
         rotated = int(shape["kv_channels"] * shape["rotary_percent"])
@@ -106,14 +121,15 @@ def _llama_config(args, shape, vocab_rows, config_class=None, **extra):
                               f"{shape['rotary_percent']:g} (--rotary-percent: RoPE on {rotated} of each head's "
                               f"{shape['kv_channels']} channels), which a Hugging Face LLaMA would rotate in full; "
                               f"export needs rotary_percent 1.0")
-    return (config_class or LlamaConfig)(
+    values = dict(
         vocab_size=vocab_rows, hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
         num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["kv_channels"],
         max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"),
         rms_norm_eps=_saved(args, "norm_epsilon"), rope_theta=float(_saved(args, "rotary_base")),
         tie_word_embeddings=shape["tied_embeddings"], hidden_act="silu",
-        attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args), **extra)
+        attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args))
+    return (config_class or LlamaConfig)(**{**values, **extra})
 
 
 def _mixtral_config(args, shape, vocab_rows):
@@ -138,6 +154,57 @@ def _mixtral_config(args, shape, vocab_rows):
                          router_jitter_noise=0.0, sliding_window=None)
 
 
+def _dropless_mixtral_config(args, shape, weights, vocab_rows):
+    """MixtralForCausalLM of a dropless MoE model: its intermediate_size the experts' FFN (--moe-ffn-hidden-size)."""
+    from transformers import MixtralConfig
+    problems = _dropless_mixtral_problems(args, shape, weights)
+    if problems:
+        raise CheckpointError("MixtralForCausalLM cannot hold this dropless Mixture of Experts: " + "; ".join(problems))
+    return _llama_config(args, shape, vocab_rows, MixtralConfig, intermediate_size=shape["moe_ffn_hidden_size"],
+                         num_local_experts=shape["num_experts"][0], num_experts_per_tok=args["moe_router_topk"],
+                         router_aux_loss_coef=args.get("moe_aux_loss_coeff") or 0.0, router_jitter_noise=0.0,
+                         sliding_window=None)
+
+
+def _dropless_mixtral_problems(args, shape, weights):
+    """What a Mixtral cannot hold of a dropless MoE: its layers are all MoE, of routed experts only; its router
+    takes the softmax over every expert and renormalises the top k (Megatron-Core's default routing), with no
+    bias."""
+    pattern, problems = shape["dropless_moe_layers"], []
+    if not all(pattern):
+        problems.append(f"every layer must be an MoE layer; layers {[i for i, moe in enumerate(pattern) if not moe]} "
+                        f"are dense (--moe-layer-freq {pattern})")
+    if shape["moe_shared_expert_intermediate_size"]:
+        gate = " with --moe-shared-expert-gate" if shape["moe_shared_expert_gate"] else ""
+        problems.append(f"a shared expert (--moe-shared-expert-intermediate-size "
+                        f"{shape['moe_shared_expert_intermediate_size']}{gate}): Mixtral has routed experts only")
+    if args.get("moe_router_score_function") != "softmax":
+        problems.append(f"--moe-router-score-function {args.get('moe_router_score_function')}: Mixtral's router "
+                        f"scores with a softmax")
+    if args.get("moe_router_num_groups"):
+        problems.append(f"group-limited routing (--moe-router-num-groups {args['moe_router_num_groups']} "
+                        f"--moe-router-group-topk {args.get('moe_router_group_topk')}): Mixtral's router chooses "
+                        f"among every expert")
+    if args.get("moe_router_topk_scaling_factor") not in (None, 1.0):
+        problems.append(f"--moe-router-topk-scaling-factor {args['moe_router_topk_scaling_factor']:g}: Mixtral's "
+                        f"routing weights of a token sum to 1")
+    if args.get("moe_router_pre_softmax"):
+        problems.append("--moe-router-pre-softmax: the chosen experts keep their softmax over every expert, "
+                        "Mixtral renormalises them to sum to 1")
+    moved = _layers_with_moved_expert_bias(args, shape, weights)
+    if moved:
+        problems.append(f"the expert bias of layers {moved} is not zero (--moe-router-enable-expert-bias): it "
+                        f"changes which experts a token chooses, and Mixtral's router has no bias")
+    return problems
+
+
+def _layers_with_moved_expert_bias(args, shape, weights):
+    if not args.get("moe_router_enable_expert_bias"):
+        return []  # the router adds no bias
+    return [i for i in range(shape["num_layers"])
+            if torch.any(weights.get(_layer(i, "mlp.expert_bias"), torch.zeros(1)) != 0)]
+
+
 def _llama_mlp_to_hf(weights, i, shape):
     fc1, ffn = weights[_layer(i, "mlp.linear_fc1.weight")], shape["ffn_hidden_size"]
     return {"mlp.gate_proj.weight": fc1[:ffn], "mlp.up_proj.weight": fc1[ffn:],
@@ -153,6 +220,20 @@ def _mixtral_mlp_to_hf(weights, i, shape):
                                                      for e in experts]),
             "mlp.experts.down_proj": torch.stack([weights[_layer(i, f"mlp.experts.{e}.linear_fc2.weight")]
                                                   for e in experts])}
+
+
+def _dropless_mlp_to_hf(weights, i, shape):
+    """transformers 5's MixtralExperts of the dropless layer's experts: gate_up_proj [experts, 2 ffn, h] each
+    expert's [w1; w3], down_proj [experts, h, ffn] its w2; the router's weight the gate's."""
+    experts = range(shape["num_experts"][0])
+    return {"mlp.gate.weight": weights[_layer(i, "mlp.router.gate.weight")],
+            "mlp.experts.gate_up_proj": torch.stack([torch.cat([_expert(weights, i, e, "w1"),
+                                                                _expert(weights, i, e, "w3")]) for e in experts]),
+            "mlp.experts.down_proj": torch.stack([_expert(weights, i, e, "w2") for e in experts])}
+
+
+def _expert(weights, i, expert, name):
+    return weights[_layer(i, f"mlp.experts.{expert}.{name}")]
 
 
 def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
@@ -179,14 +260,20 @@ def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
 
 # --- Hugging Face -> ours -----------------------------------------------------------------------------
 
-def from_hf_state(config, state):
-    """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM."""
+def from_hf_state(config, state, moe_layer="deepspeed-moe"):
+    """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM; a
+    Mixtral's experts in the MoE layer `moe_layer` (one of MOE_LAYERS)."""
+    if moe_layer not in MOE_LAYERS:
+        raise CheckpointError(f"--moe-layer {moe_layer}: one of {', '.join(MOE_LAYERS)}")
+    if moe_layer == "dropless" and config.model_type != "mixtral":
+        raise CheckpointError(f"--moe-layer dropless: the model is {config.model_type!r}, which has no experts "
+                              f"(only a mixtral, MixtralForCausalLM, has)")
     if config.model_type == "gpt2":
         return _from_gpt2(config, state)
     if config.model_type == "llama":
         return _from_llama(config, state, _llama_mlp_from_hf)
     if config.model_type == "mixtral":
-        return _from_mixtral(config, state)
+        return _from_mixtral(config, state, moe_layer)
     raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and "
                           f"mixtral (MixtralForCausalLM); config.json says {config.model_type!r}")
 
@@ -245,11 +332,16 @@ def _llama_mlp_from_hf(state, hf, i):
             _layer(i, "mlp.linear_fc2.weight"): state[hf + "mlp.down_proj.weight"]}
 
 
-def _mixtral_mlp_from_hf(state, hf, i):
+def _mixtral_experts(state, hf):
+    """(gate_up_proj [experts, 2 ffn, h], down_proj [experts, h, ffn]) of a Mixtral layer."""
     if hf + "mlp.experts.gate_up_proj" not in state:
         raise CheckpointError("this transformers version keeps Mixtral's experts under other names than "
                               "transformers 5's mlp.experts.gate_up_proj / down_proj; install transformers >= 5")
-    gate_up, down = state[hf + "mlp.experts.gate_up_proj"], state[hf + "mlp.experts.down_proj"]
+    return state[hf + "mlp.experts.gate_up_proj"], state[hf + "mlp.experts.down_proj"]
+
+
+def _mixtral_mlp_from_hf(state, hf, i):
+    gate_up, down = _mixtral_experts(state, hf)
     weights = {_layer(i, "mlp.deepspeed_moe.gate.wg.weight"): state[hf + "mlp.gate.weight"]}
     for expert in range(gate_up.size(0)):
         weights[_layer(i, f"mlp.experts.{expert}.linear_fc1.weight")] = gate_up[expert]
@@ -257,20 +349,57 @@ def _mixtral_mlp_from_hf(state, hf, i):
     return weights
 
 
-def _from_mixtral(config, state):
+def _dropless_mlp_from_hf(state, hf, i):
+    """The dropless layer's experts (w1 gate, w3 up, w2 down), router and expert bias (zero: Mixtral has none)."""
+    gate_up, down = _mixtral_experts(state, hf)
+    ffn = down.size(-1)
+    weights = {_layer(i, "mlp.router.gate.weight"): state[hf + "mlp.gate.weight"],
+               _layer(i, "mlp.expert_bias"): torch.zeros(gate_up.size(0), dtype=torch.float32)}
+    for expert in range(gate_up.size(0)):
+        weights[_layer(i, f"mlp.experts.{expert}.w1")] = gate_up[expert][:ffn]
+        weights[_layer(i, f"mlp.experts.{expert}.w3")] = gate_up[expert][ffn:]
+        weights[_layer(i, f"mlp.experts.{expert}.w2")] = down[expert]
+    return weights
+
+
+def _from_mixtral(config, state, moe_layer):
     problems = []
     if getattr(config, "router_jitter_noise", 0.0):
-        problems.append(f"router_jitter_noise {config.router_jitter_noise} (DeepSpeed's gate has no jitter)")
+        problems.append(f"router_jitter_noise {config.router_jitter_noise} (the routers here have no jitter)")
     if getattr(config, "sliding_window", None):
         problems.append(f"sliding_window {config.sliding_window} (attention here is full causal)")
     if problems:
         raise CheckpointError("cannot convert this Mixtral model: " + "; ".join(problems))
+    if moe_layer == "dropless":
+        args, weights = _from_llama(config, state, _dropless_mlp_from_hf)
+        args.update(_dropless_moe_args(config))
+        return args, weights
     args, weights = _from_llama(config, state, _mixtral_mlp_from_hf)
     # Mixtral never drops a token nor samples the second expert: the same routing as these flags
     args.update(num_experts=[config.num_local_experts], expert_interval=1, topk=config.num_experts_per_tok,
                 moe_loss_coeff=config.router_aux_loss_coef, mlp_type="standard", moe_token_dropping=False,
-                moe_top2_2nd_expert_sampling=False, moe_min_capacity=0)
+                moe_top2_2nd_expert_sampling=False, moe_min_capacity=0, moe=True,
+                **_flag_defaults_of(DROPLESS_MOE_FLAGS), dropless_moe=False)
     return args, weights
+
+
+def _dropless_moe_args(config):
+    """The dropless layer's arguments for a Mixtral: Megatron-Core's MoE flags as given (Megatron-Core's default
+    routing is Mixtral's) and what pretrain.py resolves from them; DeepSpeed-MoE's flags at their defaults (a
+    sidecar of a DeepSpeed-MoE export may have set them)."""
+    given = {"num_experts": [config.num_local_experts], "moe_router_topk": config.num_experts_per_tok,
+             "moe_ffn_hidden_size": config.intermediate_size, "moe_layer_freq": 1,
+             "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
+             "moe_aux_loss_coeff": config.router_aux_loss_coef, "moe_grouped_gemm": True}
+    flags = argparse.Namespace(**{**flag_defaults(), **given})
+    return {**_flag_defaults_of(DEEPSPEED_MOE_FLAGS), **_flag_defaults_of(DROPLESS_MOE_FLAGS), **given,
+            **moe_family_values(flags, config.intermediate_size)}
+
+
+def _flag_defaults_of(flags):
+    """{dest: default} of a family of flags ({dest: flag})."""
+    defaults = flag_defaults()
+    return {dest: defaults[dest] for dest in flags}
 
 
 def _from_llama(config, state, mlp_from_hf):

@@ -1,4 +1,5 @@
-"""Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage), Mixture of Experts included.
+"""Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage), Mixture of Experts included
+(DeepSpeed-MoE and the dropless layer).
 
 The incremental forward reuses the model's own modules (norms, QKV and projection linears, rotary
 embedding, MLP, head): per step only the new tokens go through the layers, their keys and values (per
@@ -17,11 +18,13 @@ import torch.nn.functional as F
 
 from megatron_ds.arguments import flag_defaults, model_defaults, transformer_config_from_args
 from megatron_ds.checkpointing import layout
+from megatron_ds.checkpointing.rank_state import stack_expert_slices
 from megatron_ds.checkpointing.state import FullState, rank_state_of, resize_vocabulary
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import GPTModel
 from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output_logits
 from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron_ds.core.transformer.dropless_moe import DroplessMoE, dropless_layers
 from megatron_ds.core.transformer.moe import forget_auxiliary_losses, moe_layers
 from megatron_ds.core.transformer.rotary import apply_rotary
 from megatron_ds.engine.moe_token_gather import mend_token_split
@@ -64,14 +67,22 @@ def build_model(full: FullState, expert_parallel_size=1):
         rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
     config = transformer_config_from_args(args)
     model = GPTModel(config, rows, args.max_position_embeddings, not args.untie_embeddings_and_output_weights)
-    shard = rank_state_of(full, tp, 1, parallel_state.get_tensor_model_parallel_rank(), 0)
-    with torch.no_grad():
-        for name, param in layout.live_parameter_names(model, config.num_layers, False):
-            param.copy_(shard.weights[name].to(param.dtype))
+    _load_weights(model, full, tp, config.num_layers)
     for layer in moe_layers(model):
         if dist.is_initialized():
             layer.set_deepspeed_parallelism()  # hands the layer its expert-parallel group
     return model.eval()
+
+
+def _load_weights(model, full, tp, num_layers):
+    """This TP rank's shard of full's weights into the model: the dropless layers' experts stacked into their
+    grouped tensors (this expert-parallel rank's experts), the persistent buffers (the expert bias) too."""
+    live = layout.live_parameter_names(model, num_layers, False)
+    shard = stack_expert_slices(rank_state_of(full, tp, 1, parallel_state.get_tensor_model_parallel_rank(), 0),
+                                layout.grouped_expert_slices(live))
+    with torch.no_grad():
+        for name, tensor in live + layout.live_buffer_names(model, num_layers, False):
+            tensor.copy_(shard.weights[name].to(tensor.dtype))
 
 
 def setup_expert_parallel(expert_parallel_size, expert_tensor_parallel=False):
@@ -120,6 +131,19 @@ def _add(x, bias, residual):
     return residual + (x if bias is None else x + bias)
 
 
+def _mlp_step(mlp, hidden_states):
+    """The layer's MLP on the new tokens [s, b, h]. The dropless layer splits the tokens over the TP ranks (each
+    routes its share), which a step's few tokens need not divide: zero tokens pad them to a multiple of TP, their
+    outputs dropped (without --moe-expert-capacity-factor a token's output does not depend on the others')."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tokens = hidden_states.size(0)
+    if not isinstance(mlp, DroplessMoE) or tokens % tp == 0:
+        return mlp(hidden_states)
+    padding = hidden_states.new_zeros((-tokens % tp, *hidden_states.shape[1:]))
+    output, bias = mlp(torch.cat([hidden_states, padding]))
+    return output[:tokens], bias
+
+
 @torch.no_grad()
 def forward_step(model: GPTModel, input_ids, cache: KVCache):
     """Logits [b, s, padded vocab] (gathered over TP) of the new tokens input_ids [b, s]; extends the cache."""
@@ -130,7 +154,7 @@ def forward_step(model: GPTModel, input_ids, cache: KVCache):
         attention_out, attention_bias = _attention_step(layer.self_attention, layer.input_layernorm(hidden),
                                                         cache, index)
         hidden = _add(attention_out, attention_bias, hidden)
-        mlp_out, mlp_bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        mlp_out, mlp_bias = _mlp_step(layer.mlp, layer.pre_mlp_layernorm(hidden))
         hidden = _add(mlp_out, mlp_bias, hidden)
     cache.length += s
     hidden = model.final_layernorm(hidden)
@@ -163,7 +187,7 @@ def generate(model: GPTModel, prompt_ids, params: SamplingParams, vocab_size, eo
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generated = []
-    experts = moe_layers(model)
+    experts = moe_layers(model) + dropless_layers(model)
     for _ in range(params.max_new_tokens):
         forget_auxiliary_losses(experts)  # only training reads them
         if max_length is not None and cache.length + tokens.size(1) > max_length:

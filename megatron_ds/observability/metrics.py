@@ -44,6 +44,7 @@ from megatron_ds.launch.runtime import device, print_rank_0
 
 OTHER_LOSSES = ("moe loss", "load balancing loss", "kd loss")  # beside the lm loss in the iteration line, in order
 EXPERT_LOAD = "tokens per expert max/mean"  # the dropless MoE layers' worst balance, after the losses
+EXPERT_LOAD_OF_LAYER = "moe/tokens_per_expert_max_over_mean_layer_{}"  # each one's, by 0-based layer: TensorBoard
 
 # --timing-log-level of each timer, in the order Megatron prints them
 TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2, "batch-generator": 2,

@@ -36,6 +36,12 @@ forward and their two conjugates in backward, 4 all-to-alls over the expert-para
 of the micro-batch), of which (EP - 1)/EP leaves the rank; full recompute repeats the forward's 2 for each
 recomputed MoE layer. At TP > 1 DeepSpeed first drops each TP rank's duplicate tokens (C / t
 each) and all-gathers them over TP after the combine (that all-gather not counted here).
+The dropless MoE layer (Megatron-Core's flags, its alltoall dispatcher), per MoE layer and micro-batch, T = b s /
+(U t) the tokens a rank routes (under TP each rank routes its share) and k T its (token, expert) rows: forward,
+an all-to-all of the E per-expert counts (int64) and two all-to-alls with uneven splits of the rows, k T x h
+elements out and the experts' outputs back; backward their two conjugates. Routing is taken as uniform: a rank
+receives as many rows as it sends, (EP - 1)/EP of each all-to-all leaving it (DeepSeek-V3 at EP 64: 63/64);
+full recompute repeats the forward's three. TP changes against a dense layer: dropless_layers_tensor_parallel_change.
 """
 import math
 from dataclasses import dataclass
@@ -212,8 +218,8 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, exp
 
 def largest_stage_data_parallel_traffic(model: ModelSpec, layout: Layout, stages) -> dict:
     """data_parallel_traffic of the stage with the most parameters per device (the reduction that takes
-    longest); {} when no rank shares its weights (U x DP = 1)."""
-    if layout.sequence_data_parallel == 1:
+    longest); {} when no rank shares its weights (U x DP = 1, and no TP ranks hold the same experts)."""
+    if layout.sequence_data_parallel == 1 and expert_data_parallel_size(model, layout) == 1:
         return {}
     largest = max(stages, key=lambda stage: stage.total)
     return data_parallel_traffic(model, layout, largest.total, largest.experts)
@@ -265,6 +271,50 @@ def moe_layers_tensor_parallel_change(model: ModelSpec, layout: Layout, stage) -
     return layers * 2 * (all_gather_bytes(layout.tp, payload) - all_reduce_bytes(layout.tp, payload))
 
 
+def dropless_layers_tensor_parallel_change(model: ModelSpec, layout: Layout, stage) -> float:
+    """What the dropless MoE layers of `stage` change in its TP bytes per micro-batch against dense layers (P the TP
+    payload, s b h x bytes). Their routed part runs on this rank's T tokens without TP collectives: without SP the
+    layer splits the tokens (backward: an all-gather of P) and gathers its outputs (forward: an all-gather of P) in
+    place of the dense MLP's two all-reduces; with SP the dense MLP's 2 forward and 3 backward all-gathers and
+    reduce-scatters go. The shared expert is a dense MLP of its own width: its collectives stay. Every backward
+    all-reduces the router's gradient (h E: the TP ranks routed other tokens), with SP the shared gate's (h), and no
+    longer fc2's bias where no shared expert has one; a balance loss all-reduces its expert counts in every forward
+    (_balance_counts_bytes). A recomputed layer repeats its forward's change."""
+    if layout.tp == 1 or not model.config.is_dropless_moe:
+        return 0.0
+    forward, backward = _dropless_tensor_parallel_change(model, layout)
+    numbers = dropless_moe_layer_numbers(model, stage.first_layer, stage.num_layers)
+    recomputed_before = stage.first_layer + layout.recomputed_layers(stage.num_layers)
+    return len(numbers) * (forward + backward) + sum(forward for n in numbers if n < recomputed_before)
+
+
+def _dropless_tensor_parallel_change(model, layout):
+    """(forward, backward) change of one dropless MoE layer's TP bytes per micro-batch against a dense layer's."""
+    config, t = model.config, layout.tp
+    payload, width = tensor_parallel_traffic_per_layer(model, layout).payload, activation_element_bytes(model)
+    shared = bool(config.moe_shared_expert_intermediate_size)
+    router = all_reduce_bytes(t, config.hidden_size * config.num_moe_experts * width)
+    counts = _balance_counts_bytes(config, layout)
+    if not layout.sequence_parallel:
+        split_and_gather = all_gather_bytes(t, payload) - (0.0 if shared else all_reduce_bytes(t, payload))
+        return split_and_gather + counts, split_and_gather + router
+    if shared:
+        gate = all_reduce_bytes(t, config.hidden_size * width) if config.moe_shared_expert_gate else 0.0
+        return counts, router + gate
+    fc2_bias = all_reduce_bytes(t, config.hidden_size * width) if config.bias else 0.0
+    return counts - 2 * all_gather_bytes(t, payload), router - 3 * all_gather_bytes(t, payload) - fc2_bias
+
+
+def _balance_counts_bytes(config, layout):
+    """A balance loss's all-reduce over TP of its expert counts in each forward, fp32: E (b E for seq_aux_loss);
+    global_aux_loss's with or without a coefficient (its counts are summed before the loss looks at it)."""
+    kind = config.moe_router_load_balancing_type
+    if kind != "global_aux_loss" and (kind == "none" or not config.moe_aux_loss_coeff):
+        return 0.0
+    counts = config.num_moe_experts * (layout.micro_batch_size if kind == "seq_aux_loss" else 1)
+    return all_reduce_bytes(layout.tp, 4 * counts)
+
+
 def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> dict:
     """Bytes one device of `stage` (a StageParameters) sends per micro-batch on each axis: 'tensor' (its layers'
     collectives, the gathers of messages split over TP, the embedding's and the head's), 'pipeline', 'ulysses',
@@ -272,7 +322,8 @@ def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> di
     return {"tensor": tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
             + pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage)
             + embedding_and_head_bytes_per_micro_batch(model, layout, stage.stage)
-            + moe_layers_tensor_parallel_change(model, layout, stage),
+            + moe_layers_tensor_parallel_change(model, layout, stage)
+            + dropless_layers_tensor_parallel_change(model, layout, stage),
             "pipeline": pipeline_bytes_per_micro_batch(model, layout, stage.stage),
             "ulysses": ulysses_bytes_per_micro_batch(model, layout, stage.num_layers),
             "expert": expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)}
@@ -324,11 +375,59 @@ def expert_parallel_traffic_per_layer(model: ModelSpec, layout: Layout, num_expe
                                  2 * one if layout.recompute == "full" else 0.0)
 
 
+def dropless_routed_tokens(model: ModelSpec, layout: Layout) -> float:
+    """T: the tokens one rank routes through a dropless MoE layer per micro-batch, b s / (U t) (under TP each rank
+    routes its share: Megatron SP's split, or the layer's own)."""
+    return layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=True)
+
+
+@dataclass(frozen=True)
+class DroplessTraffic:
+    """One dropless MoE layer (alltoall dispatcher), one micro-batch: bytes one device sends over its
+    expert-parallel group, routing taken as uniform (a rank receives as many rows as it sends)."""
+    tokens: float          # T = b s / (U t), the tokens this rank routes
+    rows: float            # k T (token, expert) rows it sends
+    payload: float         # one all-to-all of the rows: k T x h elements, bytes
+    per_all_to_all: float  # (EP - 1)/EP of it
+    counts: float          # the count exchange before the rows: E int64, (EP - 1)/EP of them
+    forward: float         # the counts, the rows out and the outputs back
+    backward: float        # the conjugates of the two rows' all-to-alls
+    recompute: float       # per recomputed MoE layer: the forward's again
+
+
+def dropless_traffic_per_layer(model: ModelSpec, layout: Layout) -> DroplessTraffic:
+    config, ep = model.config, model.config.moe_expert_parallel_size
+    tokens = dropless_routed_tokens(model, layout)
+    rows = config.moe_router_topk * tokens
+    payload = rows * config.hidden_size * activation_element_bytes(model)
+    one, counts = all_to_all_bytes(ep, payload), all_to_all_bytes(ep, 8 * config.num_moe_experts)
+    forward = 2 * one + counts
+    return DroplessTraffic(tokens, rows, payload, one, counts, forward, 2 * one,
+                           forward if layout.recompute == "full" else 0.0)
+
+
 def moe_layer_numbers(model: ModelSpec, first_layer: int = 1, num_layers: Optional[int] = None) -> List[int]:
     """The MoE layers (global numbers) among `num_layers` layers from `first_layer` (default: to the last)."""
     config = model.config
     stop = config.num_layers + 1 if num_layers is None else first_layer + num_layers
     return [n for n in range(first_layer, stop) if config.experts_in_layer(n) > 1]
+
+
+def dropless_moe_layer_numbers(model: ModelSpec, first_layer: int = 1, num_layers: Optional[int] = None) -> List[int]:
+    """The dropless MoE layers (global numbers) among `num_layers` layers from `first_layer` (default: to the
+    last)."""
+    config = model.config
+    stop = config.num_layers + 1 if num_layers is None else first_layer + num_layers
+    return [n for n in range(first_layer, stop) if config.dropless_moe_in_layer(n)]
+
+
+def _expert_traffic_of_layer(model, layout, layer_number):
+    """The expert-parallel traffic of layer `layer_number` (None for a dense layer)."""
+    config = model.config
+    if config.dropless_moe_in_layer(layer_number):
+        return dropless_traffic_per_layer(model, layout)
+    experts = config.experts_in_layer(layer_number)
+    return expert_parallel_traffic_per_layer(model, layout, experts) if experts > 1 else None
 
 
 def expert_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int,
@@ -338,9 +437,10 @@ def expert_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_
         return 0.0
     recomputed = range(first_layer, first_layer + layout.recomputed_layers(num_layers))
     total = 0.0
-    for n in moe_layer_numbers(model, first_layer, num_layers):
-        traffic = expert_parallel_traffic_per_layer(model, layout, model.config.experts_in_layer(n))
-        total += traffic.forward + traffic.backward + (traffic.recompute if n in recomputed else 0.0)
+    for n in range(first_layer, first_layer + num_layers):
+        traffic = _expert_traffic_of_layer(model, layout, n)
+        if traffic is not None:
+            total += traffic.forward + traffic.backward + (traffic.recompute if n in recomputed else 0.0)
     return total
 
 

@@ -14,7 +14,10 @@ data-parallel, so the gradient reduction and the ZeRO partitions span them (Layo
 Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
 over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; DeepSpeed's MoE groups),
 everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
-take MoE (DeepSpeed). An MoE layer's activations: see _moe_mlp_bytes.
+take MoE (DeepSpeed). An MoE layer's activations: see _moe_mlp_bytes. The dropless MoE layer's routed experts
+are sharded the same way (E / EP whole experts per device, states over TP x U x DP / EP); its fp32 buffers (the
+expert bias and two token counts, 3 E values per layer) are held beside the parameters (StageMemory.buffers); its
+activations: dropless_moe_mlp_bytes, planned for the expected rows (uniform routing), the worst case reported.
 
 Activations, bytes per transformer layer and micro-batch, counted from the layer's config the way the paper
 counts its GPT-2 layer (Korthikanti et al. 2022, docs/formulas.md): s sequence, b micro batch, h hidden, a heads,
@@ -71,7 +74,7 @@ from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_paral
 from megatron_ds.core.transformer.attention import gpu_sdpa_takes_grouped_heads
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
-from megatron_ds.planning.communication import expert_capacity
+from megatron_ds.planning.communication import dropless_routed_tokens, expert_capacity
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, teacher_parameters, total_parameters
 
@@ -117,11 +120,12 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
     return layer_activation_bytes(model, layout, layout.recompute)
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1, device="cuda") -> float:
-    """As activation_bytes_per_layer, for recompute None, "selective" or "full", of a dense layer or one with
-    `experts` experts: the module docstring's count from the layer's config, s/U tokens per rank (s/(tU) outside
-    TP regions with SP) and attention over the whole s for a/(tU) heads; on a GPU, or with device "cpu" as a CPU
-    runs it (tools/activation_memory.py)."""
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1, device="cuda",
+                           dropless: bool = False) -> float:
+    """As activation_bytes_per_layer, for recompute None, "selective" or "full", of a dense layer, one with
+    `experts` DeepSpeed-MoE experts or (dropless) a dropless MoE layer: the module docstring's count from the layer's
+    config, s/U tokens per rank (s/(tU) outside TP regions with SP) and attention over the whole s for a/(tU)
+    heads; on a GPU, or with device "cpu" as a CPU runs it (tools/activation_memory.py)."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
@@ -130,7 +134,9 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts:
     attention = (replicated_tokens * _replicated_attention_bytes_per_token(config, width)
                  + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width, device)
                  / layout.tp)
-    if experts > 1:
+    if dropless:
+        mlp = dropless_moe_mlp_bytes(model, layout)
+    elif experts > 1:
         mlp = _moe_mlp_bytes(model, layout, replicated_tokens, experts, width)
     else:
         mlp = (replicated_tokens * width * config.hidden_size
@@ -185,6 +191,78 @@ def _moe_mlp_bytes(model, layout, tokens, experts, width):
     else:
         slots, ffn = experts * math.ceil(capacity / tp), config.ffn_hidden_size
     return gate + combine + slots * (width * h + _mlp_bytes_per_token(config, width, ffn)) + 4
+
+
+def dropless_received_rows(model: ModelSpec, layout: Layout, worst: bool = False) -> float:
+    """Rows this rank's experts compute per dropless MoE layer and micro-batch: expected (uniform routing), k T, each
+    expert k T / E rows from each of the EP ranks; at worst every row of the expert-parallel group lands on this
+    rank's experts, EP k T."""
+    rows = model.config.moe_router_topk * dropless_routed_tokens(model, layout)
+    return rows * (model.config.moe_expert_parallel_size if worst else 1)
+
+
+def dropless_moe_mlp_bytes(model: ModelSpec, layout: Layout, received_rows=None) -> float:
+    """One dropless MoE layer's MLP (core/transformer/dropless_moe.py, alltoall dispatcher), one micro-batch: what it
+    keeps for backward in place of a dense MLP's, its experts computing `received_rows` rows (default: the expected,
+    dropless_received_rows). T tokens routed (dropless_routed_tokens), N = k T rows, R received, w bytes:
+      - the MLP's input, w h T (the router's input; under TP without SP the layer's own split copy);
+      - the router (_router_bytes) and, with their coefficients, the balance and z-losses (_router_loss_bytes);
+      - each row's place and token (int64), 16 N; with EP > 1 the received rows' expert order and its inverse, 16 R;
+      - the experts: each row's input and SwiGLU, w h + 3 or 4 w F (_expert_swiglu_tensors);
+      - the combine: each row's output, its weighted output (index_add's source) and its weight, w (2h + 1) N;
+      - the shared expert and its gate (_shared_expert_bytes)."""
+    config, width = model.config, _activation_width(model)
+    h, tokens = config.hidden_size, dropless_routed_tokens(model, layout)
+    rows = config.moe_router_topk * tokens
+    received = dropless_received_rows(model, layout) if received_rows is None else received_rows
+    places = 16 * rows + (16 * received if config.moe_expert_parallel_size > 1 else 0)
+    experts = received * width * (h + _expert_swiglu_tensors(config) * config.moe_ffn_hidden_size)
+    losses = _router_loss_bytes(config, tokens, layout.micro_batch_size)
+    return (width * h * tokens + _router_bytes(config, tokens) + losses + places
+            + experts + rows * width * (2 * h + 1) + _shared_expert_bytes(model, layout, width))
+
+
+def _router_bytes(config, tokens):
+    """The router's fp32 scores (softmax or sigmoid output), 4 T E, its choice (int64), 8 T k, and where it
+    normalises the chosen scores (softmax unless pre-softmax; sigmoid at k > 1) those and their sum, 4 T (k + 1)."""
+    k, softmax = config.moe_router_topk, config.moe_router_score_function == "softmax"
+    normalised = not config.moe_router_pre_softmax if softmax else k > 1
+    return tokens * (4 * config.num_moe_experts + 8 * k + (4 * (k + 1) if normalised else 0))
+
+
+def _router_loss_bytes(config, tokens, micro_batch_size):
+    """With --moe-aux-loss-coeff the balance loss's fp32 scores, 4 T E (sigmoid's normalised: + 4 T), and its
+    counts, 4 E (seq_aux_loss: 4 b E); with --moe-z-loss-coeff the fp32 logits and their log-sum-exp, 4 T (E + 1);
+    with either, the loss (4)."""
+    experts, balance, z = config.num_moe_experts, 0.0, 0.0
+    if config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff:
+        sequences = micro_batch_size if config.moe_router_load_balancing_type == "seq_aux_loss" else 1
+        sigmoid = config.moe_router_score_function == "sigmoid"
+        balance = tokens * (4 * experts + (4 if sigmoid else 0)) + 4 * experts * sequences
+    if config.moe_z_loss_coeff:
+        z = tokens * 4 * (experts + 1)
+    return balance + z + (4 if balance or z else 0)
+
+
+def _expert_swiglu_tensors(config):
+    """Tensors of F per row the routed experts keep: with --moe-grouped-gemm DeepSpeed's Triton SwiGLU keeps the
+    gate and up projections and the product (3, as on a GPU); one GEMM per expert (or without Triton) keeps silu's
+    input, its output, up and the product (4)."""
+    return 3 if config.moe_grouped_gemm else 4
+
+
+def _shared_expert_bytes(model, layout, width):
+    """The shared expert as a dense MLP of its width (SwiGLU 3 w F_s per token / t; its input is the router's, or
+    under TP without SP the whole input, w h s b / U) and its gate: the MLP's output and the sigmoid, w (h + 1) per
+    token."""
+    config, b, s = model.config, layout.micro_batch_size, model.seq_length
+    if not config.moe_shared_expert_intermediate_size:
+        return 0.0
+    replicated, split = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    whole_input = width * config.hidden_size * split if layout.tp > 1 and not layout.sequence_parallel else 0.0
+    mlp = split * _mlp_bytes_per_token(config, width, config.moe_shared_expert_intermediate_size) / layout.tp
+    gate = replicated * width * (config.hidden_size + 1) if config.moe_shared_expert_gate else 0.0
+    return whole_input + mlp + gate
 
 
 def attention_kernel(config, device="cuda") -> str:
@@ -268,19 +346,29 @@ def _saved_layer_input_bytes(model, layout):
 def _layer_activations_per_micro_batch(model, layout, num_layers, first_layer=1):
     """(bytes kept per micro-batch in flight, bytes of the one chunk being recomputed in backward) of the stage's
     `num_layers` layers from `first_layer` (global, 1-based; MoE layers among them)."""
-    experts = [model.config.experts_in_layer(n) for n in range(first_layer, first_layer + num_layers)]
+    kinds = [_layer_kind(model.config, n) for n in range(first_layer, first_layer + num_layers)]
     if layout.recompute != "full":
-        per_layer = {e: layer_activation_bytes(model, layout, layout.recompute, e) for e in set(experts)}
-        return sum(per_layer[e] for e in experts), 0.0
-    whole = {e: layer_activation_bytes(model, layout, None, e) for e in set(experts)}
+        per_layer = {e: _kind_activation_bytes(model, layout, layout.recompute, e) for e in set(kinds)}
+        return sum(per_layer[e] for e in kinds), 0.0
+    whole = {e: _kind_activation_bytes(model, layout, None, e) for e in set(kinds)}
     if layout.recompute_method == "uniform":
         chunk = layout.recompute_num_layers
-        chunks = [experts[i:i + chunk] for i in range(0, num_layers, chunk)]
+        chunks = [kinds[i:i + chunk] for i in range(0, num_layers, chunk)]
         return (len(chunks) * _saved_layer_input_bytes(model, layout),
                 max((sum(whole[e] for e in layers) for layers in chunks), default=0.0))
     recomputed = layout.recomputed_layers(num_layers)
-    kept = recomputed * _saved_layer_input_bytes(model, layout) + sum(whole[e] for e in experts[recomputed:])
-    return kept, max(whole[e] for e in experts[:recomputed]) if recomputed else 0.0
+    kept = recomputed * _saved_layer_input_bytes(model, layout) + sum(whole[e] for e in kinds[recomputed:])
+    return kept, max(whole[e] for e in kinds[:recomputed]) if recomputed else 0.0
+
+
+def _layer_kind(config, layer_number):
+    """(DeepSpeed-MoE experts, whether a dropless MoE layer) of layer `layer_number`: what its activations depend on."""
+    return config.experts_in_layer(layer_number), config.dropless_moe_in_layer(layer_number)
+
+
+def _kind_activation_bytes(model, layout, recompute, kind):
+    experts, dropless = kind
+    return layer_activation_bytes(model, layout, recompute, experts, dropless=dropless)
 
 
 def _pipeline_buffer_bytes(model, layout, stage, in_flight):
@@ -355,6 +443,7 @@ class StageMemory:
     expert_gradient_reduction: float = 0.0  # alive at the step, when the activations are gone
     gradients_before_activation_peak: bool = True  # False with one micro-batch: none exists before its backward
     teacher: float = 0.0  # --kd: the frozen teacher's weights, carried hidden states and logits (teacher_bytes)
+    buffers: float = 0.0  # fp32 buffers beside the parameters: the dropless MoE layers' expert bias and counts
 
     @property
     def model_states(self) -> float:
@@ -368,7 +457,8 @@ class StageMemory:
             peak = self.gradients + max(self.activations, self.expert_gradient_reduction)
         else:
             peak = max(self.activations, self.gradients + self.expert_gradient_reduction)
-        return self.weights + self.grad_accumulation + self.optimizer + peak + self.teacher + self.overhead
+        return (self.weights + self.grad_accumulation + self.optimizer + self.buffers + peak + self.teacher
+                + self.overhead)
 
 
 def stage_state_bytes(model: ModelSpec, layout: Layout, stage_params: StageParameters) -> StateBytes:
@@ -405,7 +495,7 @@ def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters
                        overhead=RUNTIME_OVERHEAD_BYTES,
                        expert_gradient_reduction=expert_gradient_reduction_bytes(model, layout, stage_params),
                        gradients_before_activation_peak=layout.num_micro_batches > 1,
-                       teacher=teacher_bytes(model, layout, stage_params))
+                       teacher=teacher_bytes(model, layout, stage_params), buffers=4.0 * stage_params.buffers)
 
 
 def memory_per_stage(model: ModelSpec, layout: Layout, stages: List[StageParameters]) -> List[StageMemory]:

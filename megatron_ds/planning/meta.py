@@ -6,6 +6,7 @@ every spec whose class name matches the regex and balances the marks with
 `deepspeed.runtime.utils.partition_balanced`; a stage then builds its slice of the specs, a TiedLayerSpec
 once per key (as `PipelineModule._build` does).
 """
+import dataclasses
 import re
 from typing import List, Optional
 
@@ -60,7 +61,11 @@ def meta_stage_parameter_counts(model: ModelSpec, tp: int, pp: int, stages: Opti
 
 
 def check_against_formula(model: ModelSpec, tp: int, pp: int, stages: Optional[List[int]] = None) -> dict:
-    """Per stage: the formula's count, the meta-built count and their difference (0 when they agree)."""
+    """Per stage: the formula's count, the meta-built count and their difference (0 when they agree). A dropless
+    MoE layer needs its expert-parallel process group to build at EP > 1: such a model is built and counted at
+    EP 1 (every expert on the rank)."""
+    if model.config.is_dropless_moe:
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, moe_expert_parallel_size=1))
     formula = {stage.stage: stage.total for stage in stage_parameters(model, tp, pp)}
     built = meta_stage_parameter_counts(model, tp, pp, stages)
     return {stage: {"formula": formula[stage], "built": count, "difference": count - formula[stage]}

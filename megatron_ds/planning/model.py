@@ -143,14 +143,15 @@ def model_shape(model: ModelSpec) -> ModelShape:
     return ModelShape(num_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
                       num_query_groups=config.num_query_groups, ffn_hidden_size=config.ffn_hidden_size,
                       seq_length=model.seq_length, num_experts=tuple(config.num_experts),
-                      expert_interval=config.expert_interval)
+                      expert_interval=config.expert_interval,
+                      dropless_moe_layers=config.moe_layer_pattern if config.is_dropless_moe else ())
 
 
 def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
     """Ranks holding the same experts (TP x DP / EP; DP / EP with expert tensor parallelism): the group expert
     gradients are reduced and their optimizer states ZeRO-partitioned over (the sequence-data-parallel group for
     everything else, and for a dense model)."""
-    if not model.config.is_moe:
+    if not (model.config.is_moe or model.config.is_dropless_moe):
         return layout.sequence_data_parallel
     return parallel_layout(model, layout).expert_data_parallel
 

@@ -17,6 +17,14 @@ tensor parallelism, the EP groups being runs of a stage's TP x DP ranks) or spli
 (--enable-expert-tensor-parallelism, the EP groups being runs of DP ranks); router, residual MLP and coefficient
 are on every rank. The whole model counts all E
 experts (total_parameters); a token uses the router, its top-k experts and the residual (active_parameters).
+
+The dropless MoE layer (Megatron-Core's flags, core/transformer/dropless_moe.py; config.dropless_moe_in_layer):
+its MLP is a router Linear(h, E, no bias), E routed experts of DeepSpeed's GroupedExperts (gate w1 and up w3
+[F, h], down w2 [h, F] each, F = moe_ffn_hidden_size, no biases), and optionally a shared expert (an MLP of its
+own width, split over TP like the dense one) with a sigmoid gate Linear(h, 1, no bias). Each EP rank holds E / EP
+routed experts whole (expert TP 1); router, shared expert and gate are on every EP rank, router and gate whole on
+each TP rank. Its fp32 buffers (the expert bias and two token counts, E values each) are no parameters:
+StageParameters.buffers counts them for memory.py.
 """
 from dataclasses import dataclass
 from typing import List, Optional
@@ -38,10 +46,10 @@ def attention_parameters(config, tp: int = 1) -> int:
     return sharded // tp + (h if config.bias else 0)
 
 
-def mlp_parameters(config, tp: int = 1) -> int:
-    """One MLP (the dense one, or one expert) on one TP rank: fc1 (gate and up with SwiGLU) and fc2 weights and
-    fc1's bias split by TP, fc2's (row-parallel) bias replicated."""
-    h, f = config.hidden_size, config.ffn_hidden_size
+def mlp_parameters(config, tp: int = 1, ffn_hidden_size: Optional[int] = None) -> int:
+    """One MLP (the dense one, or one expert; of width ffn_hidden_size, default the config's) on one TP rank: fc1
+    (gate and up with SwiGLU) and fc2 weights and fc1's bias split by TP, fc2's (row-parallel) bias replicated."""
+    h, f = config.hidden_size, ffn_hidden_size or config.ffn_hidden_size
     fc1_out = f * (2 if config.gated_linear_unit else 1)
     sharded = fc1_out * h + f * h + (fc1_out if config.bias else 0)
     return sharded // tp + (h if config.bias else 0)
@@ -61,19 +69,55 @@ def moe_mlp_parameters(config, num_experts: int, ep: int = 1, tp: int = 1) -> in
     return h * num_experts + num_experts // ep * one_expert_parameters(config, tp) + residual
 
 
+def dropless_expert_parameters(config) -> int:
+    """One routed expert of the dropless layer: w1 and w3 [F, h], w2 [h, F]."""
+    return 3 * config.hidden_size * config.moe_ffn_hidden_size
+
+
+def shared_expert_parameters(config, tp: int = 1) -> int:
+    """The dropless layer's shared expert on one TP rank (split like the dense MLP) and its gate h (whole; the layer
+    builds it with --moe-shared-expert-gate, shared expert or not)."""
+    gate = config.hidden_size if config.moe_shared_expert_gate else 0
+    if not config.moe_shared_expert_intermediate_size:
+        return gate
+    return mlp_parameters(config, tp, config.moe_shared_expert_intermediate_size) + gate
+
+
+def dropless_moe_parameters(config, ep: int = 1, tp: int = 1) -> int:
+    """A dropless MoE layer's MLP on one rank of EP `ep` and TP `tp` (1, 1: all of it): router h E, E / ep routed
+    experts, the shared expert and its gate."""
+    experts = config.num_moe_experts
+    return (config.hidden_size * experts + experts // ep * dropless_expert_parameters(config)
+            + shared_expert_parameters(config, tp))
+
+
+def _layer_mlp_parameters(config, tp, layer_number, ep):
+    if layer_number is not None and config.dropless_moe_in_layer(layer_number):
+        return dropless_moe_parameters(config, ep, tp)
+    experts = 1 if layer_number is None else config.experts_in_layer(layer_number)
+    return mlp_parameters(config, tp) if experts == 1 else moe_mlp_parameters(config, experts, ep, tp)
+
+
 def layer_parameters(config, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
     """Layer `layer_number` (1-based, global; None: a dense layer) on one rank of TP `tp` and EP `ep`
     (tp=1, ep=1: the whole layer)."""
-    experts = 1 if layer_number is None else config.experts_in_layer(layer_number)
-    mlp = mlp_parameters(config, tp) if experts == 1 else moe_mlp_parameters(config, experts, ep, tp)
-    return attention_parameters(config, tp) + mlp + 2 * norm_parameters(config)
+    return attention_parameters(config, tp) + _layer_mlp_parameters(config, tp, layer_number, ep) \
+        + 2 * norm_parameters(config)
 
 
 def expert_parameters(config, layer_number: int, ep: int = 1, tp: int = 1) -> int:
     """The experts of layer `layer_number` one rank of EP `ep` and TP `tp` holds (0 for a dense layer): the
     parameters reduced and ZeRO-partitioned over the expert-data-parallel group instead of DP."""
+    if config.dropless_moe_in_layer(layer_number):
+        return config.num_moe_experts // ep * dropless_expert_parameters(config)
     experts = config.experts_in_layer(layer_number)
     return 0 if experts == 1 else experts // ep * one_expert_parameters(config, tp)
+
+
+def dropless_buffer_values(config, layer_number: int) -> int:
+    """The fp32 buffer values of layer `layer_number` (0 unless a dropless MoE layer: the expert bias, the token
+    counts since the last bias update and the global batch's counts, E each), on every rank."""
+    return 3 * config.num_moe_experts if config.dropless_moe_in_layer(layer_number) else 0
 
 
 def embedding_parameters(model: ModelSpec, tp: int = 1) -> int:
@@ -102,11 +146,18 @@ def total_parameters(model: ModelSpec, tp: int = 1) -> int:
 
 def active_parameters(model: ModelSpec, tp: int = 1) -> int:
     """Parameters one token uses: the total less, in each MoE layer, the E - k experts it does not go to (the
-    router, its top-k experts and the residual MLP count; the dense parts as in the total)."""
-    config = model.config
-    unused = sum(max(config.experts_in_layer(n) - config.moe_router_topk, 0) * mlp_parameters(config)
-                 for n in range(1, config.num_layers + 1) if config.experts_in_layer(n) > 1)
-    return total_parameters(model, tp) - unused
+    router, its top-k experts, the residual MLP and the dropless layer's shared expert count; the dense parts as
+    in the total)."""
+    return total_parameters(model, tp) - sum(_unused_experts_parameters(model.config, n)
+                                             for n in range(1, model.config.num_layers + 1))
+
+
+def _unused_experts_parameters(config, layer_number):
+    """The parameters of the experts of layer `layer_number` a token does not go to."""
+    if config.dropless_moe_in_layer(layer_number):
+        return (config.num_moe_experts - config.moe_router_topk) * dropless_expert_parameters(config)
+    experts = config.experts_in_layer(layer_number)
+    return max(experts - config.moe_router_topk, 0) * mlp_parameters(config) if experts > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +171,7 @@ class StageParameters:
     output_head: int
     first_layer: int = 1     # the global number (1-based) of the stage's first layer
     experts: int = 0         # of `layers`, the MoE experts this device holds (reduced over TP x DP / EP ranks)
+    buffers: int = 0         # fp32 buffer values beside the parameters (the dropless MoE layers' bias and counts)
 
     @property
     def total(self) -> int:
@@ -151,7 +203,8 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = Non
             layers=sum(layer_parameters(config, tp, n, ep) for n in numbers),
             final_norm=norm_parameters(config) if last else 0,
             output_head=output_head_parameters(model, tp, pp) if last else 0,
-            first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers)))
+            first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers),
+            buffers=sum(dropless_buffer_values(config, n) for n in numbers)))
         first += count
     return stages
 
@@ -189,5 +242,5 @@ def rank_parameters(model: ModelSpec, layout, tp: Optional[int] = None, ep: Opti
         ranks.append(StageParameters(stage=rank, num_layers=down.num_layers + up.num_layers,
                                      embedding=down.embedding, layers=down.layers + up.layers,
                                      final_norm=up.final_norm, output_head=head, first_layer=down.first_layer,
-                                     experts=down.experts + up.experts))
+                                     experts=down.experts + up.experts, buffers=down.buffers + up.buffers))
     return ranks

@@ -18,7 +18,6 @@ from megatron_ds.arguments import (
     resolve,
     tokenizer_type,
 )
-from megatron_ds.arguments.checks import dropless_moe_flags_given
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.launch.devices import DEVICES, device_spec
 from megatron_ds.planning import report
@@ -27,7 +26,7 @@ from megatron_ds.planning.meta import check_against_formula
 from megatron_ds.planning.model import Cluster, ModelSpec
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions
-from megatron_ds.planning.planner import make_plan, moe_section
+from megatron_ds.planning.planner import dropless_moe_section, make_plan, moe_section
 from megatron_ds.planning.search import search_layouts
 
 DEFAULT_VOCAB_SIZE = 51200
@@ -92,11 +91,22 @@ def validated_args(args):
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
         vars(flags).update(WITHOUT_MEMORY_CHOICES)
     resolved = resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
-    if resolved.dropless_moe:
-        raise ArgumentsError([f"{', '.join(dropless_moe_flags_given(args))}: the planner and the dry run do not "
-                              f"plan the dropless MoE layer yet (its memory, all-to-all volume and FLOPs); "
-                              f"Megatron-DeepSpeed's MoE flags (DeepSpeed-MoE) are planned"])
+    unplanned = unplanned_dropless_choices(resolved.model) if resolved.dropless_moe else []
+    if unplanned:
+        raise ArgumentsError([f"{', '.join(unplanned)}: the planner and the dry run plan the dropless MoE layer with "
+                              f"its alltoall dispatcher and no capacity (every pair computed); leave these unset to "
+                              f"plan it"])
     return resolved
+
+
+def unplanned_dropless_choices(config):
+    """The dropless MoE layer's choices whose traffic and memory the planner does not model, as their flags."""
+    unplanned = []
+    if config.moe_token_dispatcher_type != "alltoall":
+        unplanned.append(f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type}")
+    if config.moe_expert_capacity_factor is not None:
+        unplanned.append(f"--moe-expert-capacity-factor {config.moe_expert_capacity_factor:g}")
+    return unplanned
 
 
 def model_summary(model: ModelSpec) -> dict:
@@ -105,17 +115,26 @@ def model_summary(model: ModelSpec) -> dict:
                 {"rope": "RoPE", "learned_absolute": "learned positions"}.get(config.position_embedding_type,
                                                                               "no positions"),
                 "biases" if config.bias else "no biases", "tied embeddings" if model.tied_embeddings else "untied"]
-    moe = moe_section(model)
-    if moe:
+    moe = moe_section(model) or dropless_moe_section(model)
+    if config.is_moe:
         experts = "/".join(map(str, sorted(set(moe["experts"]))))
         features.append(f"MoE {experts} experts every {config.expert_interval} layers, top-{config.moe_router_topk}"
                         f"{', residual' if config.moe_residual else ''}, EP {config.moe_expert_parallel_size}")
+    if config.is_dropless_moe:
+        features.append(_dropless_feature(moe))
     return {"layers": config.num_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
             "kv_heads": config.num_query_groups, "kv_channels": config.kv_channels, "ffn": config.ffn_hidden_size,
             "seq_length": model.seq_length, "max_position_embeddings": model.max_position_embeddings,
             "vocab_size": model.vocab_size, "precision": model.precision, "features": features,
             "total_parameters": total_parameters(model), "active_parameters": active_parameters(model),
-            **({"moe": moe} if moe else {})}
+            **({"moe": moe} if config.is_moe else {}), **({"dropless_moe": moe} if config.is_dropless_moe else {})}
+
+
+def _dropless_feature(section):
+    shared = section["shared_expert_ffn_hidden_size"]
+    return (f"dropless MoE {section['experts']} experts of FFN {section['ffn_hidden_size']} in "
+            f"{len(section['moe_layers'])} layers, top-{section['top_k']}"
+            f"{f', shared expert FFN {shared}' if shared else ''}, EP {section['expert_parallel_size']}")
 
 
 def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:

@@ -1,11 +1,14 @@
 """One plan: parameters, memory, FLOPs, communication and estimated time of a layout, as a JSON-ready dict."""
 import dataclasses
 
+from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning.checkpoints import checkpoint_section
 from megatron_ds.planning.hardware_flops import hardware_flops_per_iteration, model_flops_per_iteration
 from megatron_ds.planning.memory import (
     GIB,
+    dropless_moe_mlp_bytes,
+    dropless_received_rows,
     layer_activation_bytes,
     memory_per_stage,
     sharded_state_bytes,
@@ -19,7 +22,14 @@ from megatron_ds.planning.model import (
     expert_data_parallel_size,
     layout_errors,
 )
-from megatron_ds.planning.parameters import active_parameters, mlp_parameters, rank_parameters, total_parameters
+from megatron_ds.planning.parameters import (
+    active_parameters,
+    dropless_buffer_values,
+    dropless_expert_parameters,
+    mlp_parameters,
+    rank_parameters,
+    total_parameters,
+)
 from megatron_ds.planning.performance import PerformanceAssumptions, estimate_performance
 
 
@@ -52,6 +62,47 @@ def moe_section(model, layout=None):
     return section
 
 
+def dropless_moe_section(model, layout=None):
+    """The dropless MoE layers (None without): the layers, experts and experts per rank, top-k, EP, the routed and
+    shared experts' widths, parameters of one routed expert, fp32 buffer bytes per layer and the MoE MLP's forward
+    FLOPs per token (core/models/gpt/flops.py); with a layout, the expert-data-parallel size, the rows one rank
+    routes and computes per layer and micro-batch (expected under uniform routing, the plan's; and the worst), the
+    MoE MLP's activations for each, and the all-to-all per layer and micro-batch."""
+    config = model.config
+    if not config.is_dropless_moe:
+        return None
+    numbers, ep = comm.dropless_moe_layer_numbers(model), config.moe_expert_parallel_size
+    section = {"moe_layers": numbers, "experts": config.num_moe_experts,
+               "experts_per_rank": config.num_moe_experts // ep, "top_k": config.moe_router_topk,
+               "expert_parallel_size": ep, "ffn_hidden_size": config.moe_ffn_hidden_size,
+               "shared_expert_ffn_hidden_size": config.moe_shared_expert_intermediate_size or 0,
+               "parameters_per_expert": dropless_expert_parameters(config),
+               "buffer_bytes_per_layer": 4 * dropless_buffer_values(config, numbers[0]),
+               "forward_flops_per_token": model_flops.dropless_moe_flops_per_token(config)}
+    if layout is not None:
+        section |= {"expert_data_parallel_size": expert_data_parallel_size(model, layout),
+                    "rows_per_layer_per_micro_batch": _dropless_rows(model, layout),
+                    "all_to_all_per_layer_per_micro_batch": dataclasses.asdict(
+                        comm.dropless_traffic_per_layer(model, layout))}
+    return section
+
+
+def _dropless_rows(model, layout):
+    """What one rank routes and computes per dropless MoE layer and micro-batch, and the MoE MLP's activations:
+    the plan counts the expected rows."""
+    tokens = comm.dropless_routed_tokens(model, layout)
+    expected, worst = dropless_received_rows(model, layout), dropless_received_rows(model, layout, worst=True)
+    return {"tokens": tokens, "rows_sent": model.config.moe_router_topk * tokens,
+            "rows_per_expert_from_each_rank": model.config.moe_router_topk * tokens / model.config.num_moe_experts,
+            "rows_computed_expected": expected, "rows_computed_worst": worst, "planned": "expected",
+            "mlp_activation_bytes_expected": dropless_moe_mlp_bytes(model, layout, expected),
+            "mlp_activation_bytes_worst": dropless_moe_mlp_bytes(model, layout, worst)}
+
+
+def _has_experts(model):
+    return model.config.is_moe or model.config.is_dropless_moe
+
+
 def _parameters_section(model, layout, stages):
     padded = dataclasses.replace(model, vocab_size=model.padded_vocab_size(layout.tp), make_vocab_size_divisible_by=1)
     # distinct over the stage's TP ranks and (with MoE) EP ranks
@@ -67,7 +118,7 @@ def _parameters_section(model, layout, stages):
                       for device in stages],
         "per_device_max": max(stage.total for stage in stages),
     }
-    if model.config.is_moe:
+    if _has_experts(model):
         for row, device in zip(section["per_stage"], stages):
             row["per_device_parts"]["experts"] = device.experts
     return section
@@ -87,7 +138,7 @@ def _memory_section(model, layout, cluster, stages):
             sharded_state_bytes(state, layout.zero_stage, layout.sequence_data_parallel)),
         **({"expert_state_bytes_per_parameter_on_device": dataclasses.asdict(
             sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout)))}
-           if model.config.is_moe else {}),
+           if _has_experts(model) else {}),
         "activation_bytes_per_layer": {str(choice): layer_activation_bytes(model, layout, choice)
                                        for choice in RECOMPUTE_CHOICES},
     }
@@ -126,9 +177,10 @@ def _communication_section(model, layout, stages):
         per_iteration = comm.ulysses_bytes_per_micro_batch(model, layout, most_layers) * m
         section["ulysses"] = {"ranks": layout.ulysses, "per_layer_per_micro_batch": per_layer,
                               "per_iteration_per_device": per_iteration}
-    if model.config.is_moe:
+    if _has_experts(model):
         section["expert_parallel"] = {
-            "all_to_all_per_layer_per_micro_batch": moe_section(model, layout)["all_to_all_per_layer_per_micro_batch"],
+            "all_to_all_per_layer_per_micro_batch": (moe_section(model, layout) or dropless_moe_section(
+                model, layout))["all_to_all_per_layer_per_micro_batch"],
             "per_iteration_per_device": max(comm.expert_parallel_bytes_per_micro_batch(
                 model, layout, stage.num_layers, stage.first_layer) for stage in stages) * m}
     return section
@@ -152,10 +204,20 @@ def _warnings(model, layout, cluster, performance):
     if model.config.moe_residual:
         warnings.append("PR-MoE's residual MLP (--mlp-type residual) is not in the activation count: an MoE layer "
                         "keeps a dense MLP's activations more than the plan says")
+    if model.config.is_dropless_moe and model.config.moe_expert_parallel_size > 1:
+        warnings.append(_dropless_routing_warning(_dropless_rows(model, layout)))
     if model.config.is_moe and not model.config.moe_token_dropping:
         warnings.append("--disable-moe-token-dropping: an expert's capacity is its largest token count, which the "
                         "plan takes as balanced routing (k x tokens / experts); unbalanced routing keeps more")
     return warnings
+
+
+def _dropless_routing_warning(rows):
+    more = (rows["mlp_activation_bytes_worst"] - rows["mlp_activation_bytes_expected"]) / GIB
+    return (f"dropless MoE: memory planned for the expected {rows['rows_computed_expected']:,.0f} rows per MoE layer "
+            f"and micro-batch on a rank's experts (uniform routing: k x tokens); at worst (every row of the EP group "
+            f"on one rank's experts, {rows['rows_computed_worst']:,.0f}) a layer keeps {more:.2f} GiB more per "
+            f"micro-batch")
 
 
 def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
@@ -173,6 +235,7 @@ def make_plan(model: ModelSpec, layout: Layout, cluster: Cluster,
         "errors": [],
         "parameters": _parameters_section(model, layout, stages),
         **({"moe": moe_section(model, layout)} if model.config.is_moe else {}),
+        **({"dropless_moe": dropless_moe_section(model, layout)} if model.config.is_dropless_moe else {}),
         "memory": _memory_section(model, layout, cluster, stages),
         "flops": _flops_section(model, layout),
         "communication": _communication_section(model, layout, stages),

@@ -21,17 +21,19 @@ def model_lines(model_summary, cluster_summary):
     kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] != m["heads"] else ""
     features = ", ".join(m["features"])
     moe = ([f"         {_count(m['total_parameters'])} parameters, {_count(m['active_parameters'])} active per "
-            f"token (vocab padded for TP 1)"] if "moe" in m else [])
+            f"token (vocab padded for TP 1)"] if "moe" in m or "dropless_moe" in m else [])
     return [f"model:   {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{kv}, FFN {m['ffn']}, "
             f"seq {m['seq_length']}, vocab {m['vocab_size']}, {m['precision']}, {features}"] + moe + [
             f"cluster: {c['world_size']} x {c['device']} ({c['memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s "
             f"peak), {c['gpus_per_node']} per node"]
 
 
-def _parameter_lines(parameters, moe=None):
+def _parameter_lines(parameters, moe=None, dropless=None):
     lines = ["Parameters", f"  total (distinct, vocab padded to {parameters['padded_vocab_size']}): "
                            f"{_count(parameters['total'])}"]
-    if moe:
+    if dropless:
+        lines += _dropless_parameter_lines(parameters, dropless)
+    elif moe:
         lines.append(f"  active per token (router, top-{moe['top_k']} experts"
                      f"{', residual MLP' if moe['residual'] else ''}): {_count(parameters['active'])}")
         lines.append(f"  MoE: {len(moe['moe_layers'])} layers (every {moe['expert_interval']}), "
@@ -50,6 +52,32 @@ def _parameter_lines(parameters, moe=None):
                      f"{_count(row['per_device']):>22}  ({parts['embedding']:,} / {parts['layers']:,}{experts} / "
                      f"{parts['final_norm']:,} / {parts['output_head']:,})")
     return lines
+
+
+def _dropless_parameter_lines(parameters, dropless):
+    shared = ", shared expert" if dropless["shared_expert_ffn_hidden_size"] else ""
+    return [f"  active per token (router, top-{dropless['top_k']} experts{shared}): {_count(parameters['active'])}",
+            f"  dropless MoE: {len(dropless['moe_layers'])} layers, {dropless['experts']} experts of "
+            f"{dropless['parameters_per_expert']:,} parameters (FFN {dropless['ffn_hidden_size']}); EP "
+            f"{dropless['expert_parallel_size']}: {dropless['experts_per_rank']} experts per rank and layer; expert "
+            f"states sharded over {dropless['expert_data_parallel_size']} (TP x U x DP / EP) ranks; fp32 buffers "
+            f"(expert bias, counts) {dropless['buffer_bytes_per_layer']:,} bytes per layer; its MLP's forward "
+            f"{dropless['forward_flops_per_token']:,.0f} FLOPs per token (router, top-{dropless['top_k']}, shared)",
+            "  stages  layers  stage total (all TP/EP ranks) per device     "
+            "(embedding / layers (of which experts) / norm / head)"]
+
+
+def _dropless_row_lines(dropless):
+    """The rows one rank routes and computes per dropless MoE layer, and the MoE MLP's activations for each."""
+    if not dropless:
+        return []
+    rows = dropless["rows_per_layer_per_micro_batch"]
+    return [f"  dropless MoE per layer and micro-batch: {rows['tokens']:,.0f} tokens routed, {rows['rows_sent']:,.0f} "
+            f"rows sent ({rows['rows_per_expert_from_each_rank']:,.1f} per expert); a rank's experts compute "
+            f"{rows['rows_computed_expected']:,.0f} rows expected (planned: uniform routing), "
+            f"{rows['rows_computed_worst']:,.0f} at worst; MoE MLP activations "
+            f"{human_bytes(rows['mlp_activation_bytes_expected'])} expected, "
+            f"{human_bytes(rows['mlp_activation_bytes_worst'])} at worst"]
 
 
 def _values(values) -> str:
@@ -94,6 +122,8 @@ def _memory_lines(memory):
                 ", ".join(str(row["in_flight_micro_batches"]) for row in shown)),
                ("runtime overhead (assumed)", "overhead", ""),
                ("total", "total", "")]
+    if any(row.get("buffers") for row in rows):
+        entries.insert(-2, ("buffers (fp32)", "buffers", "the dropless MoE layers' expert bias and counts"))
     if any(row.get("teacher") for row in rows):
         entries.insert(-2, ("teacher (--kd, frozen)", "teacher", "weights, carried hidden states, logits"))
     lines = ["Memory per device", header]
@@ -122,6 +152,8 @@ def _expert_parallel_lines(communication, links):
     if "expert_parallel" not in communication:
         return []
     ep = communication["expert_parallel"]
+    if isinstance(ep["all_to_all_per_layer_per_micro_batch"], dict):
+        return _dropless_all_to_all_lines(ep, links)
     layers = "; ".join(
         f"{row['num_experts']} experts x capacity {row['capacity']} slots: buffer {human_bytes(row['payload'])}, "
         f"{human_bytes(row['per_all_to_all'])} sent per all-to-all, {human_bytes(row['forward'] + row['backward'])} "
@@ -130,6 +162,17 @@ def _expert_parallel_lines(communication, links):
     return [f"  EP ({_link(links, 'expert')}): 4 all-to-alls per MoE layer per micro-batch "
             f"(dispatch and combine, forward and backward), (EP-1)/EP of each sent: {layers}; per iteration "
             f"{human_bytes(ep['per_iteration_per_device'])}"]
+
+
+def _dropless_all_to_all_lines(ep, links):
+    row = ep["all_to_all_per_layer_per_micro_batch"]
+    return [f"  EP ({_link(links, 'expert')}): per dropless MoE layer and micro-batch an all-to-all of the expert "
+            f"counts ({row['counts']:,.0f} bytes sent), the {row['rows']:,.0f} rows out and their outputs back "
+            f"(uneven splits, uniform routing taken: {human_bytes(row['payload'])} each, "
+            f"{human_bytes(row['per_all_to_all'])} sent), the two conjugates in backward: "
+            f"{human_bytes(row['forward'] + row['backward'])} forward + backward"
+            + (f", recompute {human_bytes(row['recompute'])}" if row["recompute"] else "")
+            + f"; per iteration {human_bytes(ep['per_iteration_per_device'])}"]
 
 
 def _link(links, axis) -> str:
@@ -218,7 +261,8 @@ def plan_text(result) -> str:
     if plan["errors"]:
         lines += ["Invalid layout:"] + [f"  - {reason}: {detail}" for reason, detail in plan["errors"]]
         return "\n".join(lines)
-    for section in (_parameter_lines(plan["parameters"], plan.get("moe")), _memory_lines(plan["memory"]),
+    for section in (_parameter_lines(plan["parameters"], plan.get("moe"), plan.get("dropless_moe")),
+                    _memory_lines(plan["memory"]) + _dropless_row_lines(plan.get("dropless_moe")),
                     _flops_lines(plan["flops"], plan["layout"]),
                     _communication_lines(plan["communication"], plan["performance"]["links"]),
                     _performance_lines(plan["performance"]), _checkpoint_lines(plan["checkpoint"])):

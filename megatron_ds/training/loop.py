@@ -12,7 +12,12 @@ import torch.distributed as dist
 
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import parallel_state
-from megatron_ds.core.transformer.dropless_moe import dropless_layers, stage_token_groups, update_expert_bias
+from megatron_ds.core.transformer.dropless_moe import (
+    dropless_layers,
+    stage_token_groups,
+    token_split_groups,
+    update_expert_bias,
+)
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
 from megatron_ds.data.builder import batch_iterator, describe_samples, will_evaluate
 from megatron_ds.engine.curriculum import SequenceLengthCurriculum
@@ -20,7 +25,7 @@ from megatron_ds.engine.ds_config import deepspeed_train_batch_size
 from megatron_ds.launch.runtime import (
     device,
 )
-from megatron_ds.observability.metrics import loss_scale
+from megatron_ds.observability.metrics import EXPERT_LOAD, EXPERT_LOAD_OF_LAYER, loss_scale
 from megatron_ds.training.distillation import distillation_loss_of
 from megatron_ds.training.iteration_plan import plan_iteration
 from megatron_ds.training.observers import iteration_observers, result_validator
@@ -68,6 +73,8 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         observers.begin(iteration, plan)
         loss, other_losses = _train_global_batch(engine, train_data, plan, progress, (experts, dropless),
                                                  validator, iteration)
+        if dropless is not None:
+            other_losses.update(_balance_experts(dropless, args.model.moe_layer_pattern))
         observers.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
@@ -122,19 +129,21 @@ def _train_global_batch(engine, train_data, plan, progress, moe, validator, iter
     else:
         batch = _IterationBatch(train_data, progress.consumed_train_samples, plan.global_batch_size)
         loss, other_losses, _ = validator.run_iteration(iteration, compute, batch)
-    if dropless is not None:
-        other_losses["tokens per expert max/mean"] = _balance_experts(dropless)
     return loss, other_losses
 
 
-def _balance_experts(layers):
-    """After the optimizer step: the expert biases updated from the global batch's loads (summed over the ranks
-    of the stage: TP, then sequence- and data-parallel); the largest max/mean load of any layer, over the
-    pipeline stages."""
-    imbalance = update_expert_bias(layers, stage_token_groups()).max() if layers else torch.zeros(())
-    imbalance = imbalance.to(device())
-    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
-    return imbalance.item()
+def _balance_experts(layers, moe_layer_pattern):
+    """After the optimizer step: the expert biases of this rank's dropless layers updated from the global batch's
+    loads (summed over the ranks of the stage: TP, then sequence- and data-parallel); every MoE layer's max/mean
+    load, gathered from the pipeline stages (EXPERT_LOAD_OF_LAYER, by 0-based global layer index), and the
+    largest (EXPERT_LOAD)."""
+    loads = torch.zeros(len(moe_layer_pattern), device=device())
+    if layers:  # a DualPipeV rank may hold none
+        loads[[layer.layer_number - 1 for layer in layers]] = update_expert_bias(layers, stage_token_groups()).to(loads)
+    dist.all_reduce(loads, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+    by_layer = {EXPERT_LOAD_OF_LAYER.format(index): load
+                for index, (load, moe) in enumerate(zip(loads.tolist(), moe_layer_pattern)) if moe}
+    return {EXPERT_LOAD: max(by_layer.values()), **by_layer}
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,7 @@ def run_global_batch(engine, iterator, accumulation_steps, train, experts=None, 
     loss = _run_micro_batches(engine, iterator, accumulation_steps, train)
     others = {} if experts is None else {"moe loss": _moe_loss(experts)}
     if dropless is not None:
-        others["load balancing loss"] = _moe_loss(dropless, summed_over_tensor_parallel=True)
+        others["load balancing loss"] = _moe_loss(dropless, summed_over=token_split_groups())
     if distillation is not None:  # the engine's loss is the weighted sum: the line reports the two terms
         loss, others["kd loss"] = _mean_over_data_parallel(distillation.global_batch_losses(device())).tolist()
     return loss, others
@@ -207,13 +216,13 @@ def _run_micro_batches(engine, iterator, accumulation_steps, train):
     return _mean_over_data_parallel(total / accumulation_steps).item()
 
 
-def _moe_loss(experts, summed_over_tensor_parallel=False):
+def _moe_loss(experts, summed_over=()):
     """The MoE auxiliary loss of the global batch: this stage's layers' (each the mean over micro-batches),
-    summed over the pipeline stages (and over the TP ranks where each holds its share of the tokens: the dropless
-    layers), mean over the data-parallel ranks."""
+    summed over the pipeline stages (and over the groups `summed_over`, whose ranks each hold their share of the
+    tokens: TP and Ulysses SP for the dropless layers), mean over the data-parallel ranks."""
     local = auxiliary_loss_of(experts).to(device())
-    if summed_over_tensor_parallel:
-        dist.all_reduce(local, group=parallel_state.get_tensor_model_parallel_group())
+    for group in summed_over:
+        dist.all_reduce(local, group=group)
     dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
     return _mean_over_data_parallel(local).item()
 

@@ -2,10 +2,12 @@
 4 experts, top-2, the expert bias and a balance loss trains the same at every expert-parallel size, with Megatron's
 sequence parallelism, and in DeepSpeed's pipeline engine under 1F1B, ZB-H1 and DualPipeV (fp32, dropout 0): the lm
 loss, the balance loss and the load of each iteration equal EP 1's at the same data-parallel size (DP 2; EP 2 and 4
-at DP 4 against EP 1 at DP 4), and with full recompute; bf16 tracks fp32."""
+at DP 4 against EP 1 at DP 4), and with full recompute; bf16 tracks fp32; the allgather dispatcher trains the same
+model as the alltoall one; each MoE layer's load goes to TensorBoard."""
 import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.support.launch import assert_succeeded, launch, losses
 from tests.support.layouts import COMMON, FAMILIES, ITERATIONS
@@ -51,6 +53,14 @@ def test_expert_parallelism_over_data_parallel_ranks_trains_the_same_model():
     assert "expert-parallel groups: [[0, 1]]" in output
 
 
+def test_the_allgather_dispatcher_trains_the_same_model_as_the_alltoall_one():
+    """EP 2 over DP 2: each rank gathers both ranks' tokens and routing, runs its two experts on the pairs routed to
+    them, and gets its own tokens' sums back."""
+    expert_parallel = ("--expert-model-parallel-size", "2")
+    _assert_same_training(_run(2, *expert_parallel, "--moe-token-dispatcher-type", "allgather"),
+                          _run(2, *expert_parallel))
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_sizes_at_data_parallel_4_train_the_same_model(ep):
     _assert_same_training(_run(4, "--expert-model-parallel-size", str(ep)), _run(4))
@@ -60,6 +70,12 @@ def test_expert_parallelism_across_sequence_parallel_tensor_parallel_ranks_train
     """TP 2 with Megatron's SP: each TP rank routes its half of the sequence; EP 2 spans the two TP ranks."""
     _assert_same_training(_run(2, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                "--make-vocab-size-divisible-by", "128", "--expert-model-parallel-size", "2"), _run(2))
+
+
+def test_expert_parallelism_across_ulysses_ranks_trains_the_same_model():
+    """Ulysses SP 2: each rank routes half of every sequence; the balance losses' counts are summed over the two
+    (as Megatron-Core sums them over CP) and their gradients scaled like the lm loss's."""
+    _assert_same_training(_run(2, "--ds-sequence-parallel-size", "2", "--expert-model-parallel-size", "2"), _run(2))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "dualpipev"])
@@ -112,3 +128,30 @@ def test_the_expert_bias_balances_a_skewed_router_and_nothing_else_does():
     assert with_bias[0] == without[0] > 2.5, (with_bias[:3], without[:3])  # the skew, before any update
     assert min(with_bias) < 1.2 and sorted(with_bias[-10:])[5] < 1.3, with_bias
     assert min(without) > 1.5, without
+
+
+def test_each_moe_layers_load_goes_to_tensorboard(tmp_path):
+    """PP 2 with MoE layers 0, 2 and 3 of 4 and a capacity: every log interval, each MoE layer's max/mean load as
+    moe/tokens_per_expert_max_over_mean_layer_{i} (0-based, layer 0's from the first stage), the largest of them
+    the iteration line's."""
+    result = launch(2, COMMON + FAMILIES["llama"] + DROPLESS + [
+        "--pipeline-model-parallel-size", "2", "--moe-layer-freq", "[1,0,1,1]", "--moe-expert-capacity-factor", "1.0",
+        "--train-iters", "3", "--tensorboard-dir", str(tmp_path)])
+    assert_succeeded(result, tail=4000)
+    scalars = _tensorboard_scalars(tmp_path)
+    layers = {tag: values for tag, values in scalars.items() if tag.startswith("moe/")}
+    assert sorted(layers) == [f"moe/tokens_per_expert_max_over_mean_layer_{index}" for index in (0, 2, 3)], scalars
+    line = {int(iteration): float(load) for iteration, _, load in BALANCE.findall(result.stdout)}
+    assert sorted(line) == [1, 2, 3] == sorted(scalars["tokens per expert max/mean"]), result.stdout[-3000:]
+    for iteration, load in line.items():
+        assert max(values[iteration] for values in layers.values()) == pytest.approx(load, abs=5e-4), (iteration,
+                                                                                                         layers)
+        assert all(values[iteration] >= 1 for values in layers.values()), layers
+
+
+def _tensorboard_scalars(folder):
+    """{tag: {step: value}} of the TensorBoard event files in folder."""
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
+            for tag in accumulator.Tags()["scalars"]}

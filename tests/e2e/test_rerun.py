@@ -252,11 +252,14 @@ def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_p
      "--num-virtual-stages-per-pipeline-rank", "2"],
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
     ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--expert-interval", "1"],
+    ["--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-enable-expert-bias",
+     "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--ds-sequence-parallel-size", "2"],
     ["--bf16"],
     ["--async-save", "--save-interval", "3"],
-], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2", "tp2-sp", "ulysses2", "bf16-dp2", "async-save"])
+], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2", "dropless-moe-ep2", "tp2-sp", "ulysses2", "bf16-dp2",
+        "async-save"])
 def test_the_held_step_and_the_replay_are_exact_under_every_schedule_and_with_experts(layout, tmp_path):
     """Dropout on, a false alarm every 3rd iteration (correct_result): each is computed again bit for bit from the
     held state and training goes on with the losses of the run without any check (2 ranks). With --async-save the

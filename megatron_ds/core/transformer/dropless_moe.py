@@ -4,10 +4,14 @@ expert-parallel components.
 - DeepSpeed's TokenChoiceTopKRouter chooses each token's top-k experts: softmax or sigmoid scores in fp32, the
   choice optionally limited to the best expert groups, the expert bias (auxiliary-loss-free balancing) added for
   the choice only, the chosen scores normalised and scaled.
-- Every chosen (token, expert) pair reaches its expert, none dropped: the pairs are sorted by expert, the
-  per-expert counts exchanged over the expert-parallel group first, then the tokens (an all-to-all with those
-  splits); DeepSpeed's GroupedExperts runs this rank's experts (torch._grouped_mm with --moe-grouped-gemm, else
-  one GEMM per expert); the outputs return the same way, are weighted by the routing scores and summed per token.
+- Every chosen (token, expert) pair reaches its expert, none dropped (unless --moe-expert-capacity-factor gives
+  each expert a capacity: Megatron-Core's token dropping, over this rank's pairs before the dispatch). The
+  alltoall dispatcher sorts the pairs by expert and exchanges the per-expert counts over the expert-parallel group
+  first, then the tokens (an all-to-all with those splits); DeepSpeed's GroupedExperts runs this rank's experts
+  (torch._grouped_mm with --moe-grouped-gemm, else one GEMM per expert); the outputs return the same way, are
+  weighted by the routing scores and summed per token. The allgather dispatcher gathers the group's tokens and
+  their routing on every rank of the group, runs this rank's experts on the pairs routed to them, and
+  reduce-scatters the weighted sums back to the tokens' ranks.
 - Under TP the layer's tokens are split over the TP ranks (Megatron's sequence parallelism already splits them;
   without it this layer splits and gathers them), so the experts are whole on their rank (expert TP 1) and the
   expert-parallel group may span TP and data-parallel ranks.
@@ -101,21 +105,37 @@ def _expert_major_order(counts_by_source):
 
 class AllToAllDispatcher:
     """Sends each (token, expert) row to the rank holding the expert and brings the expert's output back.
-    group None: expert parallelism 1, every expert here."""
+    group None: expert parallelism 1, every expert here. drops: whether pairs may be dropped (a capacity)."""
 
-    def __init__(self, num_experts, group):
+    def __init__(self, num_experts, group, drops=False):
         self.group = group
-        self.ranks = dist.get_world_size(group) if group is not None else 1
+        self.num_experts = num_experts
+        self.ranks = _group_size(group)
         self.local_experts = num_experts // self.ranks
+        self.drops = drops
+
+    def combine(self, tokens, weights, destinations, experts):
+        """tokens [T, h], weights and destinations [T, k] (a destination outside the experts: a dropped pair) ->
+        [T, h]: each token's expert outputs, weighted and summed."""
+        return weighted_expert_sums(tokens, weights, destinations, self.num_experts,
+                                    lambda rows, counts: self.run(rows, counts, experts), every_pair=not self.drops)
+
+    # tools/dry_run.py sets this: its fake tensors hold no counts, so each rank's rows are taken as routed
+    # uniformly (uniform_counts) and every rank as receiving the counts it sends (its fake process group moves none)
+    uniform_routing = False
 
     def run(self, rows, counts, experts):
         """rows [N, h] sorted by global expert, counts [E]: experts(rows of this rank's experts, their counts)
         for every row, in the same order."""
+        if self.uniform_routing:
+            counts = uniform_counts(rows.shape[0], self.num_experts, rows.device)
         if self.ranks == 1:
             return experts(rows, counts)
         counts_by_rank = counts.view(self.ranks, self.local_experts)
         received_counts = torch.empty_like(counts_by_rank)
         dist.all_to_all_single(received_counts, counts_by_rank, group=self.group)  # [source, local expert]
+        if self.uniform_routing:
+            received_counts.copy_(counts_by_rank[dist.get_rank(self.group)].expand_as(received_counts))
         send_splits = counts_by_rank.sum(1).tolist()
         receive_splits = received_counts.sum(1).tolist()
         received = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
@@ -125,17 +145,138 @@ class AllToAllDispatcher:
         return _AllToAll.apply(returned, send_splits, receive_splits, self.group)
 
 
+def uniform_counts(rows, experts, device):
+    """[experts] int64: `rows` spread evenly, rows // experts each and one more for the first rows % experts."""
+    extra = torch.arange(experts, dtype=torch.int64, device=device) < rows % experts
+    return torch.full((experts,), rows // experts, dtype=torch.int64, device=device) + extra
+
+
+class AllGatherDispatcher:
+    """Megatron-Core's allgather dispatcher: every rank of the expert-parallel group gathers the group's tokens with
+    their routing, runs its experts on the pairs routed to them, and the weighted sums are reduce-scattered back,
+    each rank receiving its own tokens'. The ranks of a group route equally many tokens (one micro-batch shape).
+    group None: expert parallelism 1, every expert here. drops: whether pairs may be dropped (a capacity)."""
+
+    def __init__(self, num_experts, group, drops=False):
+        self.group = group
+        self.ranks = _group_size(group)
+        self.local_experts = num_experts // self.ranks
+        self.first_expert = (dist.get_rank(group) if group is not None else 0) * self.local_experts
+        self.drops = drops
+
+    def combine(self, tokens, weights, destinations, experts):
+        """As AllToAllDispatcher.combine."""
+        if self.ranks == 1:
+            return weighted_expert_sums(tokens, weights, destinations, self.local_experts, experts,
+                                        every_pair=not self.drops)
+        group_tokens = _GatherFromGroup.apply(tokens, self.group)
+        group_weights = _GatherFromGroup.apply(weights, self.group)
+        local_destinations = _all_gathered(destinations, self.group) - self.first_expert
+        sums = weighted_expert_sums(group_tokens, group_weights, local_destinations, self.local_experts, experts)
+        return _ReduceScatterToGroup.apply(sums, self.group)
+
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+
+
+def weighted_expert_sums(tokens, weights, destinations, experts, compute, every_pair=False):
+    """tokens [T, h]; weights, destinations [T, k]: each token's sum of weight x output over its pairs whose
+    destination is one of `experts` (0 .. experts - 1; any other adds nothing). compute(rows [N, h] sorted by
+    destination, counts [experts]) gives the rows' outputs, in the same order. every_pair: every destination is
+    one of `experts`, so none is left out (and no host sync counts them)."""
+    keys = destinations.reshape(-1)
+    if not every_pair:
+        keys = torch.where((keys >= 0) & (keys < experts), keys, experts)
+    counts = expert_counts(keys, experts + 1)[:experts]
+    order = torch.argsort(keys, stable=True)
+    if not every_pair:
+        order = order[:int(counts.sum())]  # the pairs of no expert here sort last
+    token_of_row = order // destinations.shape[1]
+    outputs = compute(tokens[token_of_row], counts)
+    weighted = outputs * weights.reshape(-1)[order].unsqueeze(-1).to(outputs.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
+
+
+def expert_counts(destinations, experts):
+    """[experts] int64: how many of destinations (each in 0 .. experts - 1) go to each (no host sync)."""
+    flat = destinations.reshape(-1)
+    return torch.zeros(experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """The group's tensors (equal shapes) concatenated along dim 0 in rank order; backward: the gradient of this
+    rank's slice, summed over the group."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _all_gathered(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scattered(grad, ctx.group), None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    """The sum over the group of each rank's slice for this rank (dim 0 split evenly in rank order); backward: the
+    gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _reduce_scattered(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gathered(grad, ctx.group), None
+
+
+def _all_gathered(tensor, group):
+    pieces = [torch.empty_like(tensor) for _ in range(_group_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def _reduce_scattered(tensor, group):
+    # an all-to-all then a sum, the same on every backend (gloo has no reduce_scatter)
+    received = torch.empty_like(tensor)
+    dist.all_to_all_single(received, tensor.contiguous(), group=group)
+    return received.view(_group_size(group), -1, *tensor.shape[1:]).sum(0)
+
+
+def within_capacity(weights, chosen, num_experts, capacity_factor, drop_policy):
+    """Megatron-Core's token dropping over this rank's pairs: [T, k] bool, the (token, expert) pairs kept, each
+    expert keeping at most ceil(T x k / E x capacity_factor) of its pairs: those of the highest routing weight
+    ("probs"; ties to the earlier token) or of the earliest tokens ("position")."""
+    tokens, topk = chosen.shape
+    capacity = math.ceil(tokens * topk / num_experts * capacity_factor)
+    experts = chosen.reshape(-1)
+    order = torch.arange(experts.numel(), device=experts.device)
+    if drop_policy == "probs":
+        order = torch.argsort(-weights.detach().reshape(-1), stable=True)
+    order = order[torch.argsort(experts[order], stable=True)]  # by expert, then by the policy's preference
+    sorted_experts = experts[order]
+    counts = expert_counts(sorted_experts, num_experts)
+    place_in_expert = torch.arange(experts.numel(), device=experts.device) - (torch.cumsum(counts, 0) - counts)[
+        sorted_experts]
+    kept = torch.empty_like(experts, dtype=torch.bool)
+    kept[order] = place_in_expert < capacity
+    return kept.view_as(chosen)
+
+
 class DroplessMoE(torch.nn.Module):
     """The MLP of a dropless MoE layer. forward(x [s, b, h]) -> (output, None), as MLP's (output, bias).
-    expert_group: the expert-parallel process group (None: all experts on this rank)."""
+    layer_number: the layer's, 1-based over the whole model; expert_group: the expert-parallel process group (None:
+    all experts on this rank)."""
 
     def __init__(self, config, layer_number, expert_group=None):
         super().__init__()
         self.config = config
-        self.topk = config.moe_router_topk
+        self.layer_number = layer_number
         self.num_experts = config.num_moe_experts
         self.router = Router(config)
-        self.dispatcher = AllToAllDispatcher(self.num_experts, expert_group)
+        self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
+            self.num_experts, expert_group, drops=config.moe_expert_capacity_factor is not None)
         self.experts = _grouped_experts(config, self.dispatcher.local_experts)
         expert_rank = dist.get_rank(expert_group) if expert_group is not None else 0
         _name_experts(self.experts, f"decoder.layers.{layer_number - 1}.mlp.experts",
@@ -148,10 +289,9 @@ class DroplessMoE(torch.nn.Module):
             if config.sequence_parallel:
                 mark_sequence_parallel_parameter(self.shared_gate.weight)
         self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
-        self.counts_group = None  # the ranks that split a micro-batch's tokens with this one
+        self.counts_groups = token_split_groups()
         if self.tensor_parallel > 1:  # the router sees this rank's share of the tokens
             mark_sequence_parallel_parameter(self.router.gate.weight)
-            self.counts_group = parallel_state.get_tensor_model_parallel_group()
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
                              persistent=config.moe_router_enable_expert_bias)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
@@ -167,9 +307,10 @@ class DroplessMoE(torch.nn.Module):
         flat = tokens.reshape(-1, shape[-1])
         bias = self.expert_bias if self.config.moe_router_enable_expert_bias else None
         weights, chosen, counts, logits = self.router(flat, bias)
+        destinations, counts = self._within_capacity(weights, chosen, counts)
         if self.training:
             self.tokens_per_expert += counts.to(self.tokens_per_expert)
-        routed = self._routed(flat, weights, chosen, counts).view(shape)
+        routed = self.dispatcher.combine(flat, weights, destinations, self.experts).view(shape)
         routed = self._with_auxiliary_losses(routed, logits, chosen, shape)
         output = self._all_tokens(routed)
         if self.shared_experts is not None:
@@ -186,13 +327,15 @@ class DroplessMoE(torch.nn.Module):
             return routed
         return gather_from_sequence_parallel_region(routed, tensor_parallel_output_grad=False)
 
-    def _routed(self, flat, weights, chosen, counts):
-        """Each token's k expert outputs, weighted and summed."""
-        order = torch.argsort(chosen.reshape(-1), stable=True)
-        token_of_row = order // self.topk
-        outputs = self.dispatcher.run(flat[token_of_row], counts.to(torch.int64), self.experts)
-        weighted = outputs * weights.reshape(-1)[order].unsqueeze(-1).to(outputs.dtype)
-        return torch.zeros_like(flat).index_add(0, token_of_row, weighted)
+    def _within_capacity(self, weights, chosen, counts):
+        """(each pair's destination [T, k]: its expert, or num_experts where the expert's capacity dropped it;
+        the pairs each expert computes [E]). Without a capacity factor: the choice and its counts."""
+        if self.config.moe_expert_capacity_factor is None:
+            return chosen, counts
+        kept = within_capacity(weights, chosen, self.num_experts, self.config.moe_expert_capacity_factor,
+                               self.config.moe_token_drop_policy)
+        destinations = chosen.masked_fill(~kept, self.num_experts)
+        return destinations, expert_counts(destinations, self.num_experts + 1)[:self.num_experts]
 
     def _shared(self, hidden_states):
         output, bias = self.shared_experts(hidden_states)
@@ -203,12 +346,15 @@ class DroplessMoE(torch.nn.Module):
 
     def _with_auxiliary_losses(self, routed, logits, chosen, shape):
         groups = stage_token_groups() if self.config.moe_router_load_balancing_type == "global_aux_loss" else []
-        loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_group,
-                            self._global_counts(logits, chosen, groups), math.prod(map(_group_size, groups)))
-        loss = loss + z_loss(self.config, logits) / _group_size(self.counts_group)  # this rank's share of the mean
+        loss = balance_loss(self.config, logits, chosen, shape[0], self.counts_groups,
+                            self._global_counts(logits, chosen, groups), _ranks(groups))
+        loss = loss + z_loss(self.config, logits) / _ranks(self.counts_groups)  # this rank's share of the mean
         self.auxiliary_losses.append(loss.detach())
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
-            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale)
+            # DeepSpeed averages gradients over the Ulysses ranks too, whose losses here are shares of the sample's
+            # (the lm loss is scaled by SP for the same reason: core/models/gpt/gpt_model.py)
+            ulysses = parallel_state.get_sequence_parallel_world_size()
+            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale * ulysses)
         return routed
 
     def _global_counts(self, logits, chosen, groups):
@@ -230,6 +376,17 @@ class DroplessMoE(torch.nn.Module):
         self.auxiliary_gradient_scale = gradient_scale
         self.global_batch_counts.zero_()
         self.global_batch_forwards = 0
+
+
+def token_split_groups():
+    """The groups whose ranks split a micro-batch's tokens with this one (TP, where the layer routes its share;
+    Ulysses SP): the balance losses' counts are summed over them, as Megatron-Core sums them over TP x CP."""
+    groups = []
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        groups.append(parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.get_sequence_parallel_world_size() > 1:
+        groups.append(parallel_state.get_sequence_parallel_group())
+    return groups
 
 
 def stage_token_groups():
@@ -261,24 +418,25 @@ def switch_balance_loss(scores, tokens_per_expert, total_tokens, topk, num_exper
     return (scores.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
 
 
-def balance_loss(config, logits, chosen, seq_length, counts_group=None, global_counts=None, global_ranks=1):
+def balance_loss(config, logits, chosen, seq_length, counts_groups=(), global_counts=None, global_ranks=1):
     """Megatron-Core's load-balancing loss of --moe-router-load-balancing-type over this rank's tokens (logits
-    [T, E] fp32, T = seq_length x batch in [s, b] order); 0 for none. counts_group: the ranks whose tokens join
-    this rank's in the counts (the TP ranks, which split a micro-batch's tokens); global_counts: global_aux_loss's
+    [T, E] fp32, T = seq_length x batch in [s, b] order); 0 for none. counts_groups: the groups whose ranks' tokens
+    join this rank's in the counts (TP and Ulysses SP, which split a micro-batch's tokens, as Megatron-Core sums
+    them over TP x CP); global_counts: global_aux_loss's
     mean counts per micro-batch over the global batch so far, summed over global_ranks ranks."""
     kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
     if kind == "none" or not coeff:
         return logits.new_zeros(())
     scores, chosen_map = _scores_for_balance(config, logits), routing_map(logits, chosen)
-    experts, topk, share = logits.shape[-1], config.moe_router_topk, _group_size(counts_group)
+    experts, topk, share = logits.shape[-1], config.moe_router_topk, _ranks(counts_groups)
     if kind == "seq_aux_loss":  # each sequence on its own: the batch folded into the experts' dimension
         batch = logits.shape[0] // seq_length
-        counts = _summed(chosen_map.view(seq_length, batch * experts).sum(0), counts_group)
+        counts = _summed(chosen_map.view(seq_length, batch * experts).sum(0), counts_groups)
         return switch_balance_loss(scores.view(seq_length, -1), counts, seq_length * share, topk, experts,
                                    coeff) / batch
     if kind == "global_aux_loss" and global_counts is not None:
         return switch_balance_loss(scores, global_counts, logits.shape[0] * global_ranks, topk, experts, coeff)
-    counts = _summed(chosen_map.sum(0), counts_group)
+    counts = _summed(chosen_map.sum(0), counts_groups)
     return switch_balance_loss(scores, counts, logits.shape[0] * share, topk, experts, coeff)
 
 
@@ -286,8 +444,12 @@ def _group_size(group):
     return dist.get_world_size(group) if group is not None else 1
 
 
-def _summed(counts, group):
-    if group is not None:
+def _ranks(groups):
+    return math.prod(map(_group_size, groups))
+
+
+def _summed(counts, groups):
+    for group in groups:
         dist.all_reduce(counts, group=group)
     return counts
 
@@ -314,9 +476,16 @@ def _name_experts(experts, prefix, first_expert, config):
                       ("w2", config.output_layer_init_std)):
         param = getattr(experts, name)
         set_init_method(param, init_method_normal(std))
-        param.init_keys = [f"{prefix}.{first_expert + index}.{name}" for index in range(local)]
+        param.init_keys = expert_slice_names(f"{prefix}.{name}", first_expert, local)
         param.allreduce, param.group_name = False, group_name
         param.model_parallel = True  # other experts (or other tokens' gradients) on each TP rank
+
+
+def expert_slice_names(grouped_name, first_expert, count):
+    """The layout-free names of a grouped experts' tensor's slices along dim 0, one expert each by its global
+    index: `decoder.layers.3.mlp.experts.w1` -> `decoder.layers.3.mlp.experts.{first_expert + i}.w1`."""
+    prefix, weight = grouped_name.rsplit(".", 1)
+    return [f"{prefix}.{first_expert + index}.{weight}" for index in range(count)]
 
 
 def _shared_experts(config):

@@ -13,6 +13,8 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
+MOE_TOKEN_DROP_POLICIES = ("probs", "position")
 # DeepSpeed's router scores a group of experts by its best expert ("max") or its two best ("top2_sum",
 # DeepSeek-V3's); Megatron-Core by the sum of its best topk / group_topk: these are the two it can take
 MOE_GROUP_SCORES = {1: "max", 2: "top2_sum"}
@@ -92,6 +94,9 @@ class TransformerConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless; else each expert's capacity, in shares
+    moe_token_drop_policy: str = "probs"                 # which pairs beyond an expert's capacity are dropped
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -218,6 +223,11 @@ def moe_group_score_function(topk, group_topk):
     return MOE_GROUP_SCORES.get(topk // group_topk) if topk % group_topk == 0 else None
 
 
+def moe_layer_pattern(freq, num_layers):
+    """Megatron-LM's reading of --moe-layer-freq: N marks layers 0, N, 2N, ... (0-based); a list is the pattern."""
+    return tuple(freq) if isinstance(freq, list) else tuple(int(layer % freq == 0) for layer in range(num_layers))
+
+
 def dropless_moe_errors(config):
     """What the dropless MoE layer cannot do with this configuration, each naming Megatron-Core's flag."""
     experts, topk = config.num_moe_experts, config.moe_router_topk
@@ -239,7 +249,20 @@ def dropless_moe_errors(config):
                       f"{MOE_LOAD_BALANCING_TYPES}")
     if not 1 <= topk <= max(experts, 1):
         errors.append(f"--moe-router-topk {topk} must be between 1 and --num-experts {experts}")
-    return errors + _moe_group_errors(config)
+    return errors + _moe_group_errors(config) + _moe_dispatch_errors(config)
+
+
+def _moe_dispatch_errors(config):
+    errors = []
+    if config.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+        errors.append(f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type}: one of "
+                      f"{MOE_TOKEN_DISPATCHERS}")
+    if config.moe_token_drop_policy not in MOE_TOKEN_DROP_POLICIES:
+        errors.append(f"--moe-token-drop-policy {config.moe_token_drop_policy}: one of {MOE_TOKEN_DROP_POLICIES}")
+    factor = config.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        errors.append(f"--moe-expert-capacity-factor {factor} must be > 0 (unset: no token dropped)")
+    return errors
 
 
 def _moe_group_errors(config):

@@ -42,7 +42,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_ds.arguments.resolve import replaced
@@ -79,8 +79,9 @@ def recorded_new_groups(calls):
 
 @contextlib.contextmanager
 def moves_in_place_skipped():
-    """Module.to to the device and dtype the module already has returns it untouched: torch 2.13 swaps each
-    FakeTensor parameter for a copy even then, and cannot (the fake mode keeps weak references to them)."""
+    """Module.to to the device and dtype the module already has returns it untouched, and one of FakeTensor
+    parameters converts their data in place: torch 2.13 swaps each FakeTensor parameter for a copy, and cannot
+    (the fake mode keeps weak references to them). DeepSpeed's GroupedExperts, made in fp32, goes to bf16 so."""
     original = torch.nn.Module.to
 
     def to(module, *args, **kwargs):
@@ -89,6 +90,8 @@ def moves_in_place_skipped():
         if all((device is None or tensor.device == device) and
                (dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype) for tensor in tensors):
             return module
+        if any(isinstance(param, FakeTensor) for param in module.parameters()):
+            return _converted_in_place(module, device, dtype)
         return original(module, *args, **kwargs)
 
     torch.nn.Module.to = to
@@ -96,6 +99,17 @@ def moves_in_place_skipped():
         yield
     finally:
         torch.nn.Module.to = original
+
+
+def _converted_in_place(module, device, dtype):
+    """Module.to(device, dtype) for fake tensors: each parameter keeps its object (its data replaced), each
+    buffer is replaced; integer tensors keep their dtype."""
+    for param in module.parameters():
+        param.data = param.data.to(device=device, dtype=dtype if param.is_floating_point() else None)
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            owner._buffers[name] = buffer.to(device=device, dtype=dtype if buffer.is_floating_point() else None)
+    return module
 
 
 def _storage_bytes(tensors):
@@ -144,7 +158,7 @@ def groups_by_axis(grid, args, rank):
             "pipeline": parallel_state.get_pipeline_model_parallel_ranks(),
             "sequence": parallel_state.get_sequence_parallel_ranks(),
             "sequence-data": parallel_state.get_sequence_data_parallel_ranks()}
-    if args.moe:
+    if args.moe or args.dropless_moe:
         for axis, groups in parallel_state.expert_groups_by_axis(args.moe_expert_parallel_size,
                                                      args.enable_expert_tensor_parallelism).items():
             ours[axis] = next(ranks for ranks in groups if rank in ranks)

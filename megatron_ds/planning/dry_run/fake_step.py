@@ -3,18 +3,22 @@ DeepSpeed's engine.train_batch on a micro-batch of zeros, repeated, on the fake 
 collective and point-to-point op the rank issues recorded as it reaches the process group (ours, DeepSpeed's,
 from any caller) and the bytes of the tensors the iteration allocates followed to their peak.
 
-A fake backend moves no data, and a dry-run rank holds fake tensors (shapes, no values). Two things a real
+A fake backend moves no data, and a dry-run rank holds fake tensors (shapes, no values). Three things a real
 iteration reads back are answered instead:
   - the integer messages of DeepSpeed's pipeline (the shapes of what a stage receives, the layout of a message
     split over TP) with what the previous stage sends for this layout (deepspeed_internals.
     pipeline_integer_messages of gpt_model.activation_between_stages); both ends record the values, and the
     dry run checks every receive against its sender's send;
-  - a fake tensor's value read in Python (the loss's .item(), the overflow and gradient-norm checks) as 0.
+  - a fake tensor's value read in Python (the loss's .item(), the overflow and gradient-norm checks) as 0;
+  - the dropless MoE layer's per-expert counts (the splits of its all-to-alls) with uniform routing: each rank's
+    k x tokens rows spread evenly over the experts, the remainder on the first ones, and every rank receiving the
+    counts it sends (AllToAllDispatcher.uniform_routing), what the planner plans.
 
 Each op: {"op": c10d's name (allreduce, _allgather_base, send, recv, ...), "group": its ranks, "peer": the
 other rank (send and recv), "bytes": the payload (the whole buffer of a reduction or gather, the message of a
 point-to-point op), "sent": what this rank puts on the wire for it under the ring model of
-planning/communication.py, "values": the integers of an integer message}.
+planning/communication.py (an all-to-all with uneven splits: all but its own split), "splits": an all-to-all-v's
+rows to each rank of its group, "values": the integers of an integer message}.
 """
 import itertools
 import weakref
@@ -28,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt.gpt_model import activation_between_stages
+from megatron_ds.core.transformer.dropless_moe import AllToAllDispatcher
 from megatron_ds.data.builder import model_batch
 from megatron_ds.planning import communication as comm
 from megatron_ds.training import loop
@@ -84,6 +89,10 @@ class StepRecorder(TorchDispatchMode):
         payload = sum(_bytes(tensor) for tensor in tree_leaves(named.get(_PAYLOAD.get(op, "tensors"), [])))
         entry = {"op": op, "group": ranks, "bytes": payload,
                  "sent": _SENT.get(op, lambda n, p: p)(len(ranks), payload)}
+        splits = list(named.get("input_split_sizes") or []) if op == "alltoall_base" else []
+        if splits:  # an all-to-all-v (the dropless MoE layer's): all but the rows it keeps
+            entry["splits"] = splits
+            entry["sent"] = payload * (1 - splits[ranks.index(dist.get_rank())] / max(sum(splits), 1))
         if op in ("send", "recv"):
             entry["peer"] = ranks[named["dst" if op == "send" else "src"]]
             tensor = named["tensors"][0]
@@ -132,8 +141,18 @@ def _makes_real_values(func, args, kwargs):
     """A factory (no tensor in) of a floating-point or bool tensor."""
     if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((args, kwargs))):
         return False
-    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    dtype = _factory_dtype(func, args, kwargs)
     return dtype.is_floating_point or dtype == torch.bool
+
+
+def _factory_dtype(func, args, kwargs):
+    """Its dtype argument, else the default dtype, but for arange of integers (int64: the dropless MoE layer's
+    row orders)."""
+    if kwargs.get("dtype") is not None:
+        return kwargs["dtype"]
+    if func.overloadpacket is torch.ops.aten.arange and not any(isinstance(arg, float) for arg in args):
+        return torch.int64
+    return torch.get_default_dtype()
 
 
 def _named_arguments(func, args, kwargs):
@@ -172,6 +191,7 @@ def run_step(engine, args, micro_batches=None):
                                                parallel_state.get_tensor_model_parallel_world_size())
         answers = deepspeed_internals.pipeline_integer_messages(engine, activation)
     loop.begin_iteration(args.parallel, engine, plan)
+    AllToAllDispatcher.uniform_routing = True
     recorder = StepRecorder(answers, next(engine.module.parameters()).fake_mode)
     with recorder:
         loop.run_global_batch(engine, itertools.repeat(batch), plan.micro_batches, train=True)

@@ -6,7 +6,9 @@ their traffic beside the planner's.
   - the members of a group issue the same collectives on it in the same order with the same sizes (a member
     with one more or one fewer waits forever: the deadlock a real launch meets without a message);
   - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
-    planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%;
+    planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%; the dropless
+    MoE layer's all-to-all-v on the expert axis as its splits send them under the dry run's uniform routing
+    (dry_run/fake_step.py), the planner's (EP - 1)/EP of the rows;
   - what each rank holds at its peak (the start-up's allocations, what the first iteration made and kept:
     Adam's moments, and the iteration's transient peak: gradients, activations, recompute) equals the planner's
     memory for its stage (planning/memory.py, without the runtime overhead it assumes for a GPU) within 5%, and

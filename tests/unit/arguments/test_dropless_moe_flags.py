@@ -3,8 +3,8 @@ DeepSpeed-MoE; the two families are not mixed, and what the dropless layer does 
 import pytest
 
 from megatron_ds.arguments import ArgumentsError, parse_args
-from megatron_ds.arguments.flags import moe_layer_freq, moe_layer_pattern
-from megatron_ds.planning import plan_cli
+from megatron_ds.arguments.flags import moe_layer_freq
+from megatron_ds.core.transformer.transformer_config import moe_layer_pattern
 from tests.support.flags import TINY_MODEL
 
 LLAMA = TINY_MODEL + ["--swiglu", "--normalization", "RMSNorm", "--num-layers", "4"]
@@ -54,12 +54,33 @@ def _errors(*flags, world=1):
 
 def test_the_two_families_are_not_mixed_and_unbuilt_parts_are_refused_together():
     error = _errors("--num-experts", "4", "--moe-router-topk", "2", "--topk", "2", "--moe-expert-capacity-factor",
-                    "1.0", "--save", "/tmp/nowhere", "--expert-tensor-parallel-size", "2")
-    assert ("--moe-router-topk, --moe-expert-capacity-factor, --expert-tensor-parallel-size are Megatron-Core's MoE "
-            "flags (the dropless layer) and --topk Megatron-DeepSpeed's (DeepSpeed-MoE)") in error
-    assert "--moe-expert-capacity-factor 1.0: the dropless layer drops no token" in error
+                    "1.0", "--moe-pad-expert-input-to-capacity", "--expert-tensor-parallel-size", "2")
+    assert ("--moe-router-topk, --moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity, "
+            "--expert-tensor-parallel-size are Megatron-Core's MoE flags (the dropless layer) and --topk "
+            "Megatron-DeepSpeed's (DeepSpeed-MoE)") in error
+    assert "--moe-pad-expert-input-to-capacity is not built" in error
     assert "--expert-tensor-parallel-size 2: the dropless layer keeps each expert whole" in error
-    assert "--save: checkpoints of the dropless MoE layer" in error
+
+
+def test_the_dispatcher_and_the_capacity_reach_the_layer_with_megatron_cores_defaults():
+    default = _args("--num-experts", "4", "--moe-grouped-gemm").model
+    assert (default.moe_token_dispatcher_type, default.moe_expert_capacity_factor, default.moe_token_drop_policy) == \
+        ("alltoall", None, "probs")
+    config = _args("--num-experts", "4", "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor",
+                   "1.25", "--moe-token-drop-policy", "position").model
+    assert (config.moe_token_dispatcher_type, config.moe_expert_capacity_factor, config.moe_token_drop_policy) == \
+        ("allgather", 1.25, "position")
+
+
+def test_a_capacity_factor_must_be_positive():
+    assert "--moe-expert-capacity-factor 0.0 must be > 0 (unset: no token dropped)" in _errors(
+        "--num-experts", "4", "--moe-expert-capacity-factor", "0")
+
+
+def test_checkpoints_of_the_layer_need_zero_partitions():
+    error = _errors("--num-experts", "4", "--moe-router-topk", "2", "--save", "/tmp/nowhere", "--zero-stage", "0")
+    assert ("--save with the dropless MoE layer needs --zero-stage 1 or 2 (its experts' optimizer states are read "
+            "per expert from ZeRO's partitions), got --zero-stage 0") in error
 
 
 def test_the_layer_needs_its_experts_and_gated_experts():
@@ -79,10 +100,3 @@ def test_each_pipeline_stage_needs_an_moe_layer():
                     world=2)
     assert "pipeline stage(s) 0 would hold no MoE layer" in error
 
-
-def test_the_planner_says_it_does_not_plan_the_layer_yet():
-    parser = plan_cli.build_plan_parser()
-    args = parser.parse_args(LLAMA + ["--num-experts", "4", "--moe-router-topk", "2", "--world-size", "1",
-                                      "--gpus-per-node", "1"])
-    with pytest.raises(ArgumentsError, match="do not plan the dropless MoE layer yet"):
-        plan_cli.validated_args(args)

@@ -79,3 +79,25 @@ def test_model_shape_resolves_the_default_ffn_width_like_the_model(swiglu):
     saved = {"num_layers": 2, "hidden_size": 192, "num_attention_heads": 4, "swiglu": swiglu}
     assert files.model_shape(saved)["ffn_hidden_size"] == default_ffn_hidden_size(192, swiglu)
     assert files.model_shape({**saved, "ffn_hidden_size": 100})["ffn_hidden_size"] == 100
+
+
+def test_a_dropless_checkpoint_names_what_differs_from_the_flags():
+    """The dropless layer's shape is part of the model: a checkpoint of it does not load into DeepSpeed-MoE nor
+    into another pattern of MoE layers, expert FFN or shared expert, each named by its flag."""
+    dense = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "swiglu": True, "num_experts": [4]}
+    dropless = {**dense, "dropless_moe": True, "moe_layer_freq": [0, 1, 1, 1], "moe_ffn_hidden_size": 48,
+                "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
+    saved = files.model_shape(dropless)
+    assert saved["dropless_moe_layers"] == [0, 1, 1, 1] and files.is_dropless_moe(saved)
+    assert not files.is_dropless_moe(files.model_shape({**dense, "expert_interval": 1}))
+    assert files.model_shape({**dropless, "moe_layer_freq": 1}) != saved
+    other = files.model_shape({**dropless, "moe_layer_freq": 2, "moe_ffn_hidden_size": 32,
+                               "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False})
+    differences = "\n".join(files.model_shape_differences(saved, other, 1))
+    for flag in ("--moe-layer-freq", "--moe-ffn-hidden-size: checkpoint 48, flags 32",
+                 "--moe-shared-expert-intermediate-size: checkpoint 32, flags None",
+                 "--moe-shared-expert-gate: checkpoint True, flags False"):
+        assert flag in differences, differences
+    deepspeed_moe = files.model_shape({**dense, "expert_interval": 1})
+    deepspeed_moe = "\n".join(files.model_shape_differences(saved, deepspeed_moe, 1))
+    assert "--expert-interval: checkpoint None, flags 1" in deepspeed_moe, deepspeed_moe

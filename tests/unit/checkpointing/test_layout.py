@@ -48,3 +48,16 @@ def test_the_stages_holding_a_parameter_follow_the_schedules_placement(schedule,
     assert hold("embedding.word_embeddings.weight") == sorted({0, last})
     assert hold("embedding.word_embeddings.weight", tied=False) == [0]
     assert hold("decoder.final_layernorm.weight") == hold("output_layer.weight") == [last]
+
+
+def test_a_dropless_layers_shared_expert_splits_like_the_dense_mlp_and_its_experts_stay_whole():
+    shared = "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
+    assert layout.partition_rule(shared, swiglu=True) == layout.partition_rule("decoder.layers.1.mlp.linear_fc1.weight",
+                                                                               swiglu=True) == (0, 2)
+    assert layout.partition_rule("decoder.layers.1.mlp.shared_experts.linear_fc2.weight", swiglu=True) == (1, 1)
+    for name in ("decoder.layers.1.mlp.experts.3.w1", "decoder.layers.1.mlp.router.gate.weight",
+                 "decoder.layers.1.mlp.expert_bias", "decoder.layers.1.mlp.shared_gate.weight"):
+        assert layout.partition_rule(name, swiglu=True) is None, name
+    assert layout.expert_index("decoder.layers.1.mlp.experts.3.w1") == 3
+    assert layout.is_grouped_experts("layers.1.mlp.experts.w2") and not layout.is_grouped_experts(
+        "decoder.layers.1.mlp.experts.3.w2")

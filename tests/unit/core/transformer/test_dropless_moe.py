@@ -1,8 +1,9 @@
 """The dropless MoE layer (core/transformer/dropless_moe.py) against an independent computation written here in
-fp64 (the routing spelled out, each expert a plain gated MLP), alone and over real gloo processes: expert
-parallelism, TP with and without Megatron's sequence parallelism; its balance losses against their formulas;
-the expert bias's update."""
+fp64 (the routing spelled out, each expert a plain gated MLP, an expert's capacity a loop over its pairs), alone
+and over real gloo processes: expert parallelism with either dispatcher, TP with and without Megatron's sequence
+parallelism; the capacity's drops by hand; its balance losses against their formulas; the expert bias's update."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,8 +12,14 @@ import torch.nn.functional as F
 
 from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel.random import initialize_deterministically
-from megatron_ds.core.transformer.dropless_moe import DroplessMoE, balance_loss, update_expert_bias, z_loss
-from megatron_ds.core.transformer.transformer_config import TransformerConfig
+from megatron_ds.core.transformer.dropless_moe import (
+    DroplessMoE,
+    balance_loss,
+    update_expert_bias,
+    within_capacity,
+    z_loss,
+)
+from megatron_ds.core.transformer.transformer_config import MOE_TOKEN_DISPATCHERS, TransformerConfig
 from tests.support.distributed import run_distributed
 
 HIDDEN, EXPERTS, SEQ, BATCH = 16, 8, 6, 2
@@ -23,6 +30,11 @@ ROUTINGS = {
         moe_router_score_function="sigmoid", moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
         moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True),
     "softmax top-2, a gated shared expert": dict(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True),
+    "softmax top-2, capacity 0.5, the lowest weights dropped, the allgather dispatcher": dict(
+        moe_expert_capacity_factor=0.5, moe_token_dispatcher_type="allgather"),
+    "sigmoid top-4 of 2 groups of 4, biased, capacity 0.75, the last tokens dropped": dict(
+        moe_router_score_function="sigmoid", moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+        moe_router_enable_expert_bias=True, moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
 }
 
 
@@ -47,8 +59,26 @@ def _tokens(dtype, seed=0, seq=SEQ):
 
 def _reference(x, weights, config, expert_bias):
     """The layer's output written out: scores, (grouped) choice with the bias, weights normalised and scaled,
-    each chosen expert silu(x W1) * (x W3) W2, summed; the shared expert added, gated."""
+    each chosen expert silu(x W1) * (x W3) W2 (unless its capacity dropped the pair), summed; the shared expert
+    added, gated."""
     tokens = x.reshape(-1, HIDDEN)
+    chosen, chosen_scores = _reference_routing(tokens, weights, config, expert_bias)
+    kept = _kept_by_capacity(chosen, chosen_scores, config)
+    rows = []
+    for token, experts, token_weights, token_kept in zip(tokens, chosen, chosen_scores, kept):
+        rows.append(sum((weight * _gated_mlp(token, weights["w1"][e], weights["w3"][e], weights["w2"][e])
+                         for e, weight, keep in zip(experts.tolist(), token_weights, token_kept) if keep),
+                        start=torch.zeros_like(token)))
+    output = torch.stack(rows)
+    if "shared_fc1" in weights:
+        gate, up = (tokens @ weights["shared_fc1"].t()).chunk(2, -1)
+        shared = (F.silu(gate) * up) @ weights["shared_fc2"].t()
+        output = output + shared * torch.sigmoid(tokens @ weights["shared_gate"].t())
+    return output.view_as(x)
+
+
+def _reference_routing(tokens, weights, config, expert_bias):
+    """(chosen experts [T, k], their routing weights [T, k])."""
     logits = tokens @ weights["router"].t()
     sigmoid = config.moe_router_score_function == "sigmoid"
     scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
@@ -64,17 +94,24 @@ def _reference(x, weights, config, expert_bias):
     chosen_scores = scores.gather(1, chosen)
     if (k > 1) if sigmoid else not config.moe_router_pre_softmax:
         chosen_scores = chosen_scores / chosen_scores.sum(-1, keepdim=True)
-    chosen_scores = chosen_scores * (config.moe_router_topk_scaling_factor or 1.0)
-    rows = []
-    for token, experts, token_weights in zip(tokens, chosen, chosen_scores):
-        rows.append(sum(weight * _gated_mlp(token, weights["w1"][e], weights["w3"][e], weights["w2"][e])
-                        for e, weight in zip(experts.tolist(), token_weights)))
-    output = torch.stack(rows)
-    if "shared_fc1" in weights:
-        gate, up = (tokens @ weights["shared_fc1"].t()).chunk(2, -1)
-        shared = (F.silu(gate) * up) @ weights["shared_fc2"].t()
-        output = output + shared * torch.sigmoid(tokens @ weights["shared_gate"].t())
-    return output.view_as(x)
+    return chosen, chosen_scores * (config.moe_router_topk_scaling_factor or 1.0)
+
+
+def _kept_by_capacity(chosen, scores, config):
+    """[T, k] bool: each expert keeps ceil(T k / E x factor) of its pairs, those of the highest score, the earlier
+    token first among equals (probs), or of the earliest tokens (position); every pair without a factor."""
+    kept = torch.ones_like(chosen, dtype=torch.bool)
+    if config.moe_expert_capacity_factor is None:
+        return kept
+    tokens, k = chosen.shape
+    capacity = math.ceil(tokens * k / config.num_moe_experts * config.moe_expert_capacity_factor)
+    for expert in range(config.num_moe_experts):
+        pairs = [(token, slot) for token in range(tokens) for slot in range(k) if chosen[token, slot] == expert]
+        if config.moe_token_drop_policy == "probs":
+            pairs.sort(key=lambda pair: (-scores[pair].item(), pair[0]))
+        for pair in pairs[capacity:]:
+            kept[pair] = False
+    return kept
 
 
 def _gated_mlp(token, w1, w3, w2):
@@ -136,6 +173,44 @@ def test_grouped_gemms_compute_what_the_loop_of_gemms_does():
             layer = _layer(_config(torch.float32, moe_grouped_gemm=grouped))
             outputs[grouped] = layer(_tokens(torch.float32))[0]
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-6)
+
+
+# --- an expert's capacity ------------------------------------------------------------------------------------
+
+# 4 tokens, top-2 of 4 experts; capacity factor 1: ceil(4 x 2 / 4 x 1) = 2 pairs per expert
+HAND_CHOSEN = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+HAND_WEIGHTS = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1], [0.5, 0.5]])
+
+
+@pytest.mark.parametrize("policy, kept, counts", [
+    # expert 0 keeps tokens 2 (0.9) and 1 (0.7) of its four, expert 1 tokens 3 (0.5) and 0 (0.4) of its three
+    ("probs", [[False, True], [True, True], [True, False], [True, False]], [2, 2, 1, 0]),
+    # expert 0 keeps tokens 0 and 1, expert 1 tokens 0 and 2
+    ("position", [[True, True], [True, True], [False, True], [False, False]], [2, 2, 1, 0]),
+])
+def test_an_expert_keeps_its_capacity_of_pairs_by_the_drop_policy(policy, kept, counts):
+    mask = within_capacity(HAND_WEIGHTS, HAND_CHOSEN, 4, 1.0, policy)
+    assert mask.tolist() == kept
+    assert torch.bincount(HAND_CHOSEN[mask], minlength=4).tolist() == counts
+
+
+def test_ties_go_to_the_earlier_token_and_a_large_capacity_drops_nothing():
+    equal = torch.full((4, 2), 0.5)
+    assert within_capacity(equal, HAND_CHOSEN, 4, 0.5, "probs").tolist() == \
+        [[True, True], [False, True], [False, False], [False, False]]  # capacity 1: each expert's first token
+    assert within_capacity(HAND_WEIGHTS, HAND_CHOSEN, 4, 4.0, "probs").all()
+
+
+def test_the_counts_are_of_the_pairs_the_experts_keep():
+    config = _config(moe_expert_capacity_factor=0.5)
+    with parallel_state.simulated_model_parallel(1, 0):
+        layer = _layer(config).train()
+        x = _tokens(torch.float64)
+        layer(x)
+    chosen, scores = _reference_routing(x.reshape(-1, HIDDEN), _weights(layer), config, None)
+    kept = chosen[_kept_by_capacity(chosen, scores, config)]
+    assert len(kept) < SEQ * BATCH * 2  # capacity ceil(24 / 8 x 0.5) = 2 of the 3 pairs per expert on average
+    assert layer.tokens_per_expert.tolist() == torch.bincount(kept, minlength=EXPERTS).tolist()
 
 
 # --- the balance losses, against their formulas ----------------------------------------------------------
@@ -263,12 +338,50 @@ def test_expert_parallel_layers_compute_what_one_process_does(ep):
     run_distributed(_expert_parallel, 4, ep, timeout=120)
 
 
-def _tensor_parallel(sequence_parallel):
+def _dispatchers_agree(capacity_factor):
+    """EP 2, each rank routing its own tokens: the allgather dispatcher's output and gradients (input, experts,
+    router) equal the alltoall dispatcher's, and the routing written out over the two ranks' tokens (fp64, every
+    expert's weights: the one-process layer's, drawn the same)."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    rank, group = dist.get_rank(), _expert_groups(2)
+    config = _config(moe_expert_parallel_size=2, moe_expert_capacity_factor=capacity_factor)
+    runs = {kind: _forward_backward(_layer(dataclasses.replace(config, moe_token_dispatcher_type=kind), group), rank)
+            for kind in MOE_TOKEN_DISPATCHERS}
+    torch.testing.assert_close(runs["allgather"], runs["alltoall"], rtol=1e-12, atol=1e-14)
+    whole = _layer(dataclasses.replace(config, moe_expert_parallel_size=1))
+    weights = _weights(whole)
+    inputs = [_tokens(torch.float64, seed=r).requires_grad_() for r in range(2)]
+    references = [_reference(x, weights, config, whole.expert_bias.double()) for x in inputs]
+    sum((reference * _tokens(torch.float64, seed=100 + r)).sum() for r, reference in enumerate(references)).backward()
+    output, input_grad, grads = runs["allgather"]
+    _assert_within_a_millionth(output, references[rank], "output")
+    _assert_within_a_millionth(input_grad, inputs[rank].grad, "input gradient")
+    local = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
+    for name in ("w1", "w2", "w3"):
+        _assert_within_a_millionth(grads[name], weights[name].grad[local], name)
+    dist.all_reduce(grads["router"], group=group)
+    _assert_within_a_millionth(grads["router"], weights["router"].grad, "router")
+
+
+def _forward_backward(layer, rank):
+    x = _tokens(torch.float64, seed=rank).requires_grad_()
+    output, _ = layer(x)
+    output.backward(_tokens(torch.float64, seed=100 + rank))
+    return output.detach(), x.grad, {name: grad.clone() for name, grad in _gradients(layer).items()}
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity 0.5"])
+def test_the_allgather_dispatcher_computes_what_the_alltoall_one_does(capacity_factor):
+    run_distributed(_dispatchers_agree, 2, capacity_factor, timeout=120)
+
+
+def _tensor_parallel(sequence_parallel, dispatcher):
     """TP 2 (each rank routes half the tokens: Megatron's SP splits them, or the layer does) with the two experts
     halves on the two ranks (EP 2 over the TP ranks): the full output equals the one-process layer's."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
     rank = dist.get_rank()
-    config = _config(moe_expert_parallel_size=2, sequence_parallel=sequence_parallel)
+    config = _config(moe_expert_parallel_size=2, sequence_parallel=sequence_parallel,
+                     moe_token_dispatcher_type=dispatcher)
     layer = _layer(config, parallel_state.get_tensor_model_parallel_group())
     x = _tokens(torch.float64)
     with parallel_state.simulated_model_parallel(1, 0):
@@ -279,9 +392,10 @@ def _tensor_parallel(sequence_parallel):
     torch.testing.assert_close(output, expected.chunk(2)[rank] if sequence_parallel else expected)
 
 
+@pytest.mark.parametrize("dispatcher", MOE_TOKEN_DISPATCHERS)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tokens split here", "sequence parallel"])
-def test_tensor_parallel_layers_compute_what_one_process_does(sequence_parallel):
-    run_distributed(_tensor_parallel, 2, sequence_parallel, timeout=120)
+def test_tensor_parallel_layers_compute_what_one_process_does(sequence_parallel, dispatcher):
+    run_distributed(_tensor_parallel, 2, sequence_parallel, dispatcher, timeout=120)
 
 
 def _identical_bias():

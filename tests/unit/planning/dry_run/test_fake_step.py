@@ -33,3 +33,14 @@ def test_a_tensor_made_from_nothing_is_fake_unless_it_holds_integers():
         shape_message = torch.zeros(4, dtype=torch.long)
     assert isinstance(mask, FakeTensor)
     assert not isinstance(shape_message, FakeTensor) and shape_message.tolist() == [0, 0, 0, 0]
+
+
+def test_an_arange_of_integers_is_real_and_one_of_floats_fake():
+    """The dropless MoE layer orders its received rows with aranges of integers (torch's int64) on the counts."""
+    with FakeTensorMode() as mode:
+        pass
+    with StepRecorder({}, mode):
+        positions = torch.arange(6)
+        steps = torch.arange(0.0, 1.0, 0.25)
+    assert not isinstance(positions, FakeTensor) and positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert isinstance(steps, FakeTensor) and steps.dtype == torch.float32
