@@ -93,7 +93,7 @@ def log_startup(args, config, engine, peak, peak_source):
     if config.is_moe:
         _log_experts(args, config)
     if config.is_dropless_moe:
-        _log_dropless_experts(config)
+        _log_dropless_experts(args, config)
     print_rank_0(f"effective DeepSpeed config: {json.dumps(args.effective_deepspeed_config, sort_keys=True)}")
     print_rank_0(f"MFU peak per device: {peak:.3f} TFLOP/s ({peak_source})")
     compiled = compiled_ops(config)
@@ -140,11 +140,17 @@ def warn_of_16_bit_on_this_cpu(args):
             print_rank_0(f"WARNING: {text}")
 
 
-def _log_dropless_experts(config):
+def _log_dropless_experts(args, config):
+    """The layer, its dispatch, and its total and active parameters (the planner's count: the one formula)."""
     layers, ep = sum(config.moe_layer_pattern), config.moe_expert_parallel_size
     shared = (f", a shared expert of FFN {config.moe_shared_expert_intermediate_size}"
               if config.moe_shared_expert_intermediate_size else "")
+    capacity = (f", capacity factor {config.moe_expert_capacity_factor:g} ({config.moe_token_drop_policy})"
+                if config.moe_expert_capacity_factor is not None else ", no token dropped")
+    spec = model_spec(args, config)
     print_rank_0(f"dropless Mixture of Experts: {config.num_moe_experts} experts of FFN {config.moe_ffn_hidden_size} "
                  f"in {layers} of {config.num_layers} layers, top-{config.moe_router_topk} "
                  f"({config.moe_router_score_function}){shared}; {config.num_moe_experts // ep} experts per rank "
-                 f"(EP {ep}); {'grouped GEMMs' if config.moe_grouped_gemm else 'a GEMM per expert'}")
+                 f"(EP {ep}); {'grouped GEMMs' if config.moe_grouped_gemm else 'a GEMM per expert'}; "
+                 f"{config.moe_token_dispatcher_type} dispatcher{capacity}; {total_parameters(spec):,} parameters "
+                 f"in all, {active_parameters(spec):,} active per token")

@@ -48,8 +48,14 @@ def _assert_same_training(output, reference):
 def test_expert_parallelism_over_data_parallel_ranks_trains_the_same_model():
     output = _run(2, "--expert-model-parallel-size", "2")
     _assert_same_training(output, _run(2))
-    assert "dropless Mixture of Experts: 4 experts of FFN 48 in 4 of 4 layers, top-2 (softmax); 2 experts per " \
-           "rank (EP 2); grouped GEMMs" in output
+    # by hand: embedding and untied head 2 x 256 x 64; per layer two norms 2 x 64, QKV (64 + 2 x 32) x 64 (GQA 2 of
+    # 4 heads of 16), projection 64 x 64, router 4 x 64, experts 4 x 3 x 64 x 48 (2 of them active); final norm 64
+    per_layer_dense = 2 * 64 + 128 * 64 + 64 * 64 + 4 * 64
+    total = 2 * 256 * 64 + 4 * (per_layer_dense + 4 * 3 * 64 * 48) + 64
+    active = 2 * 256 * 64 + 4 * (per_layer_dense + 2 * 3 * 64 * 48) + 64
+    assert ("dropless Mixture of Experts: 4 experts of FFN 48 in 4 of 4 layers, top-2 (softmax); 2 experts per "
+            f"rank (EP 2); grouped GEMMs; alltoall dispatcher, no token dropped; {total:,} parameters in all, "
+            f"{active:,} active per token") in output
     assert "expert-parallel groups: [[0, 1]]" in output
 
 
@@ -86,11 +92,14 @@ def test_pipeline_schedules_train_the_same_model(schedule):
 
 
 
-def test_full_recompute_trains_the_same_model_and_bf16_tracks_fp32():
-    """A recomputed layer routes its tokens twice (its counts double, their balance does not change); bf16 through
-    DeepSpeed's BF16_Optimizer with the experts' parameter groups."""
+def test_full_and_selective_recompute_train_the_same_model_and_bf16_tracks_fp32():
+    """A recomputed layer routes its tokens twice (its counts double, their balance does not change); selective
+    recompute (the attention core) leaves the MoE layer alone; bf16 through DeepSpeed's BF16_Optimizer with the
+    experts' parameter groups."""
     reference = _run(2)
-    _assert_same_training(_run(2, "--expert-model-parallel-size", "2", "--recompute-granularity", "full"), reference)
+    for granularity in ("full", "selective"):
+        _assert_same_training(_run(2, "--expert-model-parallel-size", "2", "--recompute-granularity", granularity),
+                              reference)
     sixteen_bit, full = losses(_run(2, "--expert-model-parallel-size", "2", "--bf16")), losses(reference)
     assert sorted(sixteen_bit) == list(range(1, ITERATIONS + 1))
     for iteration in full:
@@ -99,7 +108,8 @@ def test_full_recompute_trains_the_same_model_and_bf16_tracks_fp32():
 
 def test_no_token_is_dropped_in_any_iteration():
     """The experts compute every token of the global batch (8 samples x 32 tokens) twice (top-2) in every layer,
-    every iteration, across EP 2 with TP 2 and SP (the rows each rank's experts computed, summed over the ranks)."""
+    every iteration, across EP 2 with TP 2 and SP (the rows each rank's experts computed, summed over the ranks);
+    the expert bias, moved every step, stays the same on both ranks."""
     result = launch(2, COMMON + FAMILIES["llama"] + DROPLESS + [
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
         "--expert-model-parallel-size", "2"], program=("-m", "tests.support.expert_choices"))
@@ -107,6 +117,10 @@ def test_no_token_is_dropped_in_any_iteration():
     choices = re.findall(r"expert rows: \[([0-9, ]+)\]", result.stdout)
     assert len(choices) == ITERATIONS, result.stdout[-3000:]
     assert all([int(count) for count in line.split(",")] == [8 * 32 * 2] * 4 for line in choices), choices
+    biases = [(float(size), float(spread)) for size, spread in
+              re.findall(r"expert bias: largest \|bias\| (\S+), spread over the stage's ranks (\S+)", result.stdout)]
+    assert len(biases) == ITERATIONS and biases[-1][0] > 0, biases  # the bias moved
+    assert all(spread == 0 for _, spread in biases), biases  # and is the same on every rank
 
 
 def _loads(bias):

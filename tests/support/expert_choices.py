@@ -4,7 +4,9 @@ sequence-data-parallel: every rank computes the rows of its own experts):
 
     torchrun --nproc_per_node 2 -m tests.support.expert_choices <pretrain.py flags>
 
-prints lines "expert rows: [r1, r2, ...]", one count per layer of rank 0's stage."""
+prints lines "expert rows: [r1, r2, ...]", one count per layer of rank 0's stage, then, after the bias update,
+"expert bias: largest |bias| B, spread over the stage's ranks S" (S: the largest difference of any layer's bias
+between two ranks of the stage)."""
 import sys
 
 
@@ -27,7 +29,16 @@ def install():
             dist.all_reduce(computed, group=group)
         if dist.get_rank() == 0:
             print(f"expert rows: {[int(count) for count in computed.tolist()]}", flush=True)
-        return update(layers, groups)
+        loads = update(layers, groups)
+        bias = torch.stack([layer.expert_bias for layer in layers])
+        highest, lowest = bias.clone(), bias.clone()
+        for group in groups:
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+        if dist.get_rank() == 0:
+            print(f"expert bias: largest |bias| {bias.abs().max().item():.6g}, spread over the stage's ranks "
+                  f"{(highest - lowest).max().item():.6g}", flush=True)
+        return loads
 
     GroupedExperts.forward, loop.update_expert_bias = counting_forward, reporting
 
