@@ -1,6 +1,6 @@
 """Checkpoints of the dropless MoE layer through pretrain.py: each expert saved by its global index, the router and
 the expert bias with the model. Saved at iteration 5 of a PP 2 x DP 2 run with EP 2 (the experts' optimizer states
-in ZeRO-1's expert-data-parallel partitions): resumed in place, iterations 6-10 and the iteration-10 checkpoint equal
+in ZeRO-1's expert-data-parallel partitions; --async-save): resumed in place, iterations 6-10 and the iteration-10 checkpoint equal
 the straight run's bit for bit (the expert bias included); resumed at EP 4 x PP 1 and at TP 2 (Megatron SP) with
 the experts whole on each TP rank (expert TP 1), resharded on load, the losses within 1e-5 of the in-place
 resume's."""
@@ -41,9 +41,11 @@ def _checkpoint_tensors(folder):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The straight run, saving at iterations 5 and 10, and the in-place resume from 5 saving at 10."""
+    """The straight run, saving at iterations 5 and 10 (in the background: --async-save writes the expert files
+    too), and the in-place resume from 5 saving at 10."""
     folder = tmp_path_factory.mktemp("dropless_checkpoints")
-    straight = _train([*PIPELINE_EP2, "--save", str(folder / "straight"), "--save-interval", str(SAVED_AT)])
+    straight = _train([*PIPELINE_EP2, "--save", str(folder / "straight"), "--save-interval", str(SAVED_AT),
+                       "--async-save"])
     resumed = _train([*PIPELINE_EP2, "--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT),
                       "--save", str(folder / "resumed"), "--save-interval", str(SAVED_AT)])
     assert f"resuming at iteration {SAVED_AT}" in resumed, resumed[-4000:]
