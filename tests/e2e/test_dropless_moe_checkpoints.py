@@ -1,9 +1,9 @@
 """Checkpoints of the dropless MoE layer through pretrain.py: each expert saved by its global index, the router and
 the expert bias with the model. Saved at iteration 5 of a PP 2 x DP 2 run with EP 2 (the experts' optimizer states
-in ZeRO-1's expert-data-parallel partitions; --async-save): resumed in place, iterations 6-10 and the iteration-10 checkpoint equal
-the straight run's bit for bit (the expert bias included); resumed at EP 4 x PP 1 and at TP 2 (Megatron SP) with
-the experts whole on each TP rank (expert TP 1), resharded on load, the losses within 1e-5 of the in-place
-resume's."""
+in ZeRO-1's expert-data-parallel partitions; --async-save): resumed in place, iterations 6-10 and the iteration-10
+checkpoint equal the straight run's bit for bit (the expert bias included); resumed at EP 4 x PP 1 and at TP 2
+(Megatron SP) with the experts whole on each TP rank (expert TP 1), resharded on load, the losses within 1e-5 of
+the in-place resume's."""
 import glob
 import os
 
