@@ -224,6 +224,7 @@ class ParallelLayout:
         if not any(model.dropless_moe_layers) or self.expert < 1:
             return []
         ep, stage, pp, layers = self.expert, self.stage_ranks, self.pipeline, len(model.dropless_moe_layers)
+        tp, u = self.tensor, self.ulysses
         per_stage = layers // pp if layers % pp == 0 else None
         stages = [] if per_stage is None else [model.dropless_moe_layers[index * per_stage:(index + 1) * per_stage]
                                                for index in range(pp)]
@@ -233,6 +234,11 @@ class ParallelLayout:
              f"EP {ep} over the {stage} ranks of a stage",
              f"--expert-model-parallel-size {ep} does not divide the {stage} ranks of a pipeline stage (world size "
              f"{self.world_size} / PP {pp}): the experts are spread over consecutive runs of them"),
+            (tp > 1 and not self.sequence_parallel and model.seq_length % (tp * u),
+             "sequence not divisible by TP (dropless MoE)", f"sequence {model.seq_length} over TP {tp}",
+             f"--tensor-model-parallel-size {tp} with the dropless MoE layer: each TP rank routes its share of the "
+             f"sequence, and --seq-length {model.seq_length} is not divisible by TP {tp}"
+             + (f" x --ds-sequence-parallel-size {u}" if u > 1 else "")),
             (pp > 1 and empty, "a pipeline stage without MoE layers",
              f"PP {pp}: stage(s) {', '.join(map(str, empty))} without an MoE layer",
              f"--pipeline-model-parallel-size {pp} with --moe-layer-freq: pipeline stage(s) "

@@ -100,3 +100,10 @@ def test_each_pipeline_stage_needs_an_moe_layer():
                     world=2)
     assert "pipeline stage(s) 0 would hold no MoE layer" in error
 
+
+
+def test_tensor_parallel_ranks_without_sequence_parallelism_need_a_sequence_they_divide():
+    error = _errors("--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "4",
+                    "--seq-length", "30", world=4)
+    assert ("--tensor-model-parallel-size 4 with the dropless MoE layer: each TP rank routes its share of the "
+            "sequence, and --seq-length 30 is not divisible by TP 4") in error
