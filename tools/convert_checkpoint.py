@@ -1,6 +1,7 @@
 """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and from
 Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, with
-experts in every layer <-> MixtralForCausalLM). One process, CPU only, no download.
+experts in every layer <-> MixtralForCausalLM, with --add-qkv-bias <-> Qwen2ForCausalLM, with --qk-layernorm <->
+Qwen3ForCausalLM). One process, CPU only, no download.
 
     # another layout (any data-parallel size loads the result); optimizer states reshaped too unless --no-optim
     python tools/convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 \\

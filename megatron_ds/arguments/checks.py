@@ -12,7 +12,11 @@ import torch
 from megatron_ds.arguments.flags import flag_defaults
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
+from megatron_ds.core.transformer.transformer_config import (
+    default_ffn_hidden_size,
+    moe_layer_pattern,
+    rope_scaling_errors,
+)
 from megatron_ds.data.blended_dataset import parse_data_path
 from megatron_ds.data.gpt_dataset import parse_split
 from megatron_ds.data.indexed_dataset import bin_path, idx_path
@@ -92,7 +96,14 @@ def model_errors(args):
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    return errors + _rotary_errors(args)
+    return errors + _rotary_errors(args) + rope_scaling_errors(args)
+
+
+def rope_spelling_errors(args):
+    """Megatron-LM's --position-embedding-type yarn against --rope-type rope (on the flags as given)."""
+    if args.position_embedding_type == "yarn" and args.rope_type == "rope":
+        return ["--position-embedding-type yarn (Megatron-LM's RoPE with YaRN) contradicts --rope-type rope: give one"]
+    return []
 
 
 def _rotary_errors(args):

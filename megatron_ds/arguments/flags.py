@@ -13,6 +13,7 @@ from megatron_ds.core.pipeline_schedules import SCHEDULES
 from megatron_ds.core.transformer.transformer_config import (
     ATTENTION_BACKENDS,
     FUSION_BACKENDS,
+    LLAMA3_SCALING_DEFAULTS,
     MOE_LOAD_BALANCING_TYPES,
     MOE_SCORE_FUNCTIONS,
     MOE_TOKEN_DISPATCHERS,
@@ -21,6 +22,8 @@ from megatron_ds.core.transformer.transformer_config import (
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
+    ROPE_TYPES,
+    YARN_DEFAULTS,
 )
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, TOKENIZER_TYPES
 
@@ -48,15 +51,22 @@ def _add_model_args(parser):
                        help="LayerNorm or RMSNorm (any case: Megatron-DeepSpeed writes layernorm / rmsnorm)")
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true")
-    group.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
-                       default="learned_absolute")
+    group.add_argument("--position-embedding-type", choices=(*POSITION_EMBEDDING_TYPES, "yarn"),
+                       default="learned_absolute",
+                       help="yarn: Megatron-LM's GPT spelling of rope with --rope-type yarn")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="same as --position-embedding-type rope")
     group.add_argument("--rotary-base", "--rotary-position-embeddings-theta", dest="rotary_base", type=float,
                        default=10000.0, help="RoPE theta (Megatron-DeepSpeed: --rotary-position-embeddings-theta)")
     group.add_argument("--rotary-percent", type=float, default=1.0,
                        help="fraction of each head's dimensions that RoPE rotates (the rest pass unrotated)")
+    _add_rope_scaling_args(group)
     group.add_argument("--disable-bias-linear", action="store_true")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="a bias on the QKV projection, also with --disable-bias-linear (Qwen2)")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="--normalization over each query and key head's channels, before RoPE: one weight of "
+                            "head size each for every head (Qwen3's q_norm / k_norm)")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -71,6 +81,38 @@ def _add_model_args(parser):
                             "s x s tensor kept); local: explicit softmax(QK^T)V; flash: megatron_ds's blocked "
                             "causal attention with a hashed dropout mask, in --fusion-backend's implementation "
                             "(sdpa becomes it where --fusion-backend auto compiles on a CPU)")
+
+
+def _add_rope_scaling_args(group):
+    """YaRN (DeepSeek-V3's context extension) and LLaMA-3.1's RoPE scaling, in Megatron's names and defaults."""
+    group.add_argument("--rope-type", choices=ROPE_TYPES, default=None,
+                       help="rope: plain RoPE (the default); yarn: RoPE with YaRN's context extension, set by "
+                            "--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast, --beta-slow, "
+                            "--mscale, --mscale-all-dim")
+    group.add_argument("--rotary-scaling-factor", type=float, default=YARN_DEFAULTS["rotary_scaling_factor"],
+                       help="YaRN: how many times the context is extended (DeepSeek-V3: 40)")
+    group.add_argument("--original-max-position-embeddings", "--yarn-original-max-position-embeddings",
+                       dest="original_max_position_embeddings", type=int, default=None,
+                       help="YaRN, required: the context the model was trained at before the extension "
+                            "(DeepSeek-V3: 4096)")
+    group.add_argument("--beta-fast", "--yarn-beta-fast", dest="beta_fast", type=float,
+                       default=YARN_DEFAULTS["beta_fast"],
+                       help="YaRN: frequencies turning more often than this over the original context keep their "
+                            "RoPE frequency")
+    group.add_argument("--beta-slow", "--yarn-beta-slow", dest="beta_slow", type=float,
+                       default=YARN_DEFAULTS["beta_slow"],
+                       help="YaRN: frequencies turning less often than this are divided by the factor; those "
+                            "between, blended")
+    group.add_argument("--mscale", type=float, default=YARN_DEFAULTS["mscale"],
+                       help="YaRN: cos and sin are multiplied by get_mscale(factor, mscale) / get_mscale(factor, "
+                            "mscale-all-dim), get_mscale(s, m) = 0.1 m ln s + 1")
+    group.add_argument("--mscale-all-dim", type=float, default=YARN_DEFAULTS["mscale_all_dim"],
+                       help="YaRN: see --mscale (DeepSeek-V3: both 1)")
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="LLaMA-3.1's RoPE scaling: low frequencies divided by --rope-scaling-factor, high "
+                            "ones kept, those between blended (frequency factors 1 and 4, original context 8192)")
+    group.add_argument("--rope-scaling-factor", type=float, default=LLAMA3_SCALING_DEFAULTS["rope_scaling_factor"],
+                       help="LLaMA-3.1's RoPE scaling factor")
 
 
 def _add_fusion_args(parser):

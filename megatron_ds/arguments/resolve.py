@@ -41,7 +41,11 @@ from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
+from megatron_ds.core.transformer.transformer_config import (
+    ROPE_SCALING_FIELDS,
+    default_ffn_hidden_size,
+    moe_layer_pattern,
+)
 from megatron_ds.data.tokenizers import TOKENIZER_ALIASES, build_tokenizer
 from megatron_ds.engine.ds_config import build_deepspeed_config, reconcile_with_deepspeed_config
 
@@ -76,7 +80,8 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     args = argparse.Namespace(**vars(flags))
     args.world_size = world_size
     raise_if_invalid(checks.size_errors(args))
-    errors = checks.schedule_errors(args) + checks.moe_family_errors(args)  # on the flags as given
+    # on the flags as given
+    errors = checks.schedule_errors(args) + checks.moe_family_errors(args) + checks.rope_spelling_errors(args)
     vars(args).update(model_defaults(args), **load_values(args))
     errors += _apply(args, profile_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
@@ -143,8 +148,7 @@ def model_defaults(args):
               "lr_decay_samples": _given(args.lr_decay_samples, args.train_samples),
               "tokenizer_type": tokenizer_type(args)}
     values.update(moe_family_values(args, values["ffn_hidden_size"]))
-    if args.use_rotary_position_embeddings:
-        values["position_embedding_type"] = "rope"
+    values.update(rope_values(args))
     if args.recompute_activations and args.recompute_granularity is None:
         values["recompute_granularity"] = "selective"
     if (args.checkpoint_activations or args.recompute_method) and args.recompute_granularity is None:
@@ -156,6 +160,16 @@ def model_defaults(args):
     if args.lr_warmup_fraction is not None:
         unit = "samples" if args.train_samples is not None else "iters"
         values[f"lr_warmup_{unit}"] = int(args.lr_warmup_fraction * (values[f"lr_decay_{unit}"] or 0))
+    return values
+
+
+def rope_values(args):
+    """--use-rotary-position-embeddings and Megatron-LM's --position-embedding-type yarn mean rope positions, the
+    latter with YaRN; --rope-type is rope unless given or so spelt."""
+    yarn_spelling = args.position_embedding_type == "yarn"
+    values = {"rope_type": args.rope_type or ("yarn" if yarn_spelling else "rope")}
+    if args.use_rotary_position_embeddings or yarn_spelling:
+        values["position_embedding_type"] = "rope"
     return values
 
 
@@ -346,7 +360,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, gated_linear_unit=args.swiglu,
-        bias=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
+        bias=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         attention_backend=args.attention_backend,
         init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
@@ -364,7 +379,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         moe_token_dropping=args.moe_token_dropping, moe_top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
         moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff,
         moe_expert_tensor_parallel=args.enable_expert_tensor_parallelism)
-    return TransformerConfig(**{**fields, **_dropless_moe_fields(args)})
+    rope_scaling = {name: getattr(args, name) for name in ROPE_SCALING_FIELDS}
+    return TransformerConfig(**{**fields, **rope_scaling, **_dropless_moe_fields(args)})
 
 
 def _dropless_moe_fields(args):

@@ -351,10 +351,25 @@ def model_shape(args):
         "max_position_embeddings": get("max_position_embeddings") if position == "learned_absolute" else None,
         "normalization": get("normalization") or "LayerNorm", "swiglu": swiglu, "position_embedding_type": position,
         "rotary_percent": float(get("rotary_percent") or 1.0) if position == "rope" else None,
+        "rope_scaling": _rope_scaling_shape(get) if position == "rope" else None,
         "bias": not get("disable_bias_linear"),
+        # the QKV projection's own bias: with the linear layers' biases it has one anyway
+        "add_qkv_bias": bool(get("add_qkv_bias")) and bool(get("disable_bias_linear")),
+        "qk_layernorm": bool(get("qk_layernorm")),
         "tied_embeddings": not get("untie_embeddings_and_output_weights"),
         **_experts_shape(get),
     }
+
+
+def _rope_scaling_shape(get):
+    """The RoPE scaling (it changes the model's function): None, LLaMA-3.1's or YaRN's with its values."""
+    if get("use_rope_scaling"):
+        return {"type": "llama3", "factor": float(get("rope_scaling_factor"))}
+    if get("rope_type") != "yarn":
+        return None
+    return {"type": "yarn", "factor": float(get("rotary_scaling_factor")),
+            "original_max_position_embeddings": int(get("original_max_position_embeddings")),
+            **{name: float(get(name)) for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}}
 
 
 _NOT_DROPLESS = {"dropless_moe_layers": None, "moe_ffn_hidden_size": None,
@@ -385,12 +400,16 @@ def is_dropless_moe(shape):
     return shape.get("dropless_moe_layers") is not None
 
 
+_LLAMA_ATTENTION_FAMILIES = {(False, False): "llama", (True, False): "qwen2", (False, True): "qwen3"}
+
+
 def model_family(shape):
-    if (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"]) == \
-            ("RMSNorm", True, "rope", False):
-        return "llama"
-    if (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"]) == \
-            ("LayerNorm", False, "learned_absolute", True):
+    """gpt2, llama, qwen2 (LLaMA's with a QKV bias), qwen3 (LLaMA's with query and key norms) or custom."""
+    parts = (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"])
+    attention = (bool(shape.get("add_qkv_bias")), bool(shape.get("qk_layernorm")))
+    if parts == ("RMSNorm", True, "rope", False):
+        return _LLAMA_ATTENTION_FAMILIES.get(attention, "custom")
+    if parts == ("LayerNorm", False, "learned_absolute", True) and not any(attention):
         return "gpt2"
     return "custom"
 
@@ -402,12 +421,15 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "max_position_embeddings": "--max-position-embeddings", "normalization": "--normalization",
                 "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
                 "rotary_percent": "--rotary-percent", "num_experts": "--num-experts",
+                "rope_scaling": "RoPE scaling (--rope-type yarn and its flags, --use-rope-scaling "
+                                "--rope-scaling-factor)",
                 "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",
                 "dropless_moe_layers": "the dropless MoE layers (Megatron-Core's MoE flags, --moe-layer-freq)",
                 "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
                 "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
                 "moe_shared_expert_gate": "--moe-shared-expert-gate",
-                "bias": "biases (--disable-bias-linear)",
+                "bias": "biases (--disable-bias-linear)", "add_qkv_bias": "--add-qkv-bias",
+                "qk_layernorm": "--qk-layernorm",
                 "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
 
 

@@ -6,7 +6,10 @@ Canonical names follow Megatron-Core's GPTModel:
     embedding.position_embeddings.weight        [positions, h]      replicated (learned positions only)
     decoder.layers.{i}.input_layernorm.{weight,bias}
     decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   rows: per query group [q heads, k, v] x head dim;
-                                                                  split by rows (each TP rank owns whole groups)
+                                                                  split by rows (each TP rank owns whole groups);
+                                                                  the bias also alone (--add-qkv-bias)
+    decoder.layers.{i}.self_attention.q_layernorm.weight         [head dim], shared by the heads (--qk-layernorm);
+    decoder.layers.{i}.self_attention.k_layernorm.weight         replicated (with LayerNorm a .bias too)
     decoder.layers.{i}.self_attention.linear_proj.weight         split by columns; its bias is replicated
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
     decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              rows; with SwiGLU [gate; up], split with stride 2

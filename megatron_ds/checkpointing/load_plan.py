@@ -96,6 +96,15 @@ def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:
                     schedule_source)
 
 
+def rope_scaling_change(request: LoadRequest, metadata):
+    """The note of a --finetune load that changes the RoPE scaling (None where it keeps it)."""
+    saved, flags = files.saved_model_shape(metadata)["rope_scaling"], request.shape["rope_scaling"]
+    if saved == flags:
+        return None
+    return (f"--finetune goes on from the checkpoint's weights under the flags' RoPE scaling {flags} (the "
+            f"checkpoint's: {saved})")
+
+
 def needs_resharding(request: LoadRequest, metadata):
     """Saved at another TP or PP or with another placement of the stages on the pipeline ranks (dualpipev's V,
     interleaved's virtual stages), or with the experts split over TP where this run keeps them whole (or the
@@ -152,9 +161,14 @@ def check_compatible(request: LoadRequest, path, metadata):
     the tokenizer's vocabulary must be the same)."""
     universal_format = metadata["format"] == universal.FORMAT
     resharded = universal_format or needs_resharding(request, metadata)
-    differences = [d for d in files.model_shape_differences(files.saved_model_shape(metadata), request.shape,
-                                                            request.layout.tensor)
+    saved = files.saved_model_shape(metadata)
+    if request.checkpointing.finetune:  # another RoPE scaling over the same weights: a context extension
+        saved = {**saved, "rope_scaling": request.shape["rope_scaling"]}
+    differences = [d for d in files.model_shape_differences(saved, request.shape, request.layout.tensor)
                    if not resharded or "vocabulary" not in d]
+    if saved["rope_scaling"] != request.shape["rope_scaling"]:
+        differences.append("(to train these weights on under the flags' RoPE scaling, a context extension, add "
+                           "--finetune)")
     saved_vocab = metadata["args"].get("vocab_size")
     if resharded and saved_vocab not in (None, request.vocab_size):
         differences.append(f"vocabulary: checkpoint {saved_vocab} tokens, flags {request.vocab_size}")

@@ -344,6 +344,9 @@ class CheckpointManager:
             print_rank_0(f"no checkpoint loaded: peak resident memory of a rank so far {peak_before:.2f} GiB")
             return TrainingProgress()
         plan = load_plan.plan_load(self.request, self.config.load, tag, metadata)
+        rescaled = load_plan.rope_scaling_change(self.request, metadata)
+        if rescaled:
+            print_rank_0(f"note: {rescaled}")
         verified = self._verify_checksums(tag, metadata)
         start = time.perf_counter()
         how = plan.describe_method(self.layout)

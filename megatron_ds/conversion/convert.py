@@ -151,7 +151,7 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
     args = full.args
     if files.is_dropless_moe(full.model) and args.get("moe_expert_capacity_factor") is not None:
         _log(f"note: the model was run with --moe-expert-capacity-factor {args['moe_expert_capacity_factor']:g} "
-             f"(experts over capacity drop tokens); MixtralForCausalLM drops none")
+             f"(experts over capacity drop tokens); the Hugging Face model drops none")
     rows = args["vocab_size"] if trim_vocab_padding else full.weights[layout.WORD_EMBEDDINGS].size(0)
     config, hf_state = huggingface.to_hf_state(full.model, args, full.weights, rows)
     model = AutoModelForCausalLM.from_config(config)
@@ -206,9 +206,9 @@ def _write_tokenizer_config(hf_dir, tokenizer_class, eos):
         json.dump(config, handle, indent=1)
 
 
-def read_hf(hf_dir, divisible_by=None, tp=1, moe_layer="deepspeed-moe"):
-    """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`; a Mixtral's experts in
-    the MoE layer `moe_layer` (huggingface.MOE_LAYERS)."""
+def read_hf(hf_dir, divisible_by=None, tp=1, moe_layer=None):
+    """FullState (iteration 0, no optimizer) of a Hugging Face model folder, for TP `tp`; the experts in the MoE
+    layer `moe_layer` (huggingface.MOE_LAYERS; None: the model's, see huggingface.from_hf_state)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
     model = _load_hf_model(hf_dir)
@@ -292,7 +292,7 @@ def _hf_tokenizer_args(hf_dir, base):
 
 
 def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None,
-            moe_layer="deepspeed-moe"):
+            moe_layer=None):
     full = read_hf(hf_dir, divisible_by, tp, moe_layer)
     _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
@@ -375,8 +375,14 @@ def model_flags(shape, args):
         flags.append(f"--use-rotary-position-embeddings --rotary-base {rotary_base:g}")
         if shape["rotary_percent"] != 1.0:
             flags.append(f"--rotary-percent {shape['rotary_percent']:g}")
+        if shape.get("rope_scaling"):
+            flags.append(rope_scaling_flags(shape["rope_scaling"]))
     if not shape["bias"]:
         flags.append("--disable-bias-linear")
+    if shape.get("add_qkv_bias"):
+        flags.append("--add-qkv-bias")
+    if shape.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
     if not shape["tied_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
@@ -385,6 +391,21 @@ def model_flags(shape, args):
     elif files.is_moe(shape):
         flags.append(moe_flags(shape, args))
     return " ".join(flags)
+
+
+def rope_scaling_flags(scaling):
+    """The pretrain.py flags of a RoPE scaling (files.model_shape's rope_scaling), every value exact."""
+    if scaling["type"] == "llama3":
+        return f"--use-rope-scaling --rope-scaling-factor {_exact(scaling['factor'])}"
+    return " ".join([f"--rope-type yarn --rotary-scaling-factor {_exact(scaling['factor'])}",
+                     f"--original-max-position-embeddings {scaling['original_max_position_embeddings']}",
+                     *(f"--{name.replace('_', '-')} {_exact(scaling[name])}"
+                       for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"))])
+
+
+def _exact(number):
+    """A number as short as it reads back exactly (40, 0.7071067811865476)."""
+    return f"{number:g}" if float(f"{number:g}") == number else repr(number)
 
 
 def dropless_moe_flags(shape, args):

@@ -8,12 +8,15 @@ from megatron_ds.conversion.huggingface import MOE_LAYERS
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
 from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, LLaMA
-family with experts in every layer <-> MixtralForCausalLM), and to and from Megatron-DeepSpeed's checkpoints (GPT and
+family with experts in every layer <-> MixtralForCausalLM, with --add-qkv-bias <-> Qwen2ForCausalLM, with
+--qk-layernorm <-> Qwen3ForCausalLM), and to and from Megatron-DeepSpeed's checkpoints (GPT and
 LLaMA families, with their optimizer states). A Mixture of Experts checkpoint is read at any expert-parallel
 size and written with every expert in each file (--target-expert-parallel-size checks and records the size to train
 at). A Mixtral comes in as DeepSpeed-MoE (Megatron-DeepSpeed's MoE flags) or, with --moe-layer dropless, as the
 dropless MoE layer (Megatron-Core's flags); either exports back with --to-hf, a dropless model only with Mixtral's
-routing (softmax, top-k renormalised, no shared expert, no moved expert bias, every layer MoE)."""
+routing (softmax, top-k renormalised, no shared expert, no moved expert bias, every layer MoE). A Qwen3-MoE comes in
+as the dropless layer, and a dropless model with --qk-layernorm exports as one (dense layers and norm_topk_prob
+false held too)."""
 EXAMPLES = """examples:
   convert_checkpoint.py --load ckpt --save ckpt_tp1_pp2 --target-tensor-parallel-size 1 \\
       --target-pipeline-model-parallel-size 2
@@ -57,10 +60,11 @@ def build_parser():
                              "--enable-expert-tensor-parallelism) or keep them whole (default: as the source)")
     parser.add_argument("--no-optim", action="store_true",
                         help="reshape, --to-megatron-deepspeed: drop the optimizer states")
-    parser.add_argument("--moe-layer", choices=MOE_LAYERS, default=MOE_LAYERS[0],
+    parser.add_argument("--moe-layer", choices=MOE_LAYERS, default=None,
                         help="--from-hf of a MixtralForCausalLM: its experts in DeepSpeed-MoE (deepspeed-moe, the "
                              "default; train with --topk, --expert-interval ...) or in the dropless MoE layer "
-                             "(dropless; train with --moe-router-topk, --moe-ffn-hidden-size ..., as printed)")
+                             "(dropless; train with --moe-router-topk, --moe-ffn-hidden-size ..., as printed); a "
+                             "Qwen3MoeForCausalLM's: dropless only")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="--from-hf: vocabulary padding (default: the exporting run's, else 128)")
     parser.add_argument("--trim-vocab-padding", action="store_true",

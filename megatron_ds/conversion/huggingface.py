@@ -9,12 +9,19 @@ LLaMA family (RMSNorm, SwiGLU, RoPE, no biases) <-> LlamaForCausalLM, and with e
   - our QKV rows per query group [q heads of the group, k, v] split into q_proj, k_proj, v_proj (GQA kept:
     query head n uses key/value head n // (heads / kv heads) in both);
   - our fc1 [gate; up] split into gate_proj and up_proj; RoPE is rotate-half in both, so no permutation;
+  - RoPE scaling, LLaMA-3.1's or YaRN, as rope_type "llama3" or "yarn" (hf_rope.py);
   - DeepSpeed-MoE: each expert our SwiGLU MLP (fc1 [gate; up], fc2), the router DeepSpeed's gate;
   - the dropless layer: each expert w1 (gate), w3 (up), w2 (down), the router `mlp.router.gate`; its default
     routing is Mixtral's (the softmax over the chosen logits is the softmax over every expert renormalised over
     the chosen), and what Mixtral's router cannot do (sigmoid scores, group-limited choice, a scaling factor,
     --moe-router-pre-softmax, a moved expert bias) or its layers hold (a shared expert, dense layers) is
     refused on export.
+Qwen2ForCausalLM (LLaMA's with --add-qkv-bias) and Qwen3ForCausalLM (LLaMA's with --qk-layernorm; its head dim may
+differ from hidden / heads): q_proj, k_proj, v_proj and their biases from our QKV weight and bias alike; q_norm and
+k_norm are our q_layernorm and k_layernorm. A sliding window (use_sliding_window) is refused by name.
+Qwen3MoeForCausalLM (Qwen3's attention) <-> the dropless layer: its experts and router as a Mixtral's, its dense layers
+(mlp_only_layers, decoder_sparse_step) the --moe-layer-freq list, moe_intermediate_size --moe-ffn-hidden-size,
+norm_topk_prob false --moe-router-pre-softmax; what it cannot hold (a shared expert, sigmoid scores, ...) is refused.
 
 The vocabulary rows go across as they are (our padding rows included, so a round trip reproduces every
 tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
@@ -28,6 +35,7 @@ from megatron_ds.arguments.checks import DEEPSPEED_MOE_FLAGS, DROPLESS_MOE_FLAGS
 from megatron_ds.arguments.resolve import moe_family_values
 from megatron_ds.checkpointing.files import CheckpointError, is_dropless_moe, is_moe, model_family
 from megatron_ds.checkpointing.layout import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from megatron_ds.conversion import hf_rope
 
 SIDECAR_FILE = "megatron_ds_args.json"  # our arguments, written beside the HF files for the way back
 MOE_LAYERS = ("deepspeed-moe", "dropless")  # what --from-hf makes of Mixtral's experts (convert_cli --moe-layer)
@@ -45,6 +53,13 @@ def to_hf_state(shape, args, weights, vocab_rows):
     family = model_family(shape)
     if family == "gpt2":
         return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)
+    if family == "qwen2":
+        return _qwen2_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _llama_mlp_to_hf)
+    if family == "qwen3" and is_dropless_moe(shape):
+        return (_qwen3_moe_config(args, shape, weights, vocab_rows),
+                _to_llama(weights, shape, vocab_rows, _qwen3_moe_mlp_to_hf))
+    if family == "qwen3":
+        return _qwen3_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _llama_mlp_to_hf)
     if family == "llama" and is_dropless_moe(shape):
         return (_dropless_mixtral_config(args, shape, weights, vocab_rows),
                 _to_llama(weights, shape, vocab_rows, _dropless_mlp_to_hf))
@@ -54,8 +69,10 @@ def to_hf_state(shape, args, weights, vocab_rows):
         return _llama_config(args, shape, vocab_rows), _to_llama(weights, shape, vocab_rows, _llama_mlp_to_hf)
     raise CheckpointError(
         f"Hugging Face export supports the GPT-2 family (LayerNorm, GeLU, learned positions, biases) and the LLaMA "
-        f"family (RMSNorm, SwiGLU, RoPE, no biases); this model has normalization {shape['normalization']}, "
-        f"swiglu {shape['swiglu']}, position embeddings {shape['position_embedding_type']}, biases {shape['bias']}")
+        f"family (RMSNorm, SwiGLU, RoPE, no biases), this with --add-qkv-bias (Qwen2) or --qk-layernorm (Qwen3); "
+        f"this model has normalization {shape['normalization']}, swiglu {shape['swiglu']}, position embeddings "
+        f"{shape['position_embedding_type']}, biases {shape['bias']}, --add-qkv-bias {shape.get('add_qkv_bias')}, "
+        f"--qk-layernorm {shape.get('qk_layernorm')}")
 
 
 def _saved(args, name):
@@ -129,7 +146,48 @@ def _llama_config(args, shape, vocab_rows, config_class=None, **extra):
         rms_norm_eps=_saved(args, "norm_epsilon"), rope_theta=float(_saved(args, "rotary_base")),
         tie_word_embeddings=shape["tied_embeddings"], hidden_act="silu",
         attention_dropout=args.get("attention_dropout", 0.0), **_special_ids(args))
+    rope_scaling = hf_rope.to_hf(shape.get("rope_scaling"))
+    if rope_scaling:
+        values["rope_scaling"] = rope_scaling
     return (config_class or LlamaConfig)(**{**values, **extra})
+
+
+def _qwen2_config(args, shape, vocab_rows):
+    """Qwen2ForCausalLM: a LLaMA whose q_proj, k_proj and v_proj have biases, without its sliding window."""
+    from transformers import Qwen2Config
+    if is_moe(shape):
+        raise CheckpointError(f"Qwen2ForCausalLM has no experts; the model has --num-experts "
+                              f"{' '.join(map(str, shape['num_experts']))}")
+    return _llama_config(args, shape, vocab_rows, Qwen2Config, use_sliding_window=False)
+
+
+def _qwen3_config(args, shape, vocab_rows):
+    """Qwen3ForCausalLM: a LLaMA with q_norm and k_norm, no biases, without its sliding window."""
+    from transformers import Qwen3Config
+    if is_moe(shape):
+        raise CheckpointError(f"Qwen3ForCausalLM has no experts, and Qwen3MoeForCausalLM holds the dropless MoE "
+                              f"layer's (Megatron-Core's MoE flags); the model has DeepSpeed-MoE's, --num-experts "
+                              f"{' '.join(map(str, shape['num_experts']))}")
+    return _llama_config(args, shape, vocab_rows, Qwen3Config, attention_bias=False, use_sliding_window=False)
+
+
+def _qwen3_moe_config(args, shape, weights, vocab_rows):
+    """Qwen3MoeForCausalLM of a dropless MoE model with --qk-layernorm: its dense layers (mlp_only_layers) of
+    --ffn-hidden-size, its experts of --moe-ffn-hidden-size; norm_topk_prob renormalises the top k as Megatron-Core's
+    default routing does, false keeps their softmax over every expert (--moe-router-pre-softmax)."""
+    from transformers import Qwen3MoeConfig
+    problems = _dropless_router_problems(args, shape, weights, "Qwen3-MoE")
+    if problems:
+        raise CheckpointError("Qwen3MoeForCausalLM cannot hold this dropless Mixture of Experts: "
+                              + "; ".join(problems))
+    pattern = shape["dropless_moe_layers"]
+    return _llama_config(args, shape, vocab_rows, Qwen3MoeConfig, num_experts=shape["num_experts"][0],
+                         num_experts_per_tok=args["moe_router_topk"],
+                         moe_intermediate_size=shape["moe_ffn_hidden_size"],
+                         norm_topk_prob=not args.get("moe_router_pre_softmax"), decoder_sparse_step=1,
+                         mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+                         router_aux_loss_coef=args.get("moe_aux_loss_coeff") or 0.0, attention_bias=False,
+                         use_sliding_window=False)
 
 
 def _mixtral_config(args, shape, vocab_rows):
@@ -174,27 +232,34 @@ def _dropless_mixtral_problems(args, shape, weights):
     if not all(pattern):
         problems.append(f"every layer must be an MoE layer; layers {[i for i, moe in enumerate(pattern) if not moe]} "
                         f"are dense (--moe-layer-freq {pattern})")
-    if shape["moe_shared_expert_intermediate_size"]:
-        gate = " with --moe-shared-expert-gate" if shape["moe_shared_expert_gate"] else ""
-        problems.append(f"a shared expert (--moe-shared-expert-intermediate-size "
-                        f"{shape['moe_shared_expert_intermediate_size']}{gate}): Mixtral has routed experts only")
-    if args.get("moe_router_score_function") != "softmax":
-        problems.append(f"--moe-router-score-function {args.get('moe_router_score_function')}: Mixtral's router "
-                        f"scores with a softmax")
-    if args.get("moe_router_num_groups"):
-        problems.append(f"group-limited routing (--moe-router-num-groups {args['moe_router_num_groups']} "
-                        f"--moe-router-group-topk {args.get('moe_router_group_topk')}): Mixtral's router chooses "
-                        f"among every expert")
-    if args.get("moe_router_topk_scaling_factor") not in (None, 1.0):
-        problems.append(f"--moe-router-topk-scaling-factor {args['moe_router_topk_scaling_factor']:g}: Mixtral's "
-                        f"routing weights of a token sum to 1")
     if args.get("moe_router_pre_softmax"):
         problems.append("--moe-router-pre-softmax: the chosen experts keep their softmax over every expert, "
                         "Mixtral renormalises them to sum to 1")
+    return problems + _dropless_router_problems(args, shape, weights, "Mixtral")
+
+
+def _dropless_router_problems(args, shape, weights, holder):
+    """What neither a Mixtral nor a Qwen3-MoE (the holder) holds of a dropless MoE: routed experts only, chosen
+    among every expert by a softmax without a bias, their weights not scaled."""
+    problems = []
+    if shape["moe_shared_expert_intermediate_size"]:
+        gate = " with --moe-shared-expert-gate" if shape["moe_shared_expert_gate"] else ""
+        problems.append(f"a shared expert (--moe-shared-expert-intermediate-size "
+                        f"{shape['moe_shared_expert_intermediate_size']}{gate}): {holder} has routed experts only")
+    if args.get("moe_router_score_function") != "softmax":
+        problems.append(f"--moe-router-score-function {args.get('moe_router_score_function')}: {holder}'s router "
+                        f"scores with a softmax")
+    if args.get("moe_router_num_groups"):
+        problems.append(f"group-limited routing (--moe-router-num-groups {args['moe_router_num_groups']} "
+                        f"--moe-router-group-topk {args.get('moe_router_group_topk')}): {holder}'s router chooses "
+                        f"among every expert")
+    if args.get("moe_router_topk_scaling_factor") not in (None, 1.0):
+        problems.append(f"--moe-router-topk-scaling-factor {args['moe_router_topk_scaling_factor']:g}: {holder}'s "
+                        f"routing weights are not scaled")
     moved = _layers_with_moved_expert_bias(args, shape, weights)
     if moved:
         problems.append(f"the expert bias of layers {moved} is not zero (--moe-router-enable-expert-bias): it "
-                        f"changes which experts a token chooses, and Mixtral's router has no bias")
+                        f"changes which experts a token chooses, and {holder}'s router has no bias")
     return problems
 
 
@@ -232,27 +297,54 @@ def _dropless_mlp_to_hf(weights, i, shape):
             "mlp.experts.down_proj": torch.stack([_expert(weights, i, e, "w2") for e in experts])}
 
 
+def _qwen3_moe_mlp_to_hf(weights, i, shape):
+    """A Qwen3-MoE layer's experts and router, or its dense MLP where the layer has no experts."""
+    mlp_to_hf = _dropless_mlp_to_hf if shape["dropless_moe_layers"][i] else _llama_mlp_to_hf
+    return mlp_to_hf(weights, i, shape)
+
+
 def _expert(weights, i, expert, name):
     return weights[_layer(i, f"mlp.experts.{expert}.{name}")]
 
 
-def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
-    groups, d, h = shape["num_key_value_heads"], shape["kv_channels"], shape["hidden_size"]
+def _qkv_to_hf(qkv, groups, per_group):
+    """(q_proj, k_proj, v_proj) rows of our QKV weight or bias, whose rows are per query group [q heads of the
+    group, k, v] x head dim: query head n (of group n // per_group) keeps its place."""
+    grouped = qkv.reshape(groups, per_group + 2, -1)
+    q, k, v = grouped[:, :per_group], grouped[:, per_group], grouped[:, per_group + 1]
+    return tuple(part.reshape(-1, *qkv.shape[1:]) for part in (q, k, v))
+
+
+_QUERY_KEY_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))  # ours, Qwen3's
+
+
+def _attention_to_hf(weights, i, shape):
+    """A layer's q_proj, k_proj, v_proj (with --add-qkv-bias their biases too) and with --qk-layernorm its q_norm
+    and k_norm."""
+    groups = shape["num_key_value_heads"]
     per_group = shape["num_attention_heads"] // groups
+    state = {}
+    for part in ("weight", "bias") if shape.get("add_qkv_bias") else ("weight",):
+        q, k, v = _qkv_to_hf(weights[_layer(i, f"self_attention.linear_qkv.{part}")], groups, per_group)
+        state.update({f"self_attn.q_proj.{part}": q, f"self_attn.k_proj.{part}": k, f"self_attn.v_proj.{part}": v})
+    if shape.get("qk_layernorm"):
+        state.update({f"self_attn.{theirs}.weight": weights[_layer(i, f"self_attention.{ours}.weight")]
+                      for ours, theirs in _QUERY_KEY_NORMS})
+    return state
+
+
+def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
     word = weights[WORD_EMBEDDINGS][:vocab_rows]
     state = {"model.embed_tokens.weight": word}
     for i in range(shape["num_layers"]):
         hf = f"model.layers.{i}."
-        qkv = weights[_layer(i, "self_attention.linear_qkv.weight")].view(groups, per_group + 2, d, h)
         state.update({
             hf + "input_layernorm.weight": weights[_layer(i, "input_layernorm.weight")],
-            hf + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * d, h),
-            hf + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * d, h),
-            hf + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * d, h),
             hf + "self_attn.o_proj.weight": weights[_layer(i, "self_attention.linear_proj.weight")],
             hf + "post_attention_layernorm.weight": weights[_layer(i, "pre_mlp_layernorm.weight")],
         })
-        state.update({hf + name: tensor for name, tensor in mlp_to_hf(weights, i, shape).items()})
+        layer = {**_attention_to_hf(weights, i, shape), **mlp_to_hf(weights, i, shape)}
+        state.update({hf + name: tensor for name, tensor in layer.items()})
     state["model.norm.weight"] = weights["decoder.final_layernorm.weight"]
     state["lm_head.weight"] = word if shape["tied_embeddings"] else weights[OUTPUT_LAYER][:vocab_rows]
     return {name: tensor.contiguous() for name, tensor in state.items()}
@@ -260,22 +352,33 @@ def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
 
 # --- Hugging Face -> ours -----------------------------------------------------------------------------
 
-def from_hf_state(config, state, moe_layer="deepspeed-moe"):
-    """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM; a
-    Mixtral's experts in the MoE layer `moe_layer` (one of MOE_LAYERS)."""
+def from_hf_state(config, state, moe_layer=None):
+    """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM; the experts in the MoE layer `moe_layer` (one of
+    MOE_LAYERS; None: a Mixtral's in DeepSpeed-MoE, a Qwen3-MoE's in the dropless layer, its only one)."""
+    moe_layer = moe_layer or ("dropless" if config.model_type == "qwen3_moe" else "deepspeed-moe")
     if moe_layer not in MOE_LAYERS:
         raise CheckpointError(f"--moe-layer {moe_layer}: one of {', '.join(MOE_LAYERS)}")
-    if moe_layer == "dropless" and config.model_type != "mixtral":
+    if moe_layer == "dropless" and config.model_type not in ("mixtral", "qwen3_moe"):
         raise CheckpointError(f"--moe-layer dropless: the model is {config.model_type!r}, which has no experts "
-                              f"(only a mixtral, MixtralForCausalLM, has)")
+                              f"(only a mixtral, MixtralForCausalLM, or a qwen3_moe, Qwen3MoeForCausalLM, has)")
+    if moe_layer != "dropless" and config.model_type == "qwen3_moe":
+        raise CheckpointError(f"--moe-layer {moe_layer}: a Qwen3MoeForCausalLM's experts come in as the dropless MoE "
+                              f"layer only (its experts' own FFN width, its dense layers, norm_topk_prob: "
+                              f"Megatron-Core's MoE flags)")
     if config.model_type == "gpt2":
         return _from_gpt2(config, state)
     if config.model_type == "llama":
         return _from_llama(config, state, _llama_mlp_from_hf)
     if config.model_type == "mixtral":
         return _from_mixtral(config, state, moe_layer)
-    raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and "
-                          f"mixtral (MixtralForCausalLM); config.json says {config.model_type!r}")
+    if config.model_type in ("qwen2", "qwen3"):
+        return _from_qwen(config, state)
+    if config.model_type == "qwen3_moe":
+        return _from_qwen3_moe(config, state)
+    raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), "
+                          f"mixtral (MixtralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM) and "
+                          f"qwen3_moe (Qwen3MoeForCausalLM); config.json says {config.model_type!r}")
 
 
 def _from_gpt2(config, state):
@@ -324,6 +427,52 @@ def _from_gpt2(config, state):
             "norm_epsilon": config.layer_norm_epsilon, "hidden_dropout": config.resid_pdrop,
             "attention_dropout": config.attn_pdrop}
     return args, _contiguous(weights)
+
+
+def _from_qwen(config, state):
+    """Qwen2 (its q, k, v biases our --add-qkv-bias) or Qwen3 (q_norm and k_norm our --qk-layernorm): a LLaMA's
+    layers otherwise."""
+    _refuse_qwen_attention(config)
+    return _from_llama(config, state, _llama_mlp_from_hf)
+
+
+def _refuse_qwen_attention(config):
+    """A Qwen's attention that is not built here: a sliding window, biases on every projection."""
+    problems = []
+    if getattr(config, "use_sliding_window", False):
+        problems.append(f"use_sliding_window true (sliding_window {config.sliding_window} from layer "
+                        f"{config.max_window_layers}): attention here is full causal")
+    if getattr(config, "attention_bias", False):
+        problems.append("attention_bias true (biases on q_proj, k_proj, v_proj and o_proj): here --add-qkv-bias puts "
+                        "one on the QKV projection alone, and o_proj's comes only with every linear layer's")
+    if problems:
+        raise CheckpointError(f"cannot convert this {config.model_type} model: " + "; ".join(problems))
+
+
+def _from_qwen3_moe(config, state):
+    """A Qwen3-MoE into the dropless layer: its MoE layers' experts and router as a Mixtral's, its dense layers'
+    MLP (mlp_only_layers, or off decoder_sparse_step) as a LLaMA's."""
+    _refuse_qwen_attention(config)
+    pattern = [int(i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0)
+               for i in range(config.num_hidden_layers)]
+    if not any(pattern) or not config.num_experts:
+        raise CheckpointError(f"cannot convert this qwen3_moe model: no layer has experts (num_experts "
+                              f"{config.num_experts}, decoder_sparse_step {config.decoder_sparse_step}, "
+                              f"mlp_only_layers {config.mlp_only_layers})")
+    args, weights = _from_llama(config, state, _qwen3_moe_mlp_from_hf)
+    given = {"num_experts": [config.num_experts], "moe_router_topk": config.num_experts_per_tok,
+             "moe_ffn_hidden_size": config.moe_intermediate_size, "moe_layer_freq": pattern,
+             "moe_router_score_function": "softmax", "moe_router_pre_softmax": not config.norm_topk_prob,
+             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": config.router_aux_loss_coef,
+             "moe_grouped_gemm": True}
+    args.update(_dropless_args(given, config.intermediate_size))
+    return args, weights
+
+
+def _qwen3_moe_mlp_from_hf(state, hf, i):
+    """A Qwen3-MoE layer's experts and router (its router is `mlp.gate`, as a Mixtral's), or its dense MLP."""
+    mlp_from_hf = _dropless_mlp_from_hf if hf + "mlp.gate.weight" in state else _llama_mlp_from_hf
+    return mlp_from_hf(state, hf, i)
 
 
 def _llama_mlp_from_hf(state, hf, i):
@@ -391,9 +540,15 @@ def _dropless_moe_args(config):
              "moe_ffn_hidden_size": config.intermediate_size, "moe_layer_freq": 1,
              "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
              "moe_aux_loss_coeff": config.router_aux_loss_coef, "moe_grouped_gemm": True}
+    return _dropless_args(given, config.intermediate_size)
+
+
+def _dropless_args(given, ffn_hidden_size):
+    """Megatron-Core's MoE flags given, with what pretrain.py resolves from them (the dense FFN ffn_hidden_size);
+    every other MoE flag at its default."""
     flags = argparse.Namespace(**{**flag_defaults(), **given})
     return {**_flag_defaults_of(DEEPSPEED_MOE_FLAGS), **_flag_defaults_of(DROPLESS_MOE_FLAGS), **given,
-            **moe_family_values(flags, config.intermediate_size)}
+            **moe_family_values(flags, ffn_hidden_size)}
 
 
 def _flag_defaults_of(flags):
@@ -405,11 +560,8 @@ def _flag_defaults_of(flags):
 def _from_llama(config, state, mlp_from_hf):
     # transformers >= 5: config.rope_parameters; before: config.rope_theta and config.rope_scaling
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope_type {rope_type!r} (only plain RoPE is supported, no scaling)")
+    rope_scaling, problems = hf_rope.from_hf(rope, config.max_position_embeddings)
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial not in (None, 1.0):
         problems.append(f"partial_rotary_factor {partial} (LlamaForCausalLM rotates every channel; its partial "
@@ -428,12 +580,9 @@ def _from_llama(config, state, mlp_from_hf):
     weights = {WORD_EMBEDDINGS: state["model.embed_tokens.weight"]}
     for i in range(layers):
         hf = f"model.layers.{i}."
-        q = state[hf + "self_attn.q_proj.weight"].view(groups, per_group, d, h)
-        k = state[hf + "self_attn.k_proj.weight"].view(groups, 1, d, h)
-        v = state[hf + "self_attn.v_proj.weight"].view(groups, 1, d, h)
         weights.update({
             _layer(i, "input_layernorm.weight"): state[hf + "input_layernorm.weight"],
-            _layer(i, "self_attention.linear_qkv.weight"): torch.cat([q, k, v], dim=1).reshape(-1, h),
+            **_attention_from_hf(state, hf, i, groups, per_group),
             _layer(i, "self_attention.linear_proj.weight"): state[hf + "self_attn.o_proj.weight"],
             _layer(i, "pre_mlp_layernorm.weight"): state[hf + "post_attention_layernorm.weight"],
             **mlp_from_hf(state, hf, i),
@@ -447,9 +596,31 @@ def _from_llama(config, state, mlp_from_hf):
             "seq_length": min(config.max_position_embeddings, 4096), "normalization": "RMSNorm", "swiglu": True,
             "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
             "rotary_base": float(rope_theta), "rotary_percent": 1.0, "disable_bias_linear": True,
+            "add_qkv_bias": _layer(0, "self_attention.linear_qkv.bias") in weights,
+            "qk_layernorm": _layer(0, "self_attention.q_layernorm.weight") in weights,
             "untie_embeddings_and_output_weights": not tied, "norm_epsilon": config.rms_norm_eps,
             "hidden_dropout": 0.0, "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0)}
-    return args, _contiguous(weights)
+    return {**args, **rope_scaling}, _contiguous(weights)
+
+
+def _qkv_from_hf(q, k, v, groups, per_group):
+    """Our QKV weight or bias (rows per query group [q heads of the group, k, v]) from q_proj, k_proj, v_proj's."""
+    parts = [q.reshape(groups, per_group, -1), k.reshape(groups, 1, -1), v.reshape(groups, 1, -1)]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _attention_from_hf(state, hf, i, groups, per_group):
+    """Our QKV weight (and bias, where q_proj has one: Qwen2's) from q_proj, k_proj, v_proj; q_norm and k_norm
+    (Qwen3's) as our q_layernorm and k_layernorm."""
+    weights = {}
+    for part in ("weight", "bias"):
+        if hf + f"self_attn.q_proj.{part}" in state:
+            projections = (state[hf + f"self_attn.{name}_proj.{part}"] for name in "qkv")
+            weights[_layer(i, f"self_attention.linear_qkv.{part}")] = _qkv_from_hf(*projections, groups, per_group)
+    for ours, theirs in _QUERY_KEY_NORMS:
+        if hf + f"self_attn.{theirs}.weight" in state:
+            weights[_layer(i, f"self_attention.{ours}.weight")] = state[hf + f"self_attn.{theirs}.weight"]
+    return weights
 
 
 def _contiguous(weights):

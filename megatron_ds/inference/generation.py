@@ -111,6 +111,7 @@ def _attention_step(attention, hidden_states, cache, index):
     grouped = mixed.view(s, b, groups, per_group + 2, d)
     query = grouped[:, :, :, :per_group].reshape(s, b, attention.num_heads, d)
     key, value = grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]  # [s, b, groups, d]
+    query, key = attention.query_key_norms(query, key)
     if attention.rotary is not None:
         cos, sin = attention.rotary(s, hidden_states.device, offset=cache.length)
         query, key = apply_rotary(query, key, cos, sin)  # the leading rotary channels (partial rotary)

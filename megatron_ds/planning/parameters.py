@@ -33,17 +33,20 @@ from megatron_ds.core.parallel_layout import teacher_layers_on
 from megatron_ds.planning.model import ModelSpec
 
 
-def norm_parameters(config) -> int:
-    return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+def norm_parameters(config, width: Optional[int] = None) -> int:
+    """One norm over width channels (default the hidden size): its weight, and with LayerNorm its bias."""
+    return (width or config.hidden_size) * (2 if config.normalization == "LayerNorm" else 1)
 
 
 def attention_parameters(config, tp: int = 1) -> int:
     """Self-attention on one TP rank: QKV (column-parallel) and projection weights and QKV's bias split by TP,
-    the projection's (row-parallel) bias replicated."""
+    the projection's (row-parallel) bias and the query and key norms (head dim wide) replicated."""
     h, d = config.hidden_size, config.kv_channels
     qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
-    sharded = qkv_out * h + config.num_attention_heads * d * h + (qkv_out if config.bias else 0)
-    return sharded // tp + (h if config.bias else 0)
+    qkv_bias = config.bias or config.add_qkv_bias
+    sharded = qkv_out * h + config.num_attention_heads * d * h + (qkv_out if qkv_bias else 0)
+    query_key_norms = 2 * norm_parameters(config, d) if config.qk_layernorm else 0
+    return sharded // tp + (h if config.bias else 0) + query_key_norms
 
 
 def mlp_parameters(config, tp: int = 1, ffn_hidden_size: Optional[int] = None) -> int:

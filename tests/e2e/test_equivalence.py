@@ -48,3 +48,16 @@ def test_flash_attention_op_at_tp2_trains_like_sdpa_on_one_rank():
     observed = run_layout("llama", 2, 1, 1, ["--attention-backend", "flash"])
     for iteration, loss in expected.items():
         assert observed[iteration] == pytest.approx(loss, rel=1e-4), (iteration, observed, expected)
+
+
+def test_qwen_attention_at_tp2_with_sequence_parallelism_trains_like_one_rank():
+    """Qwen's attention parts (--qk-layernorm: the norms whole on each TP rank, their gradients summed over the
+    ranks' heads; --add-qkv-bias: split with the QKV rows) at TP 2 with --sequence-parallel train as one rank."""
+    qwen = ["--qk-layernorm", "--add-qkv-bias"]
+    expected = run_layout("llama", 1, 1, 1, qwen)
+    observed = run_layout("llama", 2, 1, 1, qwen + ["--sequence-parallel"])
+    assert expected[ITERATIONS] < expected[1], f"the reference run did not learn: {expected}"
+    assert expected != reference("llama"), "the flags changed nothing"
+    print("max |TP 2 + SP loss - TP 1 loss|:", max(abs(observed[it] - loss) for it, loss in expected.items()))
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-5, abs=1e-5), (iteration, observed, expected)

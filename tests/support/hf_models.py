@@ -35,6 +35,57 @@ def tiny_llama(path, seed=0):
     return model
 
 
+def tiny_qwen2(path, seed=0):
+    """Qwen2ForCausalLM: grouped-query attention (4 heads, 2 key/value heads) with q, k and v biases, rope_theta
+    1e6, tied head (as Qwen2's small models), hidden 64; weights drawn with std 0.2, so that greedy generation does
+    not repeat one token; saved to path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False,
+                         initializer_range=0.2, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    return _saved(Qwen2ForCausalLM(config), path)
+
+
+def tiny_qwen3(path, seed=0):
+    """Qwen3ForCausalLM: q_norm and k_norm, grouped-query attention (4 heads, 2 key/value heads) of head dim 32
+    (4 x 32 != hidden 64), no biases, untied head; weights drawn with std 0.2; saved to path."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
+                         use_sliding_window=False, initializer_range=0.2, bos_token_id=VOCAB - 1,
+                         eos_token_id=VOCAB - 1)
+    return _saved(Qwen3ForCausalLM(config), path)
+
+
+def tiny_qwen3_moe(path, seed=0):
+    """Qwen3MoeForCausalLM: the tiny Qwen3's attention; layer 0 dense (mlp_only_layers, FFN 96), layer 1 of 4 experts
+    (FFN 32), top-2 without renormalising (norm_topk_prob false); router weights scaled up so each token's choice of
+    experts is clear-cut; saved to path."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                            mlp_only_layers=[0], router_aux_loss_coef=0.01, initializer_range=0.2,
+                            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0.0, 1.0)
+    return _saved(model, path)
+
+
+def _saved(model, path):
+    model.eval()
+    _perturb(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def tiny_mixtral(path, seed=0):
     """MixtralForCausalLM: the tiny LLaMA's attention, 4 SwiGLU experts per layer, top-2 routing; router weights
     scaled up so each token's choice of experts is clear-cut (no near-ties for rounding to flip); saved to path."""
@@ -50,6 +101,32 @@ def tiny_mixtral(path, seed=0):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(50.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+# RoPE scaling of the tiny scaled LLaMAs (head dim 16): LLaMA-3.1's (rope_theta 500000 puts its 8 frequencies
+# in all three of its bands: kept, blended, divided) and YaRN over an original context of 64 with a ramp across
+# several frequencies and an attention factor other than 1
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 8.0,
+             "beta_slow": 0.5, "mscale": 0.9, "mscale_all_dim": 0.4, "rope_theta": 10000.0}
+
+
+def tiny_scaled_llama(path, rope_parameters, seed=0):
+    """LlamaForCausalLM with RoPE scaling (rope_parameters: LLAMA31_ROPE or YARN_ROPE), grouped-query attention
+    (4 heads of 16, 2 key/value heads), max_position_embeddings the factor x the original context, untied head;
+    weights drawn with std 0.2, so that greedy generation does not repeat one token; saved to path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    positions = int(rope_parameters["factor"] * rope_parameters["original_max_position_embeddings"])
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                         rms_norm_eps=1e-6, rope_parameters=dict(rope_parameters), tie_word_embeddings=False,
+                         initializer_range=0.2, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = LlamaForCausalLM(config).eval()
+    _perturb(model)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

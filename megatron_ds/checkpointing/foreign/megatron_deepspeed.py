@@ -461,6 +461,15 @@ def write_checkpoint(full, save_dir, tp, pp, dp=1, with_optimizer=True):
     ZeRO-1 files partitioned over dp), crash-safe as our saves: the tag folder under a temporary name, then renamed,
     then its pointers `latest` and latest_checkpointed_iteration.txt. No RNG states (a FullState carries none).
     Returns the checkpoint folder."""
+    if full.model.get("rope_scaling"):
+        raise CheckpointError(f"Megatron-DeepSpeed has no RoPE scaling: this model's "
+                              f"{full.model['rope_scaling']['type']} scaling (--rope-type yarn / --use-rope-scaling) "
+                              f"would be lost, and with it the model's function")
+    qwen_attention = [flag for flag, key in (("--add-qkv-bias", "add_qkv_bias"), ("--qk-layernorm", "qk_layernorm"))
+                      if full.model.get(key)]
+    if qwen_attention:
+        raise CheckpointError(f"Megatron-DeepSpeed has no {' nor '.join(qwen_attention)}: its attention would drop "
+                              f"this model's QKV bias or query and key norms")
     if files.is_moe(full.model):
         _check_experts(full, dp)
     source = dataclasses.replace(full, optimizer=full.optimizer if with_optimizer else None)

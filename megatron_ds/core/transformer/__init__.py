@@ -7,7 +7,7 @@
     moe.py                 Mixture of Experts on DeepSpeed-MoE's layer (Megatron-DeepSpeed's flags)
     dropless_moe.py        dropless Mixture of Experts on DeepSpeed's router and grouped experts (Megatron-Core's)
     norms.py               LayerNorm and RMSNorm parameters (the math in fusions/)
-    rotary.py              rotary position embedding: the angles (the rotation in fusions/)
+    rotary.py              rotary position embedding: the angles, scaled as LLaMA-3.1 or YaRN (rotation: fusions/)
     fused_ops.py           which fusions implementation each op of the model runs
 """
 from megatron_ds.core.transformer.transformer_config import TransformerConfig

@@ -1,5 +1,7 @@
 """Self-attention: QKV column-parallel (each TP rank owns whole query groups), core attention on this
 rank's heads, output projection row-parallel. Grouped-query attention when num_query_groups < heads.
+--add-qkv-bias puts a bias on the QKV projection alone; --qk-layernorm normalises each query and key head over
+its channels (Megatron-Core's q_layernorm / k_layernorm, Qwen3's q_norm / k_norm) before RoPE.
 With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
 the TP rank's heads, through DeepSpeed's DistributedAttention. The flash backend, and the sdpa backend where
 --fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model), run causal
@@ -25,6 +27,7 @@ from megatron_ds.core.parallel_state import (
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
 from megatron_ds.core.transformer.fused_ops import op_implementation, runs_flash_attention
+from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -110,14 +113,20 @@ class SelfAttention(torch.nn.Module):
         self.num_groups = divide(config.num_query_groups, tp, "--num-key-value-heads over TP:")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, config=config, bias=config.bias,
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, config=config,
+                                               bias=config.bias or config.add_qkv_bias,
                                                init_method=init_method_normal(config.init_method_std))
+        # Megatron-Core's q_layernorm / k_layernorm: one weight over head_dim for every head, whole on each TP
+        # rank, whose gradient there comes from its own heads only
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (build_norm(config, self.head_dim, partial_gradients=tp > 1)
+                                                  for _ in range(2))
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              config=config, bias=config.bias, input_is_parallel=True,
                                              skip_bias_add=True,
                                              init_method=init_method_normal(config.output_layer_init_std))
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = RotaryEmbedding.from_config(config) if config.position_embedding_type == "rope" else None
         self.core_attention = _BACKENDS[config.attention_backend]
         # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
         # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
@@ -136,11 +145,18 @@ class SelfAttention(torch.nn.Module):
         s, b, _ = mixed.shape
         grouped = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
         query, key, value = grouped.split([self.heads_per_group, 1, 1], dim=3)
+        query, key = self.query_key_norms(query, key)
         heads = (s, b, self.num_heads, self.head_dim)
         if self.heads_per_group == 1 or not expand:  # k and v views, so backward keeps only the QKV output
             return query.reshape(heads), key.squeeze(3), value.squeeze(3)
         per_head = (s, b, self.num_groups, self.heads_per_group, self.head_dim)
         return (query.reshape(heads), key.expand(per_head).reshape(heads), value.expand(per_head).reshape(heads))
+
+    def query_key_norms(self, query, key):
+        """query and key through their norms (--qk-layernorm: over each head's channels), as they are without."""
+        if self.q_layernorm is None:
+            return query, key
+        return self.q_layernorm(query), self.k_layernorm(key)
 
     def forward(self, hidden_states, attention_mask=None):
         mixed, _ = self.linear_qkv(hidden_states)

@@ -1,7 +1,7 @@
 """LayerNorm and RMSNorm, chosen by TransformerConfig.normalization: the parameters here, the math in
 core/fusions (the backend's implementation, or the reference: statistics in fp32; the 16-bit input and
 per-row statistics saved for backward). Under sequence parallelism their parameters see only this rank's tokens,
-so their gradients are summed over TP."""
+so their gradients are summed over TP; so are those of the query and key norms, which see only its heads."""
 import torch
 
 from megatron_ds.core.fusions import layer_norm_reference, rms_norm_reference
@@ -36,11 +36,13 @@ class LayerNorm(torch.nn.Module):
         return self.implementation(x, self.weight, self.bias, self.eps)
 
 
-def build_norm(config):
+def build_norm(config, hidden_size=None, partial_gradients=None):
+    """config.normalization over hidden_size channels (default the model's). partial_gradients: each TP rank's
+    gradient of its parameters is a share of theirs, summed over TP (default: under sequence parallelism)."""
     cls, op = (RMSNorm, "rms_norm") if config.normalization == "RMSNorm" else (LayerNorm, "layer_norm")
-    norm = cls(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
+    norm = cls(hidden_size or config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
                implementation=op_implementation(config, op))
-    if config.sequence_parallel:
+    if config.sequence_parallel if partial_gradients is None else partial_gradients:
         for param in norm.parameters():
             mark_sequence_parallel_parameter(param)
     return norm

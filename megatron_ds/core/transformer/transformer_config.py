@@ -8,6 +8,13 @@ from megatron_ds.core.fusions.backends import BACKENDS as FUSION_BACKENDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+ROPE_TYPES = ("rope", "yarn")
+# RoPE scaling (core/transformer/rotary.py), its fields named alike in the flags and here, Megatron's defaults:
+# YaRN's (--rope-type yarn; Megatron-Core's MLA config names) and LLaMA-3.1's (--use-rope-scaling)
+YARN_DEFAULTS = {"rotary_scaling_factor": 1.0, "original_max_position_embeddings": None, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+LLAMA3_SCALING_DEFAULTS = {"rope_scaling_factor": 8.0}
+ROPE_SCALING_FIELDS = ("rope_type", *YARN_DEFAULTS, "use_rope_scaling", *LLAMA3_SCALING_DEFAULTS)
 ATTENTION_BACKENDS = ("sdpa", "local", "flash")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -42,9 +49,20 @@ class TransformerConfig:
     normalization: str = "LayerNorm"
     gated_linear_unit: bool = False             # SwiGLU when True (with SiLU)
     bias: bool = True                           # biases on the linear layers
+    add_qkv_bias: bool = False                  # a bias on the QKV projection even where bias is False (Qwen2)
+    qk_layernorm: bool = False                  # `normalization` over each query and key head (Qwen3), before RoPE
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0                 # RoPE rotates the first int(kv_channels * this) channels of a head
+    rope_type: str = "rope"                     # "yarn": YaRN's scaling, with the six fields below
+    rotary_scaling_factor: float = YARN_DEFAULTS["rotary_scaling_factor"]
+    original_max_position_embeddings: Optional[int] = None  # YaRN: the context before the extension
+    beta_fast: float = YARN_DEFAULTS["beta_fast"]
+    beta_slow: float = YARN_DEFAULTS["beta_slow"]
+    mscale: float = YARN_DEFAULTS["mscale"]
+    mscale_all_dim: float = YARN_DEFAULTS["mscale_all_dim"]
+    use_rope_scaling: bool = False              # LLaMA-3.1's scaling, by rope_scaling_factor
+    rope_scaling_factor: float = LLAMA3_SCALING_DEFAULTS["rope_scaling_factor"]
     attention_backend: str = "sdpa"
     init_method_std: float = 0.02
     init_seed: int = 1234                       # full-model initialization seed (same for every layout)
@@ -127,6 +145,9 @@ class TransformerConfig:
         self._check_dropless_moe()
 
     def _check_rotary(self):
+        errors = rope_scaling_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"TransformerConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim < 2
@@ -216,6 +237,50 @@ class TransformerConfig:
     def output_layer_init_std(self) -> float:
         """Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L)."""
         return self.init_method_std / (2.0 * self.num_layers) ** 0.5
+
+
+def rope_scaling_errors(values):
+    """What is wrong with a RoPE scaling, each problem naming its flags (values: a TransformerConfig, or the
+    resolved flags: the names are the same)."""
+    yarn, llama3 = values.rope_type == "yarn", values.use_rope_scaling
+    errors = [] if values.rope_type in ROPE_TYPES else [f"--rope-type {values.rope_type}: one of {ROPE_TYPES}"]
+    if (yarn or llama3) and values.position_embedding_type != "rope":
+        asked = " and ".join(flag for flag, given in (("--rope-type yarn", yarn), ("--use-rope-scaling", llama3))
+                             if given)
+        errors.append(f"{asked}: RoPE scaling, and the model has --position-embedding-type "
+                      f"{values.position_embedding_type}: add --use-rotary-position-embeddings (or "
+                      f"--position-embedding-type rope)")
+    if yarn and llama3:
+        errors.append("--rope-type yarn and --use-rope-scaling are two RoPE scalings (YaRN's, LLaMA-3.1's): give one")
+    if llama3 and not values.rope_scaling_factor > 0:
+        errors.append(f"--rope-scaling-factor {values.rope_scaling_factor:g} must be > 0")
+    errors += _yarn_errors(values) if yarn else _unused_flags(values, YARN_DEFAULTS, "YaRN", "--rope-type yarn")
+    if not llama3:
+        errors += _unused_flags(values, LLAMA3_SCALING_DEFAULTS, "LLaMA-3.1's RoPE scaling", "--use-rope-scaling")
+    return errors
+
+
+def _yarn_errors(values):
+    original, errors = values.original_max_position_embeddings, []
+    if original is None:
+        errors.append("--rope-type yarn needs --original-max-position-embeddings: the context the model was trained "
+                      "at before YaRN extends it (DeepSeek-V3: 4096)")
+    elif original <= 0:
+        errors.append(f"--original-max-position-embeddings must be positive, got {original}")
+    if not values.rotary_scaling_factor > 0:
+        errors.append(f"--rotary-scaling-factor {values.rotary_scaling_factor:g}: YaRN's factor must be > 0")
+    if not 0 < values.beta_slow < values.beta_fast:
+        errors.append(f"--beta-fast {values.beta_fast:g}, --beta-slow {values.beta_slow:g}: YaRN needs 0 < beta-slow "
+                      f"< beta-fast (its ramp runs from the frequencies that turn beta-fast times over the original "
+                      f"context to those that turn beta-slow times)")
+    return errors
+
+
+def _unused_flags(values, defaults, whose, switch):
+    """The scaling's flags given other than their defaults without the switch that uses them."""
+    given = [f"--{name.replace('_', '-')} {getattr(values, name):g}" for name, default in defaults.items()
+             if getattr(values, name) != default]
+    return [f"{', '.join(given)}: {whose}, unused without {switch}"] if given else []
 
 
 def moe_group_score_function(topk, group_topk):

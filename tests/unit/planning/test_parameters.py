@@ -1,11 +1,13 @@
 """megatron_ds.planning.parameters: exact parameter counts per layer, stage and device, by hand and against
 the models training builds (GPTModel on CPU, DeepSpeed's PipelineModule on gloo ranks)."""
+import dataclasses
 import os
 
 import pytest
 
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt import GPTModel
+from megatron_ds.core.transformer import TransformerLayer
 from megatron_ds.planning.parameters import (
     embedding_parameters,
     layer_parameters,
@@ -103,6 +105,19 @@ def test_parameter_formula_matches_gpt_model_built_on_cpu(family, tied, tp):
         assert count_parameters(built) == stage_parameters(model, tp, 1)[0].total
     if tp == 1:
         assert count_parameters(built) == total_parameters(model, 1)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qk_layernorm_and_qkv_bias_count_like_the_layer_built(normalization, tp):
+    """--qk-layernorm: two norms of head dim (8 here, not hidden / heads) whole on every TP rank; --add-qkv-bias:
+    QKV's bias, split by TP."""
+    config = dataclasses.replace(small_model("llama").config, normalization=normalization, kv_channels=8,
+                                 qk_layernorm=True, add_qkv_bias=True)
+    for rank in (0, tp - 1):
+        with parallel_state.simulated_model_parallel(tp, rank, 1, 0):
+            built = TransformerLayer(config, layer_number=1)
+        assert count_parameters(built) == layer_parameters(config, tp)
 
 
 def _check_pipeline_module_counts(family, tied, tp, pp):
