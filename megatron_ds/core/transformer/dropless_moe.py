@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as distributed_functional
 from deepspeed.moe.ep_experts import GroupedExperts
 from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 
@@ -72,12 +71,24 @@ class Router(TokenChoiceTopKRouter):
         return weights, experts, counts, logits
 
 
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _exchange(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
 def _exchange(rows, output_splits, input_splits, group):
-    """all_to_all_single with uneven splits, differentiable (torch's: backward sends the gradients back the same
-    way)."""
     received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-    return distributed_functional.all_to_all_single(received, rows.contiguous(), output_splits, input_splits,
-                                                    group=group)
+    dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
+    return received
 
 
 def _expert_major_order(counts_by_source):
@@ -127,11 +138,11 @@ class AllToAllDispatcher:
             received_counts.copy_(counts_by_rank[dist.get_rank(self.group)].expand_as(received_counts))
         send_splits = counts_by_rank.sum(1).tolist()
         receive_splits = received_counts.sum(1).tolist()
-        received = _exchange(rows, receive_splits, send_splits, self.group)
+        received = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
         order = _expert_major_order(received_counts.cpu())
         computed = experts(received[order.to(received.device)], received_counts.sum(0))
         returned = computed[torch.argsort(order).to(computed.device)]
-        return _exchange(returned, send_splits, receive_splits, self.group)
+        return _AllToAll.apply(returned, send_splits, receive_splits, self.group)
 
 
 def uniform_counts(rows, experts, device):
