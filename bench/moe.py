@@ -2,6 +2,7 @@
 
     python bench/moe.py [--ranks 2] [--experts 8] [--topk 2] [--hidden-size 256] [--ffn-hidden-size 1024] ...
     python bench/moe.py --dropless ...   # SwiGLU models; the dropless layer beside DeepSpeed-MoE
+    python bench/moe.py --dropless --expert-bias ...   # the dropless layer balancing its experts' loads
 
 The MoE replaces the MLP of every other layer by `--experts` experts of FFN width ffn / topk, so a token's
 active MLP parameters equal the dense model's (plus the router); experts are spread over all ranks (EP =
@@ -72,7 +73,7 @@ def _dropless_flags(args):
     return ["--ffn-hidden-size", str(args.ffn_hidden_size), "--moe-ffn-hidden-size",
             str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts), "--moe-router-topk",
             str(args.topk), "--expert-model-parallel-size", str(args.ranks), "--moe-layer-freq", pattern,
-            "--moe-grouped-gemm"]
+            "--moe-grouped-gemm", *(["--moe-router-enable-expert-bias"] if args.expert_bias else [])]
 
 
 def _command(args, flags, iterations):
@@ -120,6 +121,9 @@ def main(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--dropless", action="store_true", help="SwiGLU models, and the dropless layer beside")
+    parser.add_argument("--expert-bias", action="store_true",
+                        help="--dropless: with the expert bias (auxiliary-loss-free balancing, as DeepSeek-V3), so "
+                             "its ranks' loads even out during the run as a training run's do")
     add_arguments(parser, rotations_per_round=24)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length
@@ -140,9 +144,10 @@ def main(argv=None):
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     print(host_line())
     experts = f"{args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, top-{args.topk}, every 2nd layer"
+    bias = ", expert bias" if args.expert_bias else ""
     labels = {"dense": f"dense  (FFN {args.ffn_hidden_size})",
               "moe": f"MoE    ({experts}, EP {args.ranks})",
-              "dropless": f"dropless MoE ({experts}, grouped GEMMs, EP {args.ranks})"}
+              "dropless": f"dropless MoE ({experts}, grouped GEMMs{bias}, EP {args.ranks})"}
     for name in seconds:
         print(f"{labels[name]}: {tokens / timed[name]:,.0f} tokens/s, "
               f"{_teraflop_per_rank_per_iteration(args, name) / timed[name]:.4f} TFLOP/s per rank")
