@@ -290,6 +290,7 @@ class DroplessMoE(torch.nn.Module):
                 mark_sequence_parallel_parameter(self.shared_gate.weight)
         self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
         self.counts_groups = token_split_groups()
+        self.ulysses = parallel_state.get_sequence_parallel_world_size()
         if self.tensor_parallel > 1:  # the router sees this rank's share of the tokens
             mark_sequence_parallel_parameter(self.router.gate.weight)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
@@ -353,8 +354,7 @@ class DroplessMoE(torch.nn.Module):
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
             # DeepSpeed averages gradients over the Ulysses ranks too, whose losses here are shares of the sample's
             # (the lm loss is scaled by SP for the same reason: core/models/gpt/gpt_model.py)
-            ulysses = parallel_state.get_sequence_parallel_world_size()
-            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale * ulysses)
+            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale * self.ulysses)
         return routed
 
     def _global_counts(self, logits, chosen, groups):
