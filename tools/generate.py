@@ -42,7 +42,8 @@ def build_parser():
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="our checkpoint folder")
     source.add_argument("--hf", help="a Hugging Face model folder (GPT2LMHeadModel, LlamaForCausalLM, "
-                                     "MixtralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM)")
+                                     "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                     "Qwen3MoeForCausalLM or DeepseekV3ForCausalLM)")
     parser.add_argument("--load-iteration", default=None)
     parser.add_argument("--prompt", action=_AppendPrompt, const="text", dest="prompts", default=[],
                         help="a prompt (repeatable)")

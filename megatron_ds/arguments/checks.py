@@ -12,8 +12,11 @@ import torch
 from megatron_ds.arguments.flags import flag_defaults
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
+from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags
 from megatron_ds.core.transformer.transformer_config import (
+    MLA_FIELDS,
     default_ffn_hidden_size,
+    mla_errors,
     moe_layer_pattern,
     rope_scaling_errors,
 )
@@ -51,13 +54,20 @@ def parallel_layout(args, zero_stage=None) -> ParallelLayout:
                           expert=args.moe_expert_parallel_size,
                           expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
                           sequence_parallel=bool(args.sequence_parallel), zero_stage=zero_stage,
-                          pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_pipeline_stages)
+                          pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_pipeline_stages,
+                          split=pipeline_split(args))
+
+
+def pipeline_split(args) -> PipelineSplit:
+    """Megatron-LM's uneven pipeline split flags (all unset: the even split)."""
+    return split_from_flags(vars(args))
 
 
 def model_shape(args) -> ModelShape:
     return ModelShape(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                       num_query_groups=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
-                      seq_length=args.seq_length, ffn_origin=_ffn_origin(args), **_moe_shape(args))
+                      seq_length=args.seq_length, ffn_origin=_ffn_origin(args), mtp_num_layers=args.mtp_num_layers or 0,
+                      **_moe_shape(args))
 
 
 def _moe_shape(args):
@@ -87,7 +97,7 @@ def model_errors(args):
     errors = []
     if heads % kv_heads:
         errors.append(f"--num-key-value-heads {kv_heads} does not divide --num-attention-heads {heads}")
-    if args.kv_channels is None and args.hidden_size % heads:
+    if args.kv_channels is None and args.hidden_size % heads and not args.multi_latent_attention:
         errors.append(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads} "
                       f"(or give --kv-channels)")
     if args.seq_length > args.max_position_embeddings:
@@ -96,7 +106,17 @@ def model_errors(args):
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    return errors + _rotary_errors(args) + rope_scaling_errors(args)
+    return errors + _rotary_errors(args) + rope_scaling_errors(args) + multi_latent_attention_errors(args)
+
+
+def multi_latent_attention_errors(args):
+    """MLA's sizes against the model, and the flags it cannot combine with; its flags without it."""
+    if args.multi_latent_attention:
+        return mla_errors(args)
+    defaults = flag_defaults()
+    given = [f"{_flag(name)} {getattr(args, name)}" for name in MLA_FIELDS[1:]
+             if getattr(args, name) != defaults[name]]
+    return [f"{', '.join(given)}: multi-latent attention's, unused without --multi-latent-attention"] if given else []
 
 
 def rope_spelling_errors(args):
@@ -112,9 +132,9 @@ def _rotary_errors(args):
     if not 0.0 < percent <= 1.0:
         return [f"--rotary-percent must be in (0, 1] (the fraction of each head's channels RoPE rotates), "
                 f"got {percent}"]
-    if args.position_embedding_type != "rope" or (args.kv_channels is None
-                                                  and args.hidden_size % args.num_attention_heads):
-        return []  # no RoPE, or no head dim (reported above)
+    if args.position_embedding_type != "rope" or args.multi_latent_attention or (
+            args.kv_channels is None and args.hidden_size % args.num_attention_heads):
+        return []  # no RoPE, MLA's (its own check), or no head dim (reported above)
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
     origin = (f"--kv-channels {head_dim}" if args.kv_channels else
               f"head dim {head_dim} = --hidden-size {args.hidden_size} / --num-attention-heads "
@@ -394,6 +414,36 @@ def distillation_errors(args):
                (args.pipeline_model_parallel_size > 1 and args.pipeline_schedule not in KD_SCHEDULES,
                 f"--pipeline-schedule {args.pipeline_schedule} (built: {', '.join(KD_SCHEDULES)})")]
     errors += [f"--kd with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]
+    return errors
+
+
+def mtp_errors(args):
+    """--mtp-num-layers: its values, the modules a pipeline layout places, and what the multi-token prediction is
+    not built with."""
+    layout = split_from_flags(vars(args)).layout
+    placed = "".join(layout).count("m") if layout is not None else None
+    if placed is not None and placed != (args.mtp_num_layers or 0):
+        return [f"--pipeline-model-parallel-layout places {placed} multi-token prediction module(s) (m), "
+                f"--mtp-num-layers {args.mtp_num_layers}"]
+    if args.mtp_num_layers is None:
+        return ["--mtp-loss-scaling-factor-by-tokens without --mtp-num-layers: there is no MTP loss to weight"] \
+            if args.mtp_loss_scaling_factor_by_tokens is not None else []
+    if args.mtp_num_layers < 1:
+        return [f"--mtp-num-layers must be at least 1, got {args.mtp_num_layers} (leave it out for no MTP)"]
+    errors = []
+    if args.position_embedding_type not in ("rope", "none"):
+        errors.append(f"--mtp-num-layers with --position-embedding-type {args.position_embedding_type}: MTP takes "
+                      f"rope or none (as Megatron-LM; the tokens ahead have no learned position of their own)")
+    factors = [args.mtp_loss_scaling_factor, *(factor for _, factor in args.mtp_loss_scaling_factor_by_tokens or ())]
+    if any(factor < 0 for factor in factors):
+        errors.append(f"--mtp-loss-scaling-factor / --mtp-loss-scaling-factor-by-tokens: a weight must not be "
+                      f"negative, got {', '.join(str(factor) for factor in factors)}")
+    unbuilt = [(args.kd, "--kd (distillation)"),
+               (args.reset_attention_mask, "--reset-attention-mask (document masks)"),
+               (max(args.num_experts) > 1 and not getattr(args, "dropless_moe", False),
+                f"--num-experts {' '.join(map(str, args.num_experts))} of DeepSpeed-MoE (Megatron-DeepSpeed's "
+                f"flags; the dropless layer, Megatron-Core's flags, is built)")]
+    errors += [f"--mtp-num-layers with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]
     return errors
 
 

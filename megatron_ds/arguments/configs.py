@@ -73,6 +73,8 @@ class OptimizationConfig:
     fp16: bool
     check_for_nan_in_loss_and_grad: bool
     max_consecutive_skipped_steps: int
+    mtp_loss_scaling_factor: float                              # the MTP loss's weight ...
+    mtp_loss_scaling_factor_by_tokens: Optional[Tuple[Tuple[int, float], ...]]  # ... from these consumed tokens on
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def _add_model_args(parser):
     group.add_argument("--qk-layernorm", action="store_true",
                        help="--normalization over each query and key head's channels, before RoPE: one weight of "
                             "head size each for every head (Qwen3's q_norm / k_norm)")
+    _add_multi_latent_attention_args(group)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -81,6 +82,24 @@ def _add_model_args(parser):
                             "s x s tensor kept); local: explicit softmax(QK^T)V; flash: megatron_ds's blocked "
                             "causal attention with a hashed dropout mask, in --fusion-backend's implementation "
                             "(sdpa becomes it where --fusion-backend auto compiles on a CPU)")
+
+
+def _add_multi_latent_attention_args(group):
+    """DeepSeek-V3's multi-latent attention, in Megatron-LM's names and defaults."""
+    group.add_argument("--multi-latent-attention", action="store_true",
+                       help="multi-latent attention (DeepSeek-V2/V3): queries, keys and values through low-rank "
+                            "latents, a decoupled rotary key shared by the heads")
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="MLA: the query latent's rank (DeepSeek-V3: 1536); unset: queries through one "
+                            "projection")
+    group.add_argument("--kv-lora-rank", type=int, default=32,
+                       help="MLA: the key-value latent's rank (DeepSeek-V3: 512)")
+    group.add_argument("--qk-head-dim", type=int, default=128,
+                       help="MLA: each query and key head's channels without RoPE (the head dim is this plus "
+                            "--qk-pos-emb-head-dim)")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="MLA: each query and key head's channels RoPE rotates (the rotary key's, shared)")
+    group.add_argument("--v-head-dim", type=int, default=128, help="MLA: each value head's channels")
 
 
 def _add_rope_scaling_args(group):
@@ -264,6 +283,22 @@ def _add_parallel_args(parser):
                        help="Megatron's interleaved schedule: N layers per virtual stage (v = layers / (PP x N))")
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                        help="Megatron's interleaved schedule: v virtual stages per pipeline rank")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="transformer layers on the first pipeline stage (default: the even split); the rest "
+                            "spread evenly over the stages after it")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="transformer layers on the last pipeline stage (default: the even split); the rest "
+                            "spread evenly over the stages before it")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="count the embedding as one layer when splitting the layers over the pipeline stages: "
+                            "the first stage holds one transformer layer less")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="count the loss (final norm and output layer) as one layer when splitting the layers "
+                            "over the pipeline stages: the last stage holds one transformer layer less")
+    group.add_argument("--pipeline-model-parallel-layout", default=None,
+                       help="each model stage's items in model order, stages split by |: E embedding, t transformer "
+                            "layer, m multi-token prediction module, L loss; (...)*n and x*n repeat, commas are "
+                            "cosmetic (e.g. DeepSeek-V3 at PP 16 under DualPipeV: \"Et|(tt|)*30,mL\")")
     group.add_argument("--zero-stage", type=int, default=None, help="default: DeepSpeed JSON, or 1")
     group.add_argument("--no-pipeline-parallel", action="store_true",
                        help="Megatron-DeepSpeed compatibility: PP = 1 always uses the plain DeepSpeed engine")
@@ -520,6 +555,31 @@ def _add_dropless_moe_args(parser):
                        help="ranks splitting each expert: 1 (experts whole on their rank, MoE parallel folding)")
 
 
+def _tokens_and_factor(text):
+    """TOKENS=FACTOR (a --mtp-loss-scaling-factor-by-tokens entry) -> (int, float)."""
+    tokens, separator, factor = text.partition("=")
+    try:
+        if not separator or int(tokens) < 0:
+            raise ValueError
+        return int(tokens), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKENS=FACTOR (e.g. 10000000000000=0.1)") from None
+
+
+def _add_multi_token_prediction_args(parser):
+    group = parser.add_argument_group("multi-token prediction (DeepSeek-V3's MTP, Megatron-LM's flags)")
+    group.add_argument("--mtp-num-layers", type=int, default=None,
+                       help="MTP depth D: modules after the last layer, module k predicting the token k + 1 ahead "
+                            "(DeepSeek-V3: 1)")
+    group.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                       help="the MTP loss's weight: this times the mean of the D depths' losses joins the "
+                            "gradient (the lm loss logged stays the main model's)")
+    group.add_argument("--mtp-loss-scaling-factor-by-tokens", type=_tokens_and_factor, nargs="+", default=None,
+                       metavar="TOKENS=FACTOR",
+                       help="the weight from TOKENS consumed training tokens on (DeepSeek-V3: "
+                            "--mtp-loss-scaling-factor 0.3 --mtp-loss-scaling-factor-by-tokens 10000000000000=0.1)")
+
+
 def _add_unbuilt_feature_args(parser):
     """Megatron-DeepSpeed flags of features megatron_ds does not build (yet): parsed so that a launch script's
     command line reads, and refused by name (arguments/checks.py) when they ask for the feature."""
@@ -573,7 +633,8 @@ def build_parser(prog="pretrain.py"):
     parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
     for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
                 _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_distillation_args,
-                _add_dropless_moe_args, _add_unbuilt_feature_args, compat.add_arguments):
+                _add_dropless_moe_args, _add_multi_token_prediction_args, _add_unbuilt_feature_args,
+                compat.add_arguments):
         add(parser)
     return parser
 

@@ -42,6 +42,7 @@ from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.core.transformer.transformer_config import (
+    MLA_FIELDS,
     ROPE_SCALING_FIELDS,
     default_ffn_hidden_size,
     moe_layer_pattern,
@@ -132,7 +133,7 @@ def flag_errors(args, on_this_host):
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
               + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
               + checks.distillation_errors(args) + compat.compat_errors(args) + checks.load_tag_errors(args)
-              + checks.ulysses_errors(args))
+              + checks.ulysses_errors(args) + checks.mtp_errors(args))
     # tools/plan.py plans every schedule; pretrain.py's engine runs those it has
     return errors + (checks.data_source_errors(args) + checks.engine_schedule_errors(args) if on_this_host else [])
 
@@ -232,17 +233,24 @@ def pipeline_schedule_values(args):
 def _virtual_stages(args):
     """(v, errors) of Megatron's interleaving flags (None when neither is given)."""
     layers_per_stage, given = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    pp, split = args.pipeline_model_parallel_size, checks.pipeline_split(args)
+    layers = args.num_layers + split.account_for_embedding + split.account_for_loss  # Megatron-LM counts them
+    named = f"--num-layers {args.num_layers}" + (f" + {layers - args.num_layers} ({split.describe()})"
+                                                  if layers != args.num_layers else "")
     if layers_per_stage is None:
         return given, []
+    if split.first_stage_layers is not None or split.last_stage_layers is not None:
+        return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage} with {split.describe()}: give "
+                      f"the virtual stages as --num-virtual-stages-per-pipeline-rank with an uneven split "
+                      f"(Megatron-LM refuses it)"]
     if layers_per_stage < 1 or layers % (pp * layers_per_stage):
-        return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: --num-layers {layers} is not "
+        return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: {named} is not "
                       f"--pipeline-model-parallel-size {pp} x a whole number of virtual stages of {layers_per_stage} "
                       f"layers"]
     virtual = layers // (pp * layers_per_stage)
     if given is not None and given != virtual:
         return None, [f"--num-layers-per-virtual-pipeline-stage {layers_per_stage} makes {virtual} virtual stages per "
-                      f"pipeline rank (--num-layers {layers} / (PP {pp} x {layers_per_stage})), "
+                      f"pipeline rank ({named} / (PP {pp} x {layers_per_stage})), "
                       f"--num-virtual-stages-per-pipeline-rank {given}: give one"]
     return virtual, []
 
@@ -379,8 +387,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         moe_token_dropping=args.moe_token_dropping, moe_top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
         moe_residual=args.mlp_type == "residual", moe_loss_coeff=args.moe_loss_coeff,
         moe_expert_tensor_parallel=args.enable_expert_tensor_parallelism)
+    fields["mtp_num_layers"] = getattr(args, "mtp_num_layers", None) or 0
     rope_scaling = {name: getattr(args, name) for name in ROPE_SCALING_FIELDS}
-    return TransformerConfig(**{**fields, **rope_scaling, **_dropless_moe_fields(args)})
+    mla = {name: getattr(args, name) for name in MLA_FIELDS}
+    return TransformerConfig(**{**fields, **rope_scaling, **mla, **_dropless_moe_fields(args)})
 
 
 def _dropless_moe_fields(args):

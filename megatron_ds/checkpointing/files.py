@@ -32,7 +32,7 @@ import zlib
 import torch
 
 from megatron_ds.checkpointing.hooks import reached_save_phase
-from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size, moe_layer_pattern
+from megatron_ds.core.transformer.transformer_config import MLA_FIELDS, default_ffn_hidden_size, moe_layer_pattern
 
 METADATA_FILE = "megatron_ds_checkpoint.json"
 DS_CONFIG_FILE = "ds_config.json"
@@ -356,9 +356,17 @@ def model_shape(args):
         # the QKV projection's own bias: with the linear layers' biases it has one anyway
         "add_qkv_bias": bool(get("add_qkv_bias")) and bool(get("disable_bias_linear")),
         "qk_layernorm": bool(get("qk_layernorm")),
+        **_mla_shape(get),
         "tied_embeddings": not get("untie_embeddings_and_output_weights"),
+        "mtp_num_layers": int(get("mtp_num_layers") or 0),
         **_experts_shape(get),
     }
+
+
+def _mla_shape(get):
+    """Multi-latent attention's sizes (None each without it)."""
+    mla = bool(get("multi_latent_attention"))
+    return {"multi_latent_attention": mla, **{name: get(name) if mla else None for name in MLA_FIELDS[1:]}}
 
 
 def _rope_scaling_shape(get):
@@ -404,9 +412,12 @@ _LLAMA_ATTENTION_FAMILIES = {(False, False): "llama", (True, False): "qwen2", (F
 
 
 def model_family(shape):
-    """gpt2, llama, qwen2 (LLaMA's with a QKV bias), qwen3 (LLaMA's with query and key norms) or custom."""
+    """gpt2, llama, qwen2 (LLaMA's with a QKV bias), qwen3 (LLaMA's with query and key norms), deepseek_v3
+    (LLaMA's layers with multi-latent attention) or custom."""
     parts = (shape["normalization"], shape["swiglu"], shape["position_embedding_type"], shape["bias"])
     attention = (bool(shape.get("add_qkv_bias")), bool(shape.get("qk_layernorm")))
+    if shape.get("multi_latent_attention"):
+        return "deepseek_v3" if parts == ("RMSNorm", True, "rope", False) and not any(attention) else "custom"
     if parts == ("RMSNorm", True, "rope", False):
         return _LLAMA_ATTENTION_FAMILIES.get(attention, "custom")
     if parts == ("LayerNorm", False, "learned_absolute", True) and not any(attention):
@@ -430,7 +441,9 @@ _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "moe_shared_expert_gate": "--moe-shared-expert-gate",
                 "bias": "biases (--disable-bias-linear)", "add_qkv_bias": "--add-qkv-bias",
                 "qk_layernorm": "--qk-layernorm",
-                "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)"}
+                **{name: f"--{name.replace('_', '-')}" for name in MLA_FIELDS},
+                "tied_embeddings": "tied embeddings (--untie-embeddings-and-output-weights)",
+                "mtp_num_layers": "--mtp-num-layers"}
 
 
 def saved_model_shape(metadata):

@@ -10,12 +10,25 @@ Canonical names follow Megatron-Core's GPTModel:
                                                                   the bias also alone (--add-qkv-bias)
     decoder.layers.{i}.self_attention.q_layernorm.weight         [head dim], shared by the heads (--qk-layernorm);
     decoder.layers.{i}.self_attention.k_layernorm.weight         replicated (with LayerNorm a .bias too)
+    decoder.layers.{i}.self_attention.linear_q_down_proj.weight  multi-latent attention (Megatron-Core's names, its
+    decoder.layers.{i}.self_attention.q_layernorm.weight         local spec's separate norms): the down projections
+    decoder.layers.{i}.self_attention.linear_kv_down_proj.weight [q_lora_rank, h], [kv_lora_rank + rope dim, h] and
+    decoder.layers.{i}.self_attention.kv_layernorm.weight        their norms replicated; the up projections
+    decoder.layers.{i}.self_attention.linear_q_up_proj.weight    [heads x (qk + rope dim), q_lora_rank] (or, without
+    decoder.layers.{i}.self_attention.linear_kv_up_proj.weight   --q-lora-rank, linear_q_proj [.., h]) and
+                                                                  [heads x (qk + v head dim), kv_lora_rank] rows
     decoder.layers.{i}.self_attention.linear_proj.weight         split by columns; its bias is replicated
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
     decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              rows; with SwiGLU [gate; up], split with stride 2
     decoder.layers.{i}.mlp.linear_fc2.weight                     split by columns; its bias is replicated
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                                          [padded vocab, h] (untied head only), rows
+
+Multi-token prediction (--mtp-num-layers; core/transformer/multi_token_prediction.py), depth k = 0..D-1:
+    mtp.layers.{k}.enorm.*, mtp.layers.{k}.hnorm.*               the norms of the embeddings and hidden states
+    mtp.layers.{k}.eh_proj.weight                                [h, 2h], rows (column-parallel)
+    mtp.layers.{k}.mtp_model_layer.*                             its transformer layer, split as a decoder layer's
+    mtp.layers.{k}.final_layernorm.*
 
 Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on each TP rank, but with
 --enable-expert-tensor-parallelism the experts split over TP as the dense MLP does):
@@ -35,21 +48,23 @@ The dropless MoE layer (Megatron-Core's flags; core/transformer/dropless_moe.py)
 
 The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
 `output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,
-1..L transformer layers, L+1 final norm, L+2 untied head) and `tied_modules.embedding.` for the
-embedding shared by the first and last stages. DeepSpeed names an expert
-`...mlp.deepspeed_moe.experts.deepspeed_experts.{index}.`: the local index on the rank, the global one in its
-expert checkpoint files.
+1..L transformer layers, L+1 final norm, then the MTP modules `{index}.layers.{k}.` and the untied head
+`{index}.linear.`) and `tied_modules.embedding.` for the embedding shared by the first and last stages.
+DeepSpeed names an expert `...mlp.deepspeed_moe.experts.deepspeed_experts.{index}.`: the local index on the rank,
+the global one in its expert checkpoint files.
 """
 import re
 
 import torch
 
 from megatron_ds.core.pipeline_schedules import chunks_per_rank, pipeline_rank_of
+from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags, stage_of_layer
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _DEEPSPEED_EXPERT = re.compile(r"\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
 _GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.w[123]$")
 _CANONICAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -108,7 +123,7 @@ def live_buffer_names(module, num_layers, pipelined):
 
 def _canonical_module_name(local_name, num_layers, pipelined):
     if not pipelined:
-        if local_name.startswith("embedding."):
+        if local_name.startswith(("embedding.", "mtp.")):
             return local_name
         if local_name.startswith("layers."):
             return "decoder." + local_name
@@ -122,31 +137,33 @@ def _canonical_module_name(local_name, num_layers, pipelined):
     index, _, rest = local_name.partition(".")
     if not index.isdigit():
         raise LayoutError(f"unknown pipeline parameter {local_name!r}")
-    return pipeline_layer_prefix(int(index), num_layers) + _strip_wrapper(int(index), num_layers, rest)
+    return _pipeline_layer_name(int(index), num_layers, rest, local_name)
 
 
-def pipeline_layer_prefix(index, num_layers):
-    """Canonical prefix of the PipelineModule's layer `index`."""
+def _pipeline_layer_name(index, num_layers, rest, local_name):
+    """Canonical name of parameter `rest` of the PipelineModule's layer `index`: FinalLayerNorm keeps its norm in
+    `.norm`, OutputLayer its linear in `.linear` (after the final norm, or after the MTP's two layers: the tied
+    embedding and the modules, which keep theirs in `.layers.`)."""
     if index == 0:
-        return "embedding."
+        return "embedding." + rest
     if index <= num_layers:
-        return f"decoder.layers.{index - 1}."
-    if index == num_layers + 1:
-        return "decoder.final_layernorm."
-    if index == num_layers + 2:
-        return "output_layer."
-    raise LayoutError(f"pipeline layer index {index} is beyond a {num_layers}-layer model")
-
-
-def _strip_wrapper(index, num_layers, rest):
-    """FinalLayerNorm keeps its norm in `.norm`, OutputLayer its linear in `.linear`."""
-    for wrapped_index, wrapper in ((num_layers + 1, "norm."), (num_layers + 2, "linear.")):
-        if index == wrapped_index and rest.startswith(wrapper):
-            return rest[len(wrapper):]
-    return rest
+        return f"decoder.layers.{index - 1}." + rest
+    if index == num_layers + 1 and rest.startswith("norm."):
+        return "decoder.final_layernorm." + rest[len("norm."):]
+    if index in (num_layers + 2, num_layers + 4) and rest.startswith("linear."):
+        return "output_layer." + rest[len("linear."):]
+    if index == num_layers + 3 and rest.startswith("layers."):
+        return "mtp." + rest
+    raise LayoutError(f"unknown pipeline parameter {local_name!r} of a {num_layers}-layer model")
 
 
 _EXPERT_REST = re.compile(r"^mlp\.experts\.\d+\.")
+
+
+# multi-latent attention's projections to the heads, split by rows (whole heads on each TP rank); its down
+# projections and their norms are whole on every rank
+_MLA_HEAD_SPLIT = tuple(f"self_attention.{name}.weight" for name in ("linear_q_proj", "linear_q_up_proj",
+                                                                      "linear_kv_up_proj"))
 
 
 def partition_rule(name, swiglu, sharded_experts=False):
@@ -154,6 +171,7 @@ def partition_rule(name, swiglu, sharded_experts=False):
     whole on each TP rank, or split like the dense MLP with sharded_experts (--enable-expert-tensor-parallelism)."""
     if name in (WORD_EMBEDDINGS, OUTPUT_LAYER):
         return 0, 1
+    name = _mtp_as_decoder_layer(name)
     match = _LAYER.match(name)
     if not match:
         return None
@@ -162,13 +180,25 @@ def partition_rule(name, swiglu, sharded_experts=False):
         rest = "mlp." + rest[len("mlp.shared_experts."):]
     if _EXPERT_REST.match(rest):
         rest = "mlp." + _EXPERT_REST.sub("", rest) if sharded_experts else None
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", *_MLA_HEAD_SPLIT):
         return 0, 1
     if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
         return 0, (2 if swiglu else 1)
     if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
         return 1, 1
     return None
+
+
+def _mtp_as_decoder_layer(name):
+    """An MTP module's parameter under the name of the decoder layer parameter it splits like: its transformer
+    layer's as any layer's, eh_proj as a column-parallel projection; other names as they are."""
+    match = _MTP_LAYER.match(name)
+    if not match:
+        return name
+    rest = match.group(2)
+    if rest.startswith("mtp_model_layer."):
+        return "decoder.layers.0." + rest[len("mtp_model_layer."):]
+    return "decoder.layers.0.self_attention.linear_qkv.weight" if rest == "eh_proj.weight" else name
 
 
 def split_tensor(full, rule, tp_size, tp_rank):
@@ -203,11 +233,13 @@ def expert_index(name):
     return int(match.group(1)) if match else None
 
 
-def stages_holding(name, num_layers, pp_size, tied, schedule="1f1b", virtual_stages=1):
-    """Pipeline ranks (stages) whose module holds the canonical parameter `name`: the layers split evenly over
-    the schedule's model stages (PP of them, or PP x its stages per rank for dualpipev and interleaved), as
-    PipelineModule's partition by TransformerLayer does when they divide the layers."""
+def stages_holding(name, num_layers, pp_size, tied, schedule="1f1b", virtual_stages=1, stage_layers=None):
+    """Pipeline ranks (stages) whose module holds the canonical parameter `name`. stage_layers: the layers of each
+    of the schedule's model stages (PP of them, or PP x its stages per rank for dualpipev and interleaved;
+    core/pipeline_split.py); None: the even split."""
     model_stages = pp_size * chunks_per_rank(schedule, virtual_stages)
+    if stage_layers is None:
+        stage_layers = PipelineSplit().stage_layers(num_layers, pp_size, schedule, virtual_stages)
     rank_of = lambda stage: pipeline_rank_of(schedule, pp_size, stage, virtual_stages)  # noqa: E731
     last = model_stages - 1
     if name.startswith("embedding."):
@@ -215,10 +247,27 @@ def stages_holding(name, num_layers, pp_size, tied, schedule="1f1b", virtual_sta
         return sorted({rank_of(0), rank_of(last)}) if tied else [rank_of(0)]
     index = layer_index(name)
     if index is not None:
-        return [rank_of(index // (num_layers // model_stages))]
-    if name.startswith("decoder.final_layernorm.") or name == OUTPUT_LAYER:
+        return [rank_of(stage_of_layer(index, stage_layers))]
+    if name.startswith(("decoder.final_layernorm.", "mtp.")) or name == OUTPUT_LAYER:
         return [rank_of(last)]
     raise LayoutError(f"unknown canonical parameter {name!r}")
+
+
+def saved_stage_layers(metadata):
+    """The layers of each model stage of a checkpoint, as its layout records them; for one saved before they were
+    recorded, the split its arguments give (even, unless Megatron-LM's uneven split flags were set)."""
+    saved, args = metadata["layout"], metadata["args"]
+    if saved.get("stage_layers"):
+        return tuple(saved["stage_layers"])
+    return split_from_flags(args).stage_layers(args["num_layers"], saved["pipeline_model_parallel_size"],
+                                               args.get("pipeline_schedule", "1f1b"),
+                                               args.get("virtual_pipeline_stages", 1))
+
+
+def last_stage_embeds(args):
+    """Whether the last pipeline stage holds a copy of the word embeddings (the `tied` of stages_holding): as the
+    tied output head, or for the multi-token prediction's inputs. args: the checkpoint's flags as a dict."""
+    return not args.get("untie_embeddings_and_output_weights") or bool(args.get("mtp_num_layers"))
 
 
 def pad_vocab_rows(tensor, rows):

@@ -13,6 +13,7 @@ import os
 from megatron_ds.checkpointing import files
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
+from megatron_ds.checkpointing.layout import saved_stage_layers
 from megatron_ds.core.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 from megatron_ds.core.parallel_layout import ParallelLayout
 from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
@@ -72,8 +73,9 @@ class LoadPlan:
         what = "weights and optimizer states" if self.load_optimizer else "weights"
         if not self.resharded:
             return f"{self.format} files read per rank ({what})"
+        split = "" if layout.split.is_even else f", {layout.split.describe()}"
         return (f"{self.format} files read per rank ({what}, resharded to TP {layout.tensor} x PP {layout.pipeline}"
-                f"{placement_note(layout.stage_placement)})")
+                f"{placement_note(layout.stage_placement)}{split})")
 
 
 def plan_load(request: LoadRequest, load_dir, tag, metadata) -> LoadPlan:
@@ -106,13 +108,16 @@ def rope_scaling_change(request: LoadRequest, metadata):
 
 
 def needs_resharding(request: LoadRequest, metadata):
-    """Saved at another TP or PP or with another placement of the stages on the pipeline ranks (dualpipev's V,
-    interleaved's virtual stages), or with the experts split over TP where this run keeps them whole (or the
-    reverse): every tensor is merged over the saved TP ranks and split again (state.read_resharded_rank_state)."""
+    """Saved at another TP or PP, with another placement of the stages on the pipeline ranks (dualpipev's V,
+    interleaved's virtual stages) or another split of the layers over them, or with the experts split over TP
+    where this run keeps them whole (or the reverse): every tensor is merged over the saved TP ranks and split
+    again (state.read_resharded_rank_state)."""
     saved, layout = metadata["layout"], request.layout
     if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != (layout.tensor, layout.pipeline):
         return True
     if saved.get("stage_placement", ONE_STAGE_PER_RANK) != layout.stage_placement:
+        return True
+    if saved_stage_layers(metadata) != layout.stage_layers(request.shape["num_layers"]):
         return True
     saved_sharded = bool(metadata["args"].get("enable_expert_tensor_parallelism"))
     return files.is_moe(request.shape) and layout.tensor > 1 and saved_sharded != layout.expert_tensor_parallel

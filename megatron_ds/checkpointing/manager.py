@@ -287,6 +287,7 @@ class CheckpointManager:
                 "sequence_parallel_size": layout.ulysses,
                 "zero_stage": layout.zero_stage, "precision": str(self.model.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain", "stage_placement": layout.stage_placement,
+                "stage_layers": list(layout.stage_layers(self.model.num_layers)),
                 "expert_parallel_size": layout.expert if self.model.is_moe or self.model.is_dropless_moe else 1,
                 "optimizer": type(self.engine.optimizer).__name__}
 

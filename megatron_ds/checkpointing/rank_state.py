@@ -51,7 +51,7 @@ def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
     args = full.args
     num_layers, swiglu = args["num_layers"], bool(args.get("swiglu"))
     sharded_experts = bool(args.get("enable_expert_tensor_parallelism"))
-    tied = not args.get("untie_embeddings_and_output_weights")
+    tied = layout.last_stage_embeds(args)
     if num_layers % pp_size:
         raise CheckpointError(f"{num_layers} layers do not split into {pp_size} pipeline stages")
     weights, optimizer = {}, {} if full.optimizer is not None else None

@@ -17,7 +17,7 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError, load_file
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.rank_state import OPTIMIZER_KEYS, FullState, RankState, ZeroPartitions, rank_state_of
-from megatron_ds.core.transformer.dropless_moe import expert_slice_names
+from megatron_ds.core.transformer.dropless_moe import dropless_layers, expert_slice_names
 
 
 def _layout(metadata):
@@ -102,7 +102,7 @@ def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
         for file_path in sorted(glob.glob(pattern)):
             for name, value in load_file(file_path).items():
                 # the dropless layer's files hold canonical names already (grouped_expert_files)
-                canonical = layout.layer_index(name) is not None
+                canonical = name.startswith(("decoder.layers.", "mtp.layers."))
                 weights[name if canonical else layout.canonical_name(name, num_layers, pipelined)] = value
     return weights
 
@@ -110,13 +110,15 @@ def _read_expert_files(path, metadata, pp_rank, tp_rank, num_layers, pipelined):
 def grouped_expert_files(module, mp_rank):
     """{file name: {canonical name: tensor}} of the dropless layers' experts this rank holds, one file per layer
     and expert named as DeepSpeed names an expert's file (`layer_{l}_expert_{e}_mp_rank_{mp}_model_states.pt`, l
-    the global layer index here) and read back like one (_read_expert_files). Copies, detached."""
+    the global 0-based layer index here: a multi-token prediction module's after the model's) and read back like
+    one (_read_expert_files). Copies, detached."""
     by_file = {}
-    for param in module.parameters():
-        for index, name in enumerate(getattr(param, "init_keys", None) or ()):
-            file_name = (f"layer_{layout.layer_index(name)}_expert_{layout.expert_index(name)}_mp_rank_"
-                         f"{mp_rank:02d}_model_states.pt")
-            by_file.setdefault(file_name, {})[name] = param[index].detach().clone()
+    for layer in dropless_layers(module):
+        for param in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
+            for index, name in enumerate(param.init_keys):
+                file_name = (f"layer_{layer.layer_number - 1}_expert_{layout.expert_index(name)}_mp_rank_"
+                             f"{mp_rank:02d}_model_states.pt")
+                by_file.setdefault(file_name, {})[name] = param[index].detach().clone()
     return by_file
 
 
@@ -276,7 +278,7 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
     most, never the whole model (unless one stage is all of it)."""
     args = metadata["args"]
     saved_tp = metadata["layout"]["tensor_model_parallel_size"]
-    stage_of = _stage_to_read([*names, *buffer_names], args, metadata["layout"]["pipeline_model_parallel_size"])
+    stage_of = _stage_to_read([*names, *buffer_names], metadata)
     swiglu = bool(args.get("swiglu"))
     saved_rule = lambda name: layout.partition_rule(name, swiglu, bool(args.get("enable_expert_tensor_parallelism")))  # noqa: E731
     tp_size, tp_rank, sharded_experts = target
@@ -303,12 +305,15 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
     return RankState(weights, optimizer, _agreed_step(path, steps) if optimizer else None)
 
 
-def _stage_to_read(names, args, saved_pp):
+def _stage_to_read(names, metadata):
     """{name: the saved pipeline stage to read it from}: a tensor two stages hold (the tied embedding, on the first
     and the last) is read from a stage this rank reads anyway, so no stage is read for it alone."""
-    tied = not args.get("untie_embeddings_and_output_weights")
+    args, saved_pp = metadata["args"], metadata["layout"]["pipeline_model_parallel_size"]
+    tied = layout.last_stage_embeds(args)
     placement = (args.get("pipeline_schedule", "1f1b"), args.get("virtual_pipeline_stages", 1))
-    holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied, *placement) for name in names}
+    stage_layers = layout.saved_stage_layers(metadata)
+    holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied, *placement,
+                                           stage_layers=stage_layers) for name in names}
     needed = {stages[0] for stages in holding.values() if len(stages) == 1}
     return {name: next((stage for stage in stages if stage in needed), stages[0]) for name, stages in holding.items()}
 

@@ -13,7 +13,11 @@ from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.conversion import huggingface
 from megatron_ds.core.parallel_layout import stages_without_experts
+from megatron_ds.core.pipeline_split import EVEN_SPLIT_FLAGS
+from megatron_ds.core.transformer.transformer_config import MLA_FIELDS
 from megatron_ds.data.tokenizers import build_tokenizer
+
+MTP_FILE = "model-mtp.safetensors"  # an export's multi-token prediction modules, which transformers does not hold
 
 
 def _log(message):
@@ -93,6 +97,7 @@ def _retarget(full, tp, pp, divisible_by=None):
     old_dp = args.get("data_parallel_size") or 1
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=wanted,
                 make_vocab_size_divisible_by=divisible_by, world_size=tp * pp * old_dp)
+    args.update(EVEN_SPLIT_FLAGS)  # written with the layers split evenly over the target's stages
     return divisible_by
 
 
@@ -154,6 +159,7 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
              f"(experts over capacity drop tokens); the Hugging Face model drops none")
     rows = args["vocab_size"] if trim_vocab_padding else full.weights[layout.WORD_EMBEDDINGS].size(0)
     config, hf_state = huggingface.to_hf_state(full.model, args, full.weights, rows)
+    outside = {name: hf_state.pop(name) for name in huggingface.mtp_layer_names(config, list(hf_state))}
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(hf_state, strict=False)
     missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
@@ -163,12 +169,29 @@ def to_hf(load_dir, hf_dir, iteration=None, trim_vocab_padding=False):
         model.tie_weights()
     os.makedirs(hf_dir, exist_ok=True)
     model.save_pretrained(hf_dir, safe_serialization=True)
+    if outside:
+        _save_beside_transformers(hf_dir, outside)
     with open(os.path.join(hf_dir, huggingface.SIDECAR_FILE), "w") as handle:
         json.dump({"args": args, "iteration": full.iteration, "source": path}, handle, indent=1, sort_keys=True)
     tokenizer = _copy_tokenizer_to_hf(args, hf_dir)
     _log(f"wrote {type(model).__name__} ({rows} vocabulary rows, safetensors) to {hf_dir} from {path}"
          + (f"; tokenizer: {tokenizer}" if tokenizer else "; no tokenizer (NullTokenizer run)"))
     return hf_dir
+
+
+def _save_beside_transformers(hf_dir, tensors, file_name=MTP_FILE):
+    """Tensors the transformers model does not hold (DeepSeek-V3's MTP modules) in a safetensors file of their own,
+    entered in the folder's weight index where save_pretrained wrote one (several shards)."""
+    from safetensors.torch import save_file
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(hf_dir, file_name),
+              metadata={"format": "pt"})
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as handle:
+            index = json.load(handle)
+        index["weight_map"].update({name: file_name for name in tensors})
+        with open(index_path, "w") as handle:
+            json.dump(index, handle, indent=2, sort_keys=True)
 
 
 def _copy_tokenizer_to_hf(args, hf_dir):
@@ -215,7 +238,8 @@ def read_hf(hf_dir, divisible_by=None, tp=1, moe_layer=None):
     if config.model_type == "gpt2" and config.activation_function != "gelu":
         _log(f"note: the HF model uses activation_function {config.activation_function!r} (tanh approximation); "
              f"megatron_ds's GeLU is exact (erf): outputs differ slightly")
-    model_args, weights = huggingface.from_hf_state(config, model.state_dict(), moe_layer)
+    hf_state = {**model.state_dict(), **_tensors_transformers_skips(hf_dir, config)}
+    model_args, weights = huggingface.from_hf_state(config, hf_state, moe_layer)
     sidecar = os.path.join(hf_dir, huggingface.SIDECAR_FILE)
     base = json.load(open(sidecar))["args"] if os.path.isfile(sidecar) else {}
     args = {**_default_args(), **base, **model_args}
@@ -241,6 +265,19 @@ def read_hf(hf_dir, divisible_by=None, tp=1, moe_layer=None):
         state.resize_vocabulary(full, wanted)
     args.update(padded_vocab_size=wanted, make_vocab_size_divisible_by=divisible_by)
     return full
+
+
+def _tensors_transformers_skips(hf_dir, config):
+    """The tensors of the folder's safetensors files that the transformers model does not load and the conversion
+    reads (DeepSeek-V3's multi-token prediction modules: huggingface.mtp_layer_names)."""
+    from safetensors import safe_open
+    tensors = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, name), "pt") as handle:
+                for key in huggingface.mtp_layer_names(config, handle.keys()):
+                    tensors[key] = handle.get_tensor(key).float()
+    return tensors
 
 
 def _load_hf_model(hf_dir):
@@ -383,8 +420,13 @@ def model_flags(shape, args):
         flags.append("--add-qkv-bias")
     if shape.get("qk_layernorm"):
         flags.append("--qk-layernorm")
+    if shape.get("multi_latent_attention"):
+        flags.append("--multi-latent-attention " + " ".join(
+            f"--{name.replace('_', '-')} {shape[name]}" for name in MLA_FIELDS[1:] if shape[name] is not None))
     if not shape["tied_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
+    if shape.get("mtp_num_layers"):
+        flags.append(f"--mtp-num-layers {shape['mtp_num_layers']}")
     flags.append(f"--norm-epsilon {args.get('norm_epsilon', flag_defaults()['norm_epsilon']):g}")
     if files.is_dropless_moe(shape):
         flags.append(dropless_moe_flags(shape, args))

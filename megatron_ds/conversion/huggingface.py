@@ -22,6 +22,11 @@ k_norm are our q_layernorm and k_layernorm. A sliding window (use_sliding_window
 Qwen3MoeForCausalLM (Qwen3's attention) <-> the dropless layer: its experts and router as a Mixtral's, its dense layers
 (mlp_only_layers, decoder_sparse_step) the --moe-layer-freq list, moe_intermediate_size --moe-ffn-hidden-size,
 norm_topk_prob false --moe-router-pre-softmax; what it cannot hold (a shared expert, sigmoid scores, ...) is refused.
+DeepseekV3ForCausalLM <-> multi-latent attention (its projections by name, every tensor as it is: both take the
+interleaved rotary channels apart before rotating), dense layers (first_k_dense_replace) then the dropless layer with
+DeepSeek-V3's routing (sigmoid scores, e_score_correction_bias our expert bias, groups scored by their best two, the
+routed scaling factor, a shared expert); its multi-token prediction modules, which transformers does not load, are
+layers num_hidden_layers and on in its checkpoints (mtp_layer_names), our mtp.layers.{k}.
 
 The vocabulary rows go across as they are (our padding rows included, so a round trip reproduces every
 tensor) unless `trim_vocab_padding` keeps only the tokenizer's rows.
@@ -50,6 +55,9 @@ def _layer(i, rest):
 def to_hf_state(shape, args, weights, vocab_rows):
     """(transformers config, HF state dict) for our canonical weights of a model of this shape
     (files.model_shape) and these saved arguments."""
+    if shape.get("multi_latent_attention"):
+        return (_deepseek_v3_config(args, shape, weights, vocab_rows),
+                _to_deepseek_v3(args, shape, weights, vocab_rows))
     family = model_family(shape)
     if family == "gpt2":
         return _gpt2_config(args, shape, vocab_rows), _to_gpt2(weights, shape, vocab_rows)
@@ -352,19 +360,25 @@ def _to_llama(weights, shape, vocab_rows, mlp_to_hf):
 
 # --- Hugging Face -> ours -----------------------------------------------------------------------------
 
+_DROPLESS_ONLY = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}  # their experts
+
+
 def from_hf_state(config, state, moe_layer=None):
     """(model arguments, canonical full weights) of a GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM,
-    Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM; the experts in the MoE layer `moe_layer` (one of
-    MOE_LAYERS; None: a Mixtral's in DeepSpeed-MoE, a Qwen3-MoE's in the dropless layer, its only one)."""
-    moe_layer = moe_layer or ("dropless" if config.model_type == "qwen3_moe" else "deepspeed-moe")
+    Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM; the experts in the MoE layer
+    `moe_layer` (one of MOE_LAYERS; None: a Mixtral's in DeepSpeed-MoE, a Qwen3-MoE's or a DeepSeek-V3's in the
+    dropless layer, their only one)."""
+    dropless_only = _DROPLESS_ONLY.get(config.model_type)
+    moe_layer = moe_layer or ("dropless" if dropless_only else "deepspeed-moe")
     if moe_layer not in MOE_LAYERS:
         raise CheckpointError(f"--moe-layer {moe_layer}: one of {', '.join(MOE_LAYERS)}")
-    if moe_layer == "dropless" and config.model_type not in ("mixtral", "qwen3_moe"):
+    if moe_layer == "dropless" and config.model_type not in ("mixtral", "qwen3_moe", "deepseek_v3"):
         raise CheckpointError(f"--moe-layer dropless: the model is {config.model_type!r}, which has no experts "
-                              f"(only a mixtral, MixtralForCausalLM, or a qwen3_moe, Qwen3MoeForCausalLM, has)")
-    if moe_layer != "dropless" and config.model_type == "qwen3_moe":
-        raise CheckpointError(f"--moe-layer {moe_layer}: a Qwen3MoeForCausalLM's experts come in as the dropless MoE "
-                              f"layer only (its experts' own FFN width, its dense layers, norm_topk_prob: "
+                              f"(only a mixtral, MixtralForCausalLM, a qwen3_moe, Qwen3MoeForCausalLM, or a "
+                              f"deepseek_v3, DeepseekV3ForCausalLM, has)")
+    if moe_layer != "dropless" and dropless_only:
+        raise CheckpointError(f"--moe-layer {moe_layer}: a {dropless_only}'s experts come in as the "
+                              f"dropless MoE layer only (its experts' own FFN width, its dense layers, its routing: "
                               f"Megatron-Core's MoE flags)")
     if config.model_type == "gpt2":
         return _from_gpt2(config, state)
@@ -376,9 +390,12 @@ def from_hf_state(config, state, moe_layer=None):
         return _from_qwen(config, state)
     if config.model_type == "qwen3_moe":
         return _from_qwen3_moe(config, state)
+    if config.model_type == "deepseek_v3":
+        return _from_deepseek_v3(config, state)
     raise CheckpointError(f"--from-hf supports model_type gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), "
-                          f"mixtral (MixtralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM) and "
-                          f"qwen3_moe (Qwen3MoeForCausalLM); config.json says {config.model_type!r}")
+                          f"mixtral (MixtralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), "
+                          f"qwen3_moe (Qwen3MoeForCausalLM) and deepseek_v3 (DeepseekV3ForCausalLM); config.json "
+                          f"says {config.model_type!r}")
 
 
 def _from_gpt2(config, state):
@@ -558,10 +575,8 @@ def _flag_defaults_of(flags):
 
 
 def _from_llama(config, state, mlp_from_hf):
-    # transformers >= 5: config.rope_parameters; before: config.rope_theta and config.rope_scaling
+    rope_theta, rope_scaling, problems = _rope_from_hf(config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_scaling, problems = hf_rope.from_hf(rope, config.max_position_embeddings)
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial not in (None, 1.0):
         problems.append(f"partial_rotary_factor {partial} (LlamaForCausalLM rotates every channel; its partial "
@@ -625,3 +640,340 @@ def _attention_from_hf(state, hf, i, groups, per_group):
 
 def _contiguous(weights):
     return {name: tensor.detach().float().contiguous().clone() for name, tensor in weights.items()}
+
+
+# --- DeepSeek-V3 (multi-latent attention, the dropless layer's sigmoid routing, multi-token prediction) ----------
+
+# a layer's tensors by name, ours (after decoder.layers.{i}. or mtp.layers.{k}.mtp_model_layer.) and transformers'
+_DEEPSEEK_LAYER_NAMES = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),  # without q_lora_rank
+    ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+    ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+    ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+    ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.router.gate.weight", "mlp.gate.weight"),
+)
+# a multi-token prediction module's own tensors (after mtp.layers.{k}.; DeepSeek-V3's after model.layers.{L + k}.)
+_DEEPSEEK_MTP_NAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+                       ("eh_proj.weight", "eh_proj.weight"), ("final_layernorm.weight", "shared_head.norm.weight"))
+# what DeepSeek-V3's MTP module holds of the model's own: here the model's embedding and head serve it
+_DEEPSEEK_MTP_SHARED = (("embed_tokens.weight", "model.embed_tokens.weight"),
+                        ("shared_head.head.weight", "lm_head.weight"))
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon, whatever rms_norm_eps says
+_DEEPSEEK_LATENT_NORM_EPSILON = 1e-6
+
+
+def mtp_layer_names(config, names):
+    """The names of a Hugging Face checkpoint that its transformers model does not load and --from-hf reads:
+    DeepSeek-V3's multi-token prediction modules, layers num_hidden_layers and on."""
+    if config.model_type != "deepseek_v3":
+        return []
+    return [name for name in names if _deepseek_mtp_depth(config.num_hidden_layers, name) is not None]
+
+
+def _deepseek_mtp_depth(num_layers, name):
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers:
+        return int(parts[2]) - num_layers
+    return None
+
+
+def _prefixed(prefix, tensors):
+    return {prefix + name: tensor for name, tensor in tensors.items()}
+
+
+def _swiglu_to_hf(fc1, fc2, prefix):
+    """transformers' gate_proj, up_proj, down_proj of our SwiGLU fc1 [gate; up] and fc2."""
+    width = fc1.size(0) // 2
+    return {prefix + "gate_proj.weight": fc1[:width], prefix + "up_proj.weight": fc1[width:],
+            prefix + "down_proj.weight": fc2}
+
+
+def _swiglu_from_hf(state, prefix):
+    """Our SwiGLU (fc1 [gate; up], fc2) of transformers' gate_proj, up_proj, down_proj."""
+    return (torch.cat([state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"]]),
+            state[prefix + "down_proj.weight"])
+
+
+# --- ours -> DeepseekV3ForCausalLM
+
+def _deepseek_v3_config(args, shape, weights, vocab_rows):
+    """DeepseekV3ForCausalLM of a model with multi-latent attention: dense layers (first_k_dense_replace), then the
+    dropless layer's (sigmoid scores, group-limited choice, a shared expert), and its MTP modules."""
+    from transformers import DeepseekV3Config
+    problems = _deepseek_v3_problems(args, shape)
+    if problems:
+        raise CheckpointError("DeepseekV3ForCausalLM cannot hold this model: " + "; ".join(problems))
+    pattern = shape["dropless_moe_layers"] or [0] * shape["num_layers"]
+    return _llama_config(args, shape, vocab_rows, DeepseekV3Config, num_key_value_heads=shape["num_attention_heads"],
+                         q_lora_rank=shape["q_lora_rank"], kv_lora_rank=shape["kv_lora_rank"],
+                         qk_nope_head_dim=shape["qk_head_dim"], qk_rope_head_dim=shape["qk_pos_emb_head_dim"],
+                         v_head_dim=shape["v_head_dim"], rope_interleave=True, attention_bias=False,
+                         first_k_dense_replace=sum(1 for moe in pattern if not moe),
+                         num_nextn_predict_layers=shape["mtp_num_layers"], **_deepseek_v3_moe_config(args, shape))
+
+
+def _deepseek_v3_moe_config(args, shape):
+    if not is_dropless_moe(shape):
+        return {}
+    topk, experts = args["moe_router_topk"], shape["num_experts"][0]
+    return {"n_routed_experts": experts, "num_experts_per_tok": topk,
+            "moe_intermediate_size": shape["moe_ffn_hidden_size"],
+            "n_shared_experts": shape["moe_shared_expert_intermediate_size"] // shape["moe_ffn_hidden_size"],
+            "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
+            "n_group": args.get("moe_router_num_groups") or 1, "topk_group": args.get("moe_router_group_topk") or 1,
+            "norm_topk_prob": topk > 1}
+
+
+def _deepseek_v3_problems(args, shape):
+    """What a DeepseekV3ForCausalLM cannot hold of a model with multi-latent attention."""
+    problems = []
+    if (shape["normalization"], shape["swiglu"], shape["bias"]) != ("RMSNorm", True, False) or \
+            shape.get("add_qkv_bias") or shape.get("qk_layernorm"):
+        problems.append(f"its layers are LLaMA's (RMSNorm, SwiGLU, no biases): the model has normalization "
+                        f"{shape['normalization']}, swiglu {shape['swiglu']}, biases {shape['bias']}, --add-qkv-bias "
+                        f"{shape.get('add_qkv_bias')}, --qk-layernorm {shape.get('qk_layernorm')}")
+    epsilon = _saved(args, "norm_epsilon")
+    if epsilon != _DEEPSEEK_LATENT_NORM_EPSILON:
+        problems.append(f"--norm-epsilon {epsilon:g}: transformers' q_a_layernorm and kv_a_layernorm use "
+                        f"{_DEEPSEEK_LATENT_NORM_EPSILON:g} whatever rms_norm_eps is")
+    if is_moe(shape) and not is_dropless_moe(shape):
+        problems.append("DeepSpeed-MoE's experts (Megatron-DeepSpeed's flags): DeepseekV3's MoE layer is the "
+                        "dropless layer's (Megatron-Core's flags)")
+    if is_dropless_moe(shape):
+        problems += _deepseek_v3_moe_problems(args, shape)
+    return problems
+
+
+def _deepseek_v3_moe_problems(args, shape):
+    pattern, problems = shape["dropless_moe_layers"], []
+    if sorted(pattern) != list(pattern):
+        problems.append(f"its dense layers come first (first_k_dense_replace), then the MoE layers: --moe-layer-freq "
+                        f"{pattern}")
+    if args.get("moe_router_score_function") != "sigmoid":
+        problems.append(f"--moe-router-score-function {args.get('moe_router_score_function')}: DeepseekV3's router "
+                        f"scores with a sigmoid")
+    groups, group_topk, topk = args.get("moe_router_num_groups"), args.get("moe_router_group_topk"), \
+        args["moe_router_topk"]
+    if groups and topk != 2 * group_topk:
+        problems.append(f"--moe-router-topk {topk} / --moe-router-group-topk {group_topk}: here a group is scored by "
+                        f"its best {topk // group_topk}, DeepseekV3 by its best two")
+    shared, width = shape["moe_shared_expert_intermediate_size"], shape["moe_ffn_hidden_size"]
+    if not shared or shared % width:
+        problems.append(f"--moe-shared-expert-intermediate-size {shared}: DeepseekV3 has n_shared_experts x "
+                        f"--moe-ffn-hidden-size {width} of shared expert")
+    if shape["moe_shared_expert_gate"]:
+        problems.append("--moe-shared-expert-gate: DeepseekV3's shared expert has no gate")
+    return problems
+
+
+def _to_deepseek_v3(args, shape, weights, vocab_rows):
+    """transformers' names for the model's layers (experts fused, as transformers 5 holds them), and for its
+    multi-token prediction modules DeepSeek-V3's checkpoint names (layers num_layers and on, experts one by one)."""
+    word = weights[WORD_EMBEDDINGS][:vocab_rows]
+    head = word if shape["tied_embeddings"] else weights[OUTPUT_LAYER][:vocab_rows]
+    pattern = shape["dropless_moe_layers"] or [0] * shape["num_layers"]
+    state = {"model.embed_tokens.weight": word, "model.norm.weight": weights["decoder.final_layernorm.weight"],
+             "lm_head.weight": head}
+    for i, moe in enumerate(pattern):
+        state.update(_prefixed(f"model.layers.{i}.", _deepseek_layer_to_hf(args, weights, f"decoder.layers.{i}.", moe)))
+    for depth in range(shape["mtp_num_layers"]):
+        module = _deepseek_mtp_to_hf(args, weights, depth, pattern[-1])
+        module.update({name: state[model_name] for name, model_name in _DEEPSEEK_MTP_SHARED})
+        state.update(_prefixed(f"model.layers.{shape['num_layers'] + depth}.", module))
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _deepseek_layer_to_hf(args, weights, ours, moe):
+    state = {theirs: weights[ours + mine] for mine, theirs in _DEEPSEEK_LAYER_NAMES if ours + mine in weights}
+    if not moe:
+        return {**state, **_swiglu_to_hf(weights[ours + "mlp.linear_fc1.weight"],
+                                         weights[ours + "mlp.linear_fc2.weight"], "mlp.")}
+    experts = range(weights[ours + "mlp.router.gate.weight"].size(0))
+    expert = lambda e, name: weights[f"{ours}mlp.experts.{e}.{name}"]  # noqa: E731
+    # the router adds the expert bias to its choice only with --moe-router-enable-expert-bias
+    bias = weights[ours + "mlp.expert_bias"] if args.get("moe_router_enable_expert_bias") else \
+        torch.zeros(len(experts), dtype=torch.float32)
+    return {**state, "mlp.gate.e_score_correction_bias": bias,
+            "mlp.experts.gate_up_proj": torch.stack([torch.cat([expert(e, "w1"), expert(e, "w3")]) for e in experts]),
+            "mlp.experts.down_proj": torch.stack([expert(e, "w2") for e in experts]),
+            **_swiglu_to_hf(weights[ours + "mlp.shared_experts.linear_fc1.weight"],
+                            weights[ours + "mlp.shared_experts.linear_fc2.weight"], "mlp.shared_experts.")}
+
+
+def _deepseek_mtp_to_hf(args, weights, depth, moe):
+    ours = f"mtp.layers.{depth}."
+    layer = _deepseek_layer_to_hf(args, weights, ours + "mtp_model_layer.", moe)
+    return {**{theirs: weights[ours + mine] for mine, theirs in _DEEPSEEK_MTP_NAMES}, **_experts_one_by_one(layer)}
+
+
+def _experts_one_by_one(layer):
+    """A layer's fused experts (transformers 5's gate_up_proj, down_proj) under DeepSeek-V3's checkpoint names."""
+    if "mlp.experts.gate_up_proj" not in layer:
+        return layer
+    gate_up, down = layer.pop("mlp.experts.gate_up_proj"), layer.pop("mlp.experts.down_proj")
+    for e in range(gate_up.size(0)):
+        layer.update(_swiglu_to_hf(gate_up[e], down[e], f"mlp.experts.{e}."))
+    return layer
+
+
+# --- DeepseekV3ForCausalLM -> ours
+
+def _from_deepseek_v3(config, state):
+    """A DeepSeek-V3 (its multi-token prediction modules too where the checkpoint holds them) into multi-latent
+    attention, dense layers and the dropless layer."""
+    rope_theta, rope_args, problems = _rope_from_hf(config)
+    problems += _deepseek_v3_import_problems(config, rope_args)
+    if problems:
+        raise CheckpointError("cannot convert this deepseek_v3 model: " + "; ".join(problems))
+    layers = config.num_hidden_layers
+    pattern = [int(i >= config.first_k_dense_replace) for i in range(layers)]
+    tied = bool(config.tie_word_embeddings)
+    weights = {WORD_EMBEDDINGS: state["model.embed_tokens.weight"],
+               "decoder.final_layernorm.weight": state["model.norm.weight"]}
+    if not tied:
+        weights[OUTPUT_LAYER] = state["lm_head.weight"]
+    for i, moe in enumerate(pattern):
+        weights.update(_deepseek_layer_from_hf(state, f"model.layers.{i}.", f"decoder.layers.{i}.", moe))
+    depths = _deepseek_mtp_from_hf(config, state, weights, pattern[-1])
+    args = {"num_layers": layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_attention_heads,
+            "kv_channels": None, "ffn_hidden_size": config.intermediate_size,
+            "max_position_embeddings": config.max_position_embeddings,
+            "seq_length": min(config.max_position_embeddings, 4096), "normalization": "RMSNorm", "swiglu": True,
+            "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
+            "rotary_base": float(rope_theta), "rotary_percent": 1.0, "disable_bias_linear": True,
+            "add_qkv_bias": False, "qk_layernorm": False, "untie_embeddings_and_output_weights": not tied,
+            "norm_epsilon": config.rms_norm_eps, "hidden_dropout": 0.0,
+            "attention_dropout": float(config.attention_dropout or 0.0), "multi_latent_attention": True,
+            "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+            "qk_head_dim": config.qk_nope_head_dim, "qk_pos_emb_head_dim": config.qk_rope_head_dim,
+            "v_head_dim": config.v_head_dim, "mtp_num_layers": depths or None, **rope_args}
+    if any(pattern):
+        args.update(_deepseek_v3_moe_args(config, pattern))
+    return args, _contiguous(weights)
+
+
+def _rope_from_hf(config):
+    """(rope_theta, our RoPE-scaling arguments, problems) of a config's rope parameters (transformers >= 5:
+    config.rope_parameters; before: config.rope_theta and config.rope_scaling)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_args, problems = hf_rope.from_hf(rope, config.max_position_embeddings)
+    return rope_theta, rope_args, problems
+
+
+def _deepseek_v3_import_problems(config, rope_args):
+    problems = []
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
+    if config.attention_bias:
+        problems.append("attention_bias true (multi-latent attention here has no biases)")
+    if not config.rope_interleave:
+        problems.append("rope_interleave false: here the rotary channels of q_b_proj and kv_a_proj_with_mqa are "
+                        "taken as DeepSeek-V3's weights have them, interleaved")
+    if config.rms_norm_eps != _DEEPSEEK_LATENT_NORM_EPSILON:
+        problems.append(f"rms_norm_eps {config.rms_norm_eps:g}: transformers' q_a_layernorm and kv_a_layernorm use "
+                        f"{_DEEPSEEK_LATENT_NORM_EPSILON:g}, here every norm --norm-epsilon")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope_args.get("rope_type") == "yarn" and rope_args["mscale_all_dim"] != float(rope.get("mscale_all_dim") or 0):
+        problems.append(f"rope_type 'yarn' with mscale {rope.get('mscale')}, mscale_all_dim "
+                        f"{rope.get('mscale_all_dim')}: multi-latent attention's softmax scale takes mscale_all_dim "
+                        f"as given, and then no --mscale gives transformers' attention factor")
+    if config.first_k_dense_replace < config.num_hidden_layers:
+        problems += _deepseek_v3_router_problems(config)
+    return problems
+
+
+def _deepseek_v3_router_problems(config):
+    problems = []
+    if bool(config.norm_topk_prob) != (config.num_experts_per_tok > 1):
+        problems.append(f"norm_topk_prob {config.norm_topk_prob} with num_experts_per_tok "
+                        f"{config.num_experts_per_tok}: the router here normalises sigmoid scores when it chooses "
+                        f"more than one expert, and only then")
+    groups = config.n_group or 1
+    if groups > 1 and config.num_experts_per_tok != 2 * config.topk_group:
+        problems.append(f"n_group {groups} with num_experts_per_tok {config.num_experts_per_tok} and topk_group "
+                        f"{config.topk_group}: transformers scores a group by its best two experts, the router here "
+                        f"by its best num_experts_per_tok / topk_group")
+    return problems
+
+
+def _deepseek_v3_moe_args(config, pattern):
+    """The dropless layer's arguments (Megatron-Core's DeepSeek-V3 flags): sigmoid scores, the expert bias
+    (e_score_correction_bias) in the choice, group-limited routing, the routed scaling factor, a shared expert.
+    The config holds no balance loss: none (fine-tuning may add Megatron-Core's seq_aux_loss)."""
+    groups = config.n_group if (config.n_group or 1) > 1 else None
+    given = {"num_experts": [config.n_routed_experts], "moe_router_topk": config.num_experts_per_tok,
+             "moe_ffn_hidden_size": config.moe_intermediate_size, "moe_layer_freq": pattern,
+             "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+             "moe_router_topk_scaling_factor": float(config.routed_scaling_factor),
+             "moe_router_num_groups": groups, "moe_router_group_topk": config.topk_group if groups else None,
+             "moe_shared_expert_intermediate_size": config.n_shared_experts * config.moe_intermediate_size or None,
+             "moe_router_load_balancing_type": "none", "moe_grouped_gemm": True}
+    return _dropless_args(given, config.intermediate_size)
+
+
+def _deepseek_layer_from_hf(state, hf, ours, moe):
+    weights = {ours + mine: state[hf + theirs] for mine, theirs in _DEEPSEEK_LAYER_NAMES if hf + theirs in state}
+    if not moe:
+        fc1, fc2 = _swiglu_from_hf(state, hf + "mlp.")
+        return {**weights, ours + "mlp.linear_fc1.weight": fc1, ours + "mlp.linear_fc2.weight": fc2}
+    gate_up, down = _deepseek_experts(state, hf)
+    width = down.size(-1)
+    weights[ours + "mlp.expert_bias"] = state[hf + "mlp.gate.e_score_correction_bias"].float()
+    for e in range(gate_up.size(0)):
+        expert = f"{ours}mlp.experts.{e}."
+        weights.update({expert + "w1": gate_up[e][:width], expert + "w3": gate_up[e][width:], expert + "w2": down[e]})
+    if hf + "mlp.shared_experts.gate_proj.weight" in state:
+        fc1, fc2 = _swiglu_from_hf(state, hf + "mlp.shared_experts.")
+        weights.update({ours + "mlp.shared_experts.linear_fc1.weight": fc1,
+                        ours + "mlp.shared_experts.linear_fc2.weight": fc2})
+    return weights
+
+
+def _deepseek_experts(state, hf):
+    """(gate_up_proj [experts, 2 ffn, h], down_proj [experts, h, ffn]) of a layer: transformers 5's fused tensors, or
+    DeepSeek-V3's checkpoint names one expert at a time (its MTP modules', which transformers does not load)."""
+    if hf + "mlp.experts.gate_up_proj" in state:
+        return state[hf + "mlp.experts.gate_up_proj"], state[hf + "mlp.experts.down_proj"]
+    count = state[hf + "mlp.gate.weight"].size(0)
+    pairs = [_swiglu_from_hf(state, f"{hf}mlp.experts.{e}.") for e in range(count)]
+    return torch.stack([fc1 for fc1, _ in pairs]), torch.stack([fc2 for _, fc2 in pairs])
+
+
+def _deepseek_mtp_from_hf(config, state, weights, moe):
+    """Adds the checkpoint's multi-token prediction modules (layers num_hidden_layers, +1, ...) to weights as ours;
+    returns how many there are."""
+    depth = 0
+    while f"model.layers.{config.num_hidden_layers + depth}.eh_proj.weight" in state:
+        hf, ours = f"model.layers.{config.num_hidden_layers + depth}.", f"mtp.layers.{depth}."
+        _refuse_quantized(state, hf)
+        _refuse_own_mtp_embeddings(state, hf, bool(config.tie_word_embeddings))
+        weights.update({ours + mine: state[hf + theirs] for mine, theirs in _DEEPSEEK_MTP_NAMES})
+        weights.update(_deepseek_layer_from_hf(state, hf, ours + "mtp_model_layer.", moe))
+        depth += 1
+    return depth
+
+
+def _refuse_quantized(state, hf):
+    """DeepSeek-V3's released MTP weights are FP8 blocks with their scales (weight_scale_inv), which transformers
+    dequantizes for its own layers only."""
+    scales = [name for name in state if name.startswith(hf) and name.endswith("_scale_inv")]
+    if scales:
+        raise CheckpointError(f"cannot convert this deepseek_v3 model: its multi-token prediction module is "
+                              f"quantized ({scales[0]}, ...): dequantize the checkpoint to bf16 or fp32 first")
+
+
+def _refuse_own_mtp_embeddings(state, hf, tied):
+    """DeepSeek-V3's MTP module holds copies of the model's embedding and head; here it uses the model's."""
+    for name, model_name in _DEEPSEEK_MTP_SHARED:
+        model_name = "model.embed_tokens.weight" if tied else model_name
+        if hf + name in state and not torch.equal(state[hf + name], state[model_name]):
+            raise CheckpointError(f"cannot convert this deepseek_v3 model: {hf + name} differs from {model_name}; "
+                                  f"here the multi-token prediction module uses the model's own")

@@ -3,6 +3,7 @@
     parallel_layout.py         ParallelLayout: the parallel degrees of a run and every rule they obey
     parallel_state.py          TP / SP / PP / DP (and expert) process groups on DeepSpeed's topology
     pipeline_schedules.py      the pipeline schedules as each rank's order of work, and their simulation
+    pipeline_split.py          which layers each pipeline stage holds: even, or Megatron-LM's uneven split
     batch_schedule.py          Megatron's batch-size ramp-up (--rampup-batch-size)
     optimizer_param_scheduler.py  Megatron's learning-rate schedule, counted in iterations, samples or tokens
     deepspeed_internals/       the one door into DeepSpeed's private members

@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 from megatron_ds.core import pipeline_schedules
 from megatron_ds.core.pipeline_schedules import nearest_multiples
+from megatron_ds.core.pipeline_split import PipelineSplit, first_layers
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ModelShape:
     expert_interval: int = 2
     ffn_origin: str = ""
     dropless_moe_layers: Tuple[int, ...] = ()   # the dropless MoE layers' pattern (one 0/1 per layer); () for none
+    mtp_num_layers: int = 0                     # multi-token prediction modules (beside the head, last layer's kind)
 
     @property
     def is_moe(self) -> bool:
@@ -39,12 +41,15 @@ class LayoutProblem:
     message: str   # pretrain.py's sentence, naming the flags and the values
 
 
-def stages_without_experts(num_layers, pipeline_stages, expert_interval):
+def stages_without_experts(num_layers, pipeline_stages, expert_interval, split=PipelineSplit()):
     """The pipeline stages (0-based) that would hold no MoE layer (every expert_interval-th layer is one)."""
-    per_stage = num_layers // pipeline_stages
-    return [stage for stage in range(pipeline_stages)
-            if not any(layer % expert_interval == 0
-                       for layer in range(stage * per_stage + 1, (stage + 1) * per_stage + 1))]
+    first = 1
+    empty = []
+    for stage, count in enumerate(split.stage_layers(num_layers, pipeline_stages)):
+        if not any(layer % expert_interval == 0 for layer in range(first, first + count)):
+            empty.append(stage)
+        first += count
+    return empty
 
 
 def student_layer_carrying(teacher_layer, student_total, teacher_total):
@@ -79,6 +84,7 @@ class ParallelLayout:
     virtual_stages: int = 1        # model stages (chunks) per pipeline rank: interleaved's v, dualpipev's 2
     zero_stage: Optional[int] = None
     pipeline_schedule: str = "1f1b"
+    split: PipelineSplit = PipelineSplit()   # which layers each stage holds (Megatron-LM's uneven split flags)
 
     @property
     def model_parallel_size(self) -> int:
@@ -119,6 +125,34 @@ class ParallelLayout:
     def stage_placement(self) -> str:
         return pipeline_schedules.stage_placement(self.pipeline_schedule, self.virtual_stages)
 
+    def stage_layers(self, num_layers: int) -> Tuple[int, ...]:
+        """The transformer layers of each model stage, in model order (core/pipeline_split.py)."""
+        return self.split.stage_layers(num_layers, self.pipeline, self.pipeline_schedule, self.virtual_stages)
+
+    def layers_of_ranks(self, num_layers: int) -> List[List[int]]:
+        """The global layer indices (0-based) each pipeline rank holds, all its model stages together."""
+        per_rank = [[] for _ in range(self.pipeline)]
+        stage_layers = self.stage_layers(num_layers)
+        for stage, (start, count) in enumerate(zip(first_layers(stage_layers), stage_layers)):
+            rank = pipeline_schedules.pipeline_rank_of(self.pipeline_schedule, self.pipeline, stage,
+                                                       self.virtual_stages)
+            per_rank[rank] += range(start, start + count)
+        return per_rank
+
+    def _head_rank(self) -> int:
+        """The pipeline rank holding the last model stage (the head; DualPipeV's V ends on rank 0)."""
+        model_stages = self.pipeline * pipeline_schedules.chunks_per_rank(self.pipeline_schedule, self.virtual_stages)
+        return pipeline_schedules.pipeline_rank_of(self.pipeline_schedule, self.pipeline, model_stages - 1,
+                                                   self.virtual_stages)
+
+    def splits_layers(self, num_layers: int) -> bool:
+        """Whether the layers split over the model stages by the rules."""
+        try:
+            self.stage_layers(num_layers)
+        except ValueError:
+            return False
+        return True
+
     def describe_model_parallel(self) -> str:
         """"TP t x PP p", with "x Ulysses SP u" after TP when u > 1."""
         ulysses = f" x Ulysses SP {self.ulysses}" if self.ulysses > 1 else ""
@@ -153,15 +187,19 @@ class ParallelLayout:
             (model.ffn_hidden_size % tp, "FFN not divisible by TP", f"FFN {model.ffn_hidden_size} over TP {tp}",
              f"--ffn-hidden-size {model.ffn_hidden_size}{model.ffn_origin} is not divisible by "
              f"--tensor-model-parallel-size {tp}"),
-            (model.num_layers % pp, "layers not divisible by PP", f"{model.num_layers} layers over PP {pp}",
+            (self.split.is_even and model.num_layers % pp, "layers not divisible by PP",
+             f"{model.num_layers} layers over PP {pp}",
              f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"),
-            (v > 1 and model.num_layers % (pp * v), "layers not divisible by PP x virtual stages",
+            (self.split.is_even and v > 1 and model.num_layers % (pp * v),
+             "layers not divisible by PP x virtual stages",
              f"{model.num_layers} layers over PP {pp} x {v} virtual stages",
              f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x {v} "
              f"{self._chunk_name()} per pipeline rank (nearest: "
              f"{' or '.join(map(str, nearest_multiples(model.num_layers, pp * v)))} layers)"),
         ]
-        return _broken(rules)
+        uneven = [LayoutProblem("uneven pipeline split", message, message) for message in
+                  self.split.problems(model.num_layers, pp, self.pipeline_schedule, v)]
+        return _broken(rules) + uneven
 
     def _chunk_name(self):
         return "stages (dualpipev's V)" if self.pipeline_schedule == "dualpipev" else "virtual stages"
@@ -225,9 +263,10 @@ class ParallelLayout:
             return []
         ep, stage, pp, layers = self.expert, self.stage_ranks, self.pipeline, len(model.dropless_moe_layers)
         tp, u = self.tensor, self.ulysses
-        per_stage = layers // pp if layers % pp == 0 else None
-        stages = [] if per_stage is None else [model.dropless_moe_layers[index * per_stage:(index + 1) * per_stage]
-                                               for index in range(pp)]
+        stages = ([[model.dropless_moe_layers[index] for index in indices] for indices in self.layers_of_ranks(layers)]
+                  if self.splits_layers(layers) else [])
+        if stages and model.mtp_num_layers and model.dropless_moe_layers[-1]:
+            stages[self._head_rank()].append(1)  # the MTP modules' MoE layers, beside the head
         empty = [index for index, stage_layers in enumerate(stages) if not any(stage_layers)]
         rules = [
             (stage and stage % ep, "expert parallel size does not divide a stage's ranks",
@@ -253,9 +292,9 @@ class ParallelLayout:
         """Every pipeline stage must hold an MoE layer: DeepSpeed reduces the experts' gradient norm over the
         pipeline group on the stages that have experts only, so a stage without would leave the others waiting."""
         pp, interval, layers = self.pipeline, model.expert_interval, model.num_layers
-        if pp == 1 or interval < 1 or layers % pp:
+        if pp == 1 or interval < 1 or not self.splits_layers(layers):
             return []
-        empty = stages_without_experts(layers, pp, interval)
+        empty = stages_without_experts(layers, pp, interval, self.split)
         if not empty:
             return []
         return [LayoutProblem(

@@ -31,6 +31,7 @@ from deepspeed.runtime.pipe import schedule as deepspeed_schedule
 
 from megatron_ds.core import deepspeed_internals
 from megatron_ds.core.deepspeed_internals.interleaved_pipeline import become_interleaved, interleaved_module_class
+from megatron_ds.core.deepspeed_internals.stage_partition import with_stage_boundaries
 from megatron_ds.core.pipeline_schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, stage_order
 
 
@@ -133,15 +134,21 @@ class ZeroBubbleDualPipeVSchedule(deepspeed_schedule.DualPipeVSchedule):
         return self.stage_id == 0 and chunk == 0
 
 
-def pipeline_module_class(name, virtual_stages=1):
+def pipeline_module_class(name, virtual_stages=1, stage_boundaries=None):
     """The PipelineModule class that lays a schedule's stages out: DeepSpeed's DualPipeVModule holds two stages per
     rank (rank r: stage r and stage 2p-1-r), and deepspeed.initialize runs it with its DualPipeVEngine; the
-    interleaved module (a DualPipeVModule too) holds v, rank r stages c x p + r."""
+    interleaved module (a DualPipeVModule too) holds v, rank r stages c x p + r. stage_boundaries: the layer spec
+    where each model stage starts, and the spec count (gpt_model.pipeline_stage_boundaries), which the class then
+    uses instead of its partition_method."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.module import PipelineModule
     if name == "interleaved":
-        return interleaved_module_class(virtual_stages)
-    return DualPipeVModule if name == "dualpipev" else PipelineModule
+        module_class = interleaved_module_class(virtual_stages)
+    else:
+        module_class = DualPipeVModule if name == "dualpipev" else PipelineModule
+    if stage_boundaries is None:
+        return module_class
+    return with_stage_boundaries(module_class, stage_boundaries)
 
 
 def install_schedule(engine, name, virtual_stages=1):

@@ -29,6 +29,7 @@ from megatron_ds.core.pipeline_schedules import (
     simulate,
     split_micro_batch,
 )
+from megatron_ds.core.pipeline_split import split_from_flags
 from megatron_ds.core.transformer.transformer_layer import recompute_chunk_count
 from megatron_ds.engine import curriculum, deepspeed_keys
 
@@ -250,8 +251,7 @@ def number_checkpoints(args, micro_batch_size=None, global_batch_size=None):
     per iteration); interleaving holds more); 1 micro-batch at PP 1."""
     pp = args.pipeline_model_parallel_size
     schedule, virtual = args.pipeline_schedule, args.virtual_pipeline_stages
-    layers_per_stage = args.num_layers // (pp * chunks_per_rank(schedule, virtual))
-    chunks = recompute_chunk_count(args.recompute_method, args.recompute_num_layers, layers_per_stage)
+    chunks = recompute_chunk_count(args.recompute_method, args.recompute_num_layers, _most_stage_layers(args))
     if pp == 1:
         return chunks
     micro = micro_batch_size or args.micro_batch_size
@@ -260,6 +260,15 @@ def number_checkpoints(args, micro_batch_size=None, global_batch_size=None):
         return chunks * max(1, min(pp, micro_batches))
     in_flight = simulate(schedule, pp, micro_batches, split_micro_batch(schedule, virtual), virtual).peak_in_flight
     return chunks * max(in_flight)
+
+
+def _most_stage_layers(args):
+    """The transformer layers of the largest model stage (core/pipeline_split.py)."""
+    pp, schedule, virtual = args.pipeline_model_parallel_size, args.pipeline_schedule, args.virtual_pipeline_stages
+    try:
+        return max(split_from_flags(vars(args)).stage_layers(args.num_layers, pp, schedule, virtual))
+    except ValueError:  # refused elsewhere, by name
+        return args.num_layers // (pp * chunks_per_rank(schedule, virtual))
 
 
 def _fp16_block(args, user_block):

@@ -1,12 +1,12 @@
 """Text generation with a KV cache on a tensor-parallel GPTModel (one pipeline stage), Mixture of Experts included
-(DeepSpeed-MoE and the dropless layer).
+(DeepSpeed-MoE and the dropless layer) and multi-latent attention.
 
 The incremental forward reuses the model's own modules (norms, QKV and projection linears, rotary
 embedding, MLP, head): per step only the new tokens go through the layers, their keys and values (per
-query group, before expansion to the heads) are appended to the cache, and the queries attend to every
-cached position. The logits of all TP ranks are gathered, the padded vocabulary rows masked, and every
-rank draws the same token (the same gathered logits and the same seeded generator), so TP 2 generates
-exactly what TP 1 does.
+query group, before expansion to the heads; with multi-latent attention each head's, after the up
+projection) are appended to the cache, and the queries attend to every cached position. The logits of
+all TP ranks are gathered, the padded vocabulary rows masked, and every rank draws the same token (the
+same gathered logits and the same seeded generator), so TP 2 generates exactly what TP 1 does.
 """
 import argparse
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from megatron_ds.core.models.gpt.gpt_model import pack_model_inputs, tied_output
 from megatron_ds.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron_ds.core.transformer.dropless_moe import DroplessMoE, dropless_layers
 from megatron_ds.core.transformer.moe import forget_auxiliary_losses, moe_layers
+from megatron_ds.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron_ds.core.transformer.rotary import apply_rotary
 from megatron_ds.engine.moe_token_gather import mend_token_split
 from megatron_ds.engine.mpu import ModelParallelUnit
@@ -42,7 +43,8 @@ class SamplingParams:
 
 _INFERENCE_VALUES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "sequence_parallel": False,
                      "recompute_activations": False, "recompute_granularity": None, "recompute_method": None,
-                     "recompute_num_layers": None, "distribute_saved_activations": False}
+                     "recompute_num_layers": None, "distribute_saved_activations": False,
+                     "mtp_num_layers": None}  # generation ignores the multi-token prediction modules' weights
 
 
 def inference_args(saved_args):
@@ -95,12 +97,20 @@ def setup_expert_parallel(expert_parallel_size, expert_tensor_parallel=False):
 
 
 class KVCache:
-    """Per layer: keys and values [tokens so far, batch, local query groups, head dim]."""
+    """Per layer: keys and values [tokens so far, batch, local query groups, head dim] (multi-latent attention:
+    local heads, each head's key and value after the up projection)."""
 
     def __init__(self, num_layers):
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
         self.length = 0
+
+    def extend(self, index, key, value):
+        """Layer index's keys and values with the new tokens' appended: every position so far."""
+        if self.keys[index] is not None:
+            key, value = torch.cat([self.keys[index], key]), torch.cat([self.values[index], value])
+        self.keys[index], self.values[index] = key, value
+        return key, value
 
 
 def _attention_step(attention, hidden_states, cache, index):
@@ -115,17 +125,32 @@ def _attention_step(attention, hidden_states, cache, index):
     if attention.rotary is not None:
         cos, sin = attention.rotary(s, hidden_states.device, offset=cache.length)
         query, key = apply_rotary(query, key, cos, sin)  # the leading rotary channels (partial rotary)
-    if cache.keys[index] is not None:
-        key, value = torch.cat([cache.keys[index], key]), torch.cat([cache.values[index], value])
-    cache.keys[index], cache.values[index] = key, value
+    key, value = cache.extend(index, key, value)
     total = key.size(0)
     expand = lambda t: t.unsqueeze(3).expand(total, b, groups, per_group, d).reshape(total, b, -1, d)  # noqa: E731
-    query, key, value = (t.permute(1, 2, 0, 3) for t in (query, expand(key), expand(value)))
-    positions = torch.arange(cache.length, cache.length + s, device=query.device)
-    allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # causal over the cache
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
-    context = context.permute(2, 0, 1, 3).reshape(s, b, attention.num_heads * d)
-    return attention.linear_proj(context)
+    context = _attention_over_cache(query, expand(key), expand(value), cache.length)
+    return attention.linear_proj(context.flatten(2))
+
+
+def _latent_attention_step(attention, hidden_states, cache, index):
+    """Multi-latent attention for the new tokens [s, b, h]: their rotary channels turned at their positions, each
+    head's key and value cached."""
+    query, key, value = attention.query_key_value(
+        hidden_states, lambda s, device: attention.rotary(s, device, offset=cache.length))
+    key, value = cache.extend(index, key, value)
+    context = _attention_over_cache(query, key, value, cache.length, attention.softmax_scale)
+    return attention.linear_proj(context.flatten(2))
+
+
+def _attention_over_cache(query, key, value, past, scale=None):
+    """Causal attention of the new tokens' queries [s, b, heads, d] over the keys [past + s, b, heads, d] and values
+    [past + s, b, heads, dv] of every position so far: [s, b, heads, dv]. scale None: 1 / sqrt(d)."""
+    s, total = query.size(0), key.size(0)
+    query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    positions = torch.arange(past, past + s, device=query.device)
+    allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
+    return context.permute(2, 0, 1, 3)
 
 
 def _add(x, bias, residual):
@@ -152,8 +177,10 @@ def forward_step(model: GPTModel, input_ids, cache: KVCache):
     position_ids = torch.arange(cache.length, cache.length + s, device=input_ids.device).unsqueeze(0)
     hidden = model.embedding(pack_model_inputs(input_ids, position_ids))
     for index, layer in enumerate(model.layers):
-        attention_out, attention_bias = _attention_step(layer.self_attention, layer.input_layernorm(hidden),
-                                                        cache, index)
+        attention_step = _latent_attention_step if isinstance(layer.self_attention, MultiLatentAttention) \
+            else _attention_step
+        attention_out, attention_bias = attention_step(layer.self_attention, layer.input_layernorm(hidden), cache,
+                                                       index)
         hidden = _add(attention_out, attention_bias, hidden)
         mlp_out, mlp_bias = _mlp_step(layer.mlp, layer.pre_mlp_layernorm(hidden))
         hidden = _add(mlp_out, mlp_bias, hidden)

@@ -54,6 +54,12 @@ DEVICES = {
     "h100-pcie": DeviceSpec("NVIDIA H100-PCIe-80GB", 756.0, 51.0, 80.0, 2000.0, 300.0, 50.0,
                             "H100 datasheet (PCIe); NVLink bridge pairs; assumed one NDR 400 Gb/s NIC per GPU",
                             ("NVIDIA H100 PCIe",)),
+    # H800 (SXM5, the H100 for the Chinese market): the H100 SXM's compute and HBM3, NVLink cut to 400 GB/s total
+    # = 200 per direction (DeepSeek-V3's report, arXiv 2412.19437 section 3.1, measures about 160 GB/s of it); one
+    # 400 Gb/s InfiniBand NIC per GPU, 50 GB/s (the same report's figure).
+    "h800": DeviceSpec("NVIDIA H800-SXM5-80GB", 989.0, 67.0, 80.0, 3350.0, 200.0, 50.0,
+                       "H100 datasheet's compute and memory; NVLink 400 GB/s; DeepSeek-V3 report's 50 GB/s IB",
+                       ("NVIDIA H800",)),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141 GB HBM3e 4.8 TB/s, NVLink
     # 900 GB/s total. NVIDIA DGX H200 datasheet: 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h200": DeviceSpec("NVIDIA H200-SXM-141GB", 989.0, 67.0, 141.0, 4800.0, 450.0, 50.0,

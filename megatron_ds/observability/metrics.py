@@ -42,7 +42,8 @@ from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.models.gpt import model_flops_per_iteration
 from megatron_ds.launch.runtime import device, print_rank_0
 
-OTHER_LOSSES = ("moe loss", "load balancing loss", "kd loss")  # beside the lm loss in the iteration line, in order
+# beside the lm loss in the iteration line, in order
+OTHER_LOSSES = ("moe loss", "load balancing loss", "mtp loss", "kd loss")
 EXPERT_LOAD = "tokens per expert max/mean"  # the dropless MoE layers' worst balance, after the losses
 EXPERT_LOAD_OF_LAYER = "moe/tokens_per_expert_max_over_mean_layer_{}"  # each one's, by 0-based layer: TensorBoard
 

@@ -85,19 +85,33 @@ def tensor_parallel_traffic_per_layer(model: ModelSpec, layout: Layout) -> Tenso
     t = layout.tp
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
     payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
+    linear_inputs, rotary_key = attention_input_shares(model.config)
+    inputs = sum(linear_inputs)
     if layout.sequence_parallel:
-        forward = 4 * all_gather_bytes(t, payload)
-        backward = 6 * all_gather_bytes(t, payload) + _sequence_parallel_gradient_bytes(model, t, final_norm=False)
+        forward = (3 + inputs + rotary_key) * all_gather_bytes(t, payload)
+        backward = (4 + 2 * inputs + rotary_key) * all_gather_bytes(t, payload) + \
+            _sequence_parallel_gradient_bytes(model, t, final_norm=False)
         collectives = ("2 all-gather + 2 reduce-scatter in forward; backward 2 reduce-scatter + 2 all-gather "
                        "+ 2 all-gathers again of the saved input shards, and an all-reduce of each norm weight's "
                        "and row-parallel bias's gradient")
     else:
-        forward = backward = 2 * all_reduce_bytes(t, payload)
+        forward = 2 * all_reduce_bytes(t, payload)
+        backward = (1 + inputs + rotary_key) * all_reduce_bytes(t, payload)
         collectives = "2 all-reduce in forward, 2 in backward"
     recompute = forward if layout.recompute == "full" else 0.0
     if recompute:
         collectives += "; full recompute repeats the forward's"
     return TensorParallelTraffic(payload, forward, backward, recompute, collectives)
+
+
+def attention_input_shares(config):
+    """The attention's column-parallel inputs as shares of the hidden size (each all-gathered with SP, its gradient
+    all-reduced without), and the rotary key's share (multi-latent attention: gathered with SP, its gradient
+    reduce-scattered; all-reduced without). QKV attention: ([1], 0); MLA: ([q_r or h, kv_r] / h, r / h)."""
+    if not config.multi_latent_attention:
+        return [1.0], 0.0
+    h = config.hidden_size
+    return [(config.q_lora_rank or h) / h, config.kv_lora_rank / h], config.qk_pos_emb_head_dim / h
 
 
 def sequence_parallel_gradients(config, final_norm: bool) -> List[int]:
@@ -107,7 +121,17 @@ def sequence_parallel_gradients(config, final_norm: bool) -> List[int]:
     norm = [config.hidden_size] * (2 if config.normalization == "LayerNorm" else 1)
     if final_norm:
         return norm
-    return 2 * norm + ([config.hidden_size] * 2 if config.bias else [])
+    return 2 * norm + ([config.hidden_size] * 2 if config.bias else []) + _mla_replicated_sizes(config)
+
+
+def _mla_replicated_sizes(config):
+    """Multi-latent attention's down projections and their norms: whole on every TP rank, on its tokens with SP."""
+    if not config.multi_latent_attention:
+        return []
+    h, q_rank, kv_rank = config.hidden_size, config.q_lora_rank, config.kv_lora_rank
+    norm = 2 if config.normalization == "LayerNorm" else 1
+    query = [h * q_rank] + [q_rank] * norm if q_rank else []
+    return query + [h * (kv_rank + config.qk_pos_emb_head_dim)] + [kv_rank] * norm
 
 
 def _sequence_parallel_gradient_bytes(model: ModelSpec, t: int, final_norm: bool) -> float:
@@ -173,7 +197,16 @@ def pipeline_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optio
     messages = _messages(layout, rank)
     payload = pipeline_payload_per_micro_batch(model, layout) / (layout.tp if split_over_tensor_parallel(layout)
                                                                  else 1)
-    return (messages["send_activation"] + messages["send_gradient"]) * payload
+    return (messages["send_activation"] + messages["send_gradient"]) * payload + \
+        messages["send_activation"] * mtp_rider_bytes_per_micro_batch(model, layout)
+
+
+def mtp_rider_bytes_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
+    """With multi-token prediction the input ids ride beside each activation to the last stage: int64, whole on
+    every TP rank, this Ulysses rank's slice of the sequence; no gradient comes back for them."""
+    if not model.config.mtp_num_layers:
+        return 0.0
+    return 8.0 * layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
 
 
 def pipeline_gather_bytes_per_micro_batch(model: ModelSpec, layout: Layout, rank: Optional[int] = None) -> float:
@@ -227,8 +260,10 @@ def largest_stage_data_parallel_traffic(model: ModelSpec, layout: Layout, stages
 
 def tied_embedding_traffic(model: ModelSpec, layout: Layout) -> float:
     """First and last stage all-reduce the shared embedding's gradient once per iteration (2 ranks; none where
-    one rank holds both: PP 1, DualPipeV's rank 0)."""
-    if not model.tied_embeddings or layout.pp == 1 or layout.pipeline_schedule == "dualpipev":
+    one rank holds both: PP 1, DualPipeV's rank 0): the tied head's, or with multi-token prediction the last
+    stage's copy for the tokens ahead."""
+    shared = model.tied_embeddings or model.config.mtp_num_layers
+    if not shared or layout.pp == 1 or layout.pipeline_schedule == "dualpipev":
         return 0.0
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp * model.config.hidden_size
     return all_reduce_bytes(2, vocab_shard * gradient_reduction_element_bytes(model, layout))
@@ -326,7 +361,8 @@ def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> di
             + dropless_layers_tensor_parallel_change(model, layout, stage),
             "pipeline": pipeline_bytes_per_micro_batch(model, layout, stage.stage),
             "ulysses": ulysses_bytes_per_micro_batch(model, layout, stage.num_layers),
-            "expert": expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)}
+            "expert": expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
+            + (mtp_expert_bytes_per_micro_batch(model, layout) if stage.mtp else 0.0)}
 
 
 def stage_traffic_per_iteration(model: ModelSpec, layout: Layout, stage) -> dict:
@@ -441,6 +477,20 @@ def expert_parallel_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_
         traffic = _expert_traffic_of_layer(model, layout, n)
         if traffic is not None:
             total += traffic.forward + traffic.backward + (traffic.recompute if n in recomputed else 0.0)
+    return total
+
+
+def mtp_expert_bytes_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
+    """The multi-token prediction modules' MoE layers (the head's stage): their all-to-alls, recomputed under full
+    recompute (each module's layer is its own chunk)."""
+    config = model.config
+    if config.moe_expert_parallel_size == 1:
+        return 0.0
+    total = 0.0
+    for number in range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1):
+        traffic = _expert_traffic_of_layer(model, layout, number)
+        if traffic is not None:
+            total += traffic.forward + traffic.backward + (traffic.recompute if layout.recompute == "full" else 0.0)
     return total
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from megatron_ds.arguments import (
     transformer_config_from_args,
 )
+from megatron_ds.core.pipeline_split import split_from_flags
 from megatron_ds.core.transformer.transformer_config import (
     DEFAULT_RECOMPUTE_METHOD,
     DEFAULT_RECOMPUTE_NUM_LAYERS,
@@ -66,7 +67,7 @@ def layout_from_args(args) -> Layout:
                   recompute_num_layers=args.recompute_num_layers or DEFAULT_RECOMPUTE_NUM_LAYERS,
                   distribute_saved_activations=args.distribute_saved_activations,
                   ulysses=args.ds_sequence_parallel_size, pipeline_schedule=args.pipeline_schedule,
-                  virtual_stages=args.virtual_pipeline_stages)
+                  virtual_stages=args.virtual_pipeline_stages, split=split_from_flags(vars(args)))
 
 
 def predicted_stage_memory(args, config, stage=0):

@@ -7,6 +7,7 @@ full recompute adds one forward of every recomputed layer (all of them with the 
 matters with MoE layers: they cost the router and k experts' MLPs, core/models/gpt/flops.py).
 """
 from megatron_ds.core.models.gpt import flops as model_flops
+from megatron_ds.core.pipeline_split import first_layers
 from megatron_ds.planning.model import Layout, ModelSpec
 
 
@@ -25,9 +26,10 @@ def recompute_flops_per_token(model: ModelSpec, layout: Layout, num_layers: int,
 
 
 def stage_first_layers(model: ModelSpec, layout: Layout):
-    """(first global layer, layers) of each pipeline stage (an even split)."""
-    count = model.config.num_layers // layout.pp
-    return [(stage * count + 1, count) for stage in range(layout.pp)]
+    """(first global layer, layers) of each pipeline stage (core/pipeline_split.py)."""
+    counts = layout.split.stage_layers(model.config.num_layers, layout.pp, layout.pipeline_schedule,
+                                       layout.virtual_stages)
+    return [(first + 1, count) for first, count in zip(first_layers(counts), counts)]
 
 
 def model_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
@@ -54,5 +56,5 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
     flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
                                                                                        first_layer)
     if last:
-        flops += 3 * per_token.head
+        flops += 3 * (per_token.head + per_token.mtp)
     return flops * layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False) / layout.tp

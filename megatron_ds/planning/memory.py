@@ -131,9 +131,10 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts:
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
     width = _activation_width(model)
     replicated_tokens, split_tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
-    attention = (replicated_tokens * _replicated_attention_bytes_per_token(config, width)
+    attention = (replicated_tokens * (_replicated_attention_bytes_per_token(config, width)
+                                      + _mla_latent_bytes_per_token(config, width))
                  + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width, device)
-                 / layout.tp)
+                 / layout.tp + split_tokens * _mla_rotary_key_bytes_per_token(config, width))
     if dropless:
         mlp = dropless_moe_mlp_bytes(model, layout)
     elif experts > 1:
@@ -167,7 +168,35 @@ def _split_attention_bytes_per_token(config, layout, s, recompute, width, device
     heads_width = config.num_attention_heads * config.kv_channels
     kernel = attention_kernel(config, device)
     attention = 0.0 if recompute == "selective" else attention_term(config, s, kernel, width)
+    if config.multi_latent_attention:
+        return _mla_query_key_value_bytes_per_token(config, kernel, recompute, width) + attention
     return _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width) + width * heads_width + attention
+
+
+def _mla_query_key_value_bytes_per_token(config, kernel, recompute, width):
+    """Multi-latent attention inside the TP region, before the split over t: query and key (the concatenations
+    of their parts, dq = qk + r each), the value and attention's output (v each); sdpa pads the value to dq
+    (attention._one_head_dim), and its kernel keeps the padded value and output beside the unpadded output the
+    projection takes (selective recompute keeps the unpadded inputs alone)."""
+    a, query_dim, value_dim = config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim, \
+        config.v_head_dim
+    padded = kernel in ("sdpa", "sdpa_grouped") and recompute != "selective" and value_dim < query_dim
+    kernel_value = query_dim if padded else value_dim
+    return width * a * (2 * query_dim + kernel_value + value_dim + (kernel_value if padded else 0))
+
+
+def _mla_latent_bytes_per_token(config, width):
+    """Multi-latent attention outside the TP regions: each latent's norm input and output (the up projection's
+    input), 2w (q_r + kv_r)."""
+    if not config.multi_latent_attention:
+        return 0.0
+    return 2 * width * ((config.q_lora_rank or 0) + config.kv_lora_rank)
+
+
+def _mla_rotary_key_bytes_per_token(config, width):
+    """Multi-latent attention's rotary key, whole on every TP rank over the rank's s/U tokens: its channels taken
+    apart and rotated, 2 w r."""
+    return 2 * width * config.qk_pos_emb_head_dim if config.multi_latent_attention else 0.0
 
 
 def _moe_mlp_bytes(model, layout, tokens, experts, width):
@@ -326,13 +355,31 @@ def _first_stage_extra_bytes(model, layout):
 
 
 def _last_stage_extra_bytes(model, layout):
+    """The final norm and the head (for the main model and each multi-token prediction depth: the head takes
+    them side by side), and the MTP modules."""
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.config.hidden_size, layout.tp
-    width = _activation_width(model)
-    norm_and_head_inputs = 2 * width * layout.tokens_per_rank(s) * b * h
+    width, heads = _activation_width(model), 1 + model.config.mtp_num_layers
+    norm_and_head_inputs = 2 * width * layout.tokens_per_rank(s) * b * h * heads
     tokens, vocab = layout.tokens_per_rank(s, split_over_tp=False) * b, model.padded_vocab_size(t) // t
-    logits = 3 * width * tokens * vocab
-    chunk_temporaries = 2 * 4 * min(tokens, default_chunk_rows(vocab)) * vocab
-    return norm_and_head_inputs + logits + chunk_temporaries
+    logits = 3 * width * tokens * vocab * heads
+    chunk_temporaries = 2 * 4 * min(tokens * heads, default_chunk_rows(vocab)) * vocab
+    return norm_and_head_inputs + logits + chunk_temporaries + _mtp_module_bytes(model, layout)
+
+
+def _mtp_module_bytes(model, layout):
+    """Per micro-batch, each multi-token prediction depth keeps its layer's activations (of the last layer's
+    kind; under full recompute its input alone, the layer being its own chunk) and about 9 s b h more: the
+    embeddings of the tokens ahead, the two norms' inputs and outputs, their concatenation (2h), the
+    projection's output gathered over TP and the final norm's input."""
+    config = model.config
+    if not config.mtp_num_layers:
+        return 0.0
+    if layout.recompute == "full":
+        layer = _saved_layer_input_bytes(model, layout)
+    else:
+        layer = _kind_activation_bytes(model, layout, layout.recompute, _layer_kind(config, config.num_layers + 1))
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
+    return config.mtp_num_layers * (layer + 9 * _activation_width(model) * tokens * config.hidden_size)
 
 
 def _saved_layer_input_bytes(model, layout):

@@ -1,32 +1,27 @@
 """Build pipeline stages of one TP rank with the real model code on the meta device (shapes, no memory)
 and compare their parameter counts with the planner's formulas.
 
-The stage boundaries are DeepSpeed's own: PipelineModule's partition_method "type:TransformerLayer" marks
-every spec whose class name matches the regex and balances the marks with
-`deepspeed.runtime.utils.partition_balanced`; a stage then builds its slice of the specs, a TiedLayerSpec
-once per key (as `PipelineModule._build` does).
+The stage boundaries are training's: the transformer layers of each stage from core/pipeline_split.py (even, or
+Megatron-LM's uneven split), cut where gpt_model.pipeline_stage_boundaries cuts them for DeepSpeed's
+PipelineModule; a stage then builds its slice of the specs, a TiedLayerSpec once per key (as
+`PipelineModule._build` does).
 """
 import dataclasses
-import re
 from typing import List, Optional
 
 import torch
 from deepspeed.pipe import TiedLayerSpec
-from deepspeed.runtime.utils import partition_balanced
 
 from megatron_ds.core import parallel_state
-from megatron_ds.core.models.gpt import gpt_layer_specs
+from megatron_ds.core.models.gpt import gpt_layer_specs, pipeline_stage_boundaries
+from megatron_ds.core.pipeline_split import PipelineSplit
 from megatron_ds.planning.model import ModelSpec
 from megatron_ds.planning.parameters import stage_parameters
 
-PARTITION_LAYER_TYPE = "TransformerLayer"   # training.build_model: partition_method="type:TransformerLayer"
 
-
-def stage_boundaries(specs, pp: int) -> List[int]:
-    """Spec index where each stage starts, plus the end (DeepSpeed's "type:" partitioning)."""
-    pattern = re.compile(PARTITION_LAYER_TYPE, re.IGNORECASE)
-    weights = [1 if pattern.search(spec.typename.__name__) else 0 for spec in specs]
-    return [int(bound) for bound in partition_balanced(weights=weights, num_parts=pp)]
+def stage_boundaries(specs, num_layers: int, pp: int, split: PipelineSplit = PipelineSplit()) -> List[int]:
+    """Spec index where each of pp stages starts, plus the end (training.model_setup's cut)."""
+    return pipeline_stage_boundaries(specs, split.stage_layers(num_layers, pp))
 
 
 def build_stage(specs, start: int, stop: int) -> torch.nn.ModuleList:
@@ -46,27 +41,28 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 
 def meta_stage_parameter_counts(model: ModelSpec, tp: int, pp: int, stages: Optional[List[int]] = None,
-                                tp_rank: int = 0) -> dict:
+                                tp_rank: int = 0, split: PipelineSplit = PipelineSplit()) -> dict:
     """{stage: parameters} of the stages built on the meta device for TP rank `tp_rank`."""
     stages = range(pp) if stages is None else stages
     counts = {}
     with parallel_state.simulated_model_parallel(tp, tp_rank, pp, 0):
         specs = gpt_layer_specs(model.config, model.padded_vocab_size(tp), model.max_position_embeddings,
                                 model.tied_embeddings)
-        bounds = stage_boundaries(specs, pp)
+        bounds = stage_boundaries(specs, model.config.num_layers, pp, split)
     for stage in stages:
         with parallel_state.simulated_model_parallel(tp, tp_rank, pp, stage), torch.device("meta"):
             counts[stage] = count_parameters(build_stage(specs, bounds[stage], bounds[stage + 1]))
     return counts
 
 
-def check_against_formula(model: ModelSpec, tp: int, pp: int, stages: Optional[List[int]] = None) -> dict:
+def check_against_formula(model: ModelSpec, tp: int, pp: int, stages: Optional[List[int]] = None,
+                          split: PipelineSplit = PipelineSplit()) -> dict:
     """Per stage: the formula's count, the meta-built count and their difference (0 when they agree). A dropless
     MoE layer needs its expert-parallel process group to build at EP > 1: such a model is built and counted at
     EP 1 (every expert on the rank)."""
     if model.config.is_dropless_moe:
         model = dataclasses.replace(model, config=dataclasses.replace(model.config, moe_expert_parallel_size=1))
-    formula = {stage.stage: stage.total for stage in stage_parameters(model, tp, pp)}
-    built = meta_stage_parameter_counts(model, tp, pp, stages)
+    formula = {stage.stage: stage.total for stage in stage_parameters(model, tp, pp, split=split)}
+    built = meta_stage_parameter_counts(model, tp, pp, stages, split=split)
     return {stage: {"formula": formula[stage], "built": count, "difference": count - formula[stage]}
             for stage, count in built.items()}

@@ -6,6 +6,7 @@ import torch
 
 from megatron_ds.arguments import padded_vocab_size
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout
+from megatron_ds.core.pipeline_split import PipelineSplit
 from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.transformer_config import (
     DEFAULT_RECOMPUTE_METHOD,
@@ -63,6 +64,7 @@ class Layout:
     ulysses: int = 1                   # DeepSpeed-Ulysses SP (--ds-sequence-parallel-size): ranks splitting a sample
     pipeline_schedule: str = "1f1b"    # core/pipeline_schedules.py
     virtual_stages: int = 1            # model stages per pipeline rank: interleaved's v, dualpipev's 2
+    split: PipelineSplit = PipelineSplit()  # the layers of each stage (Megatron-LM's uneven split flags)
 
     @property
     def world_size(self) -> int:
@@ -106,7 +108,8 @@ class Layout:
     def describe(self) -> str:
         return (f"{self.describe_sizes()}, micro batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches} micro-batches, SP {'on' if self.sequence_parallel else 'off'}, "
-                f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}{self.describe_schedule()}")
+                f"recompute {self.describe_recompute()}, ZeRO-{self.zero_stage}{self.describe_schedule()}"
+                + ("" if self.split.is_even else f", uneven stages ({self.split.describe()})"))
 
     def describe_schedule(self) -> str:
         """", pipeline schedule S" (with its virtual stages for interleaved) when it is not 1F1B."""
@@ -135,7 +138,8 @@ def parallel_layout(model: ModelSpec, layout: Layout) -> ParallelLayout:
                           expert=config.moe_expert_parallel_size,
                           expert_tensor_parallel=config.moe_expert_tensor_parallel,
                           sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage,
-                          pipeline_schedule=layout.pipeline_schedule, virtual_stages=layout.virtual_stages)
+                          pipeline_schedule=layout.pipeline_schedule, virtual_stages=layout.virtual_stages,
+                          split=layout.split)
 
 
 def model_shape(model: ModelSpec) -> ModelShape:
@@ -144,7 +148,8 @@ def model_shape(model: ModelSpec) -> ModelShape:
                       num_query_groups=config.num_query_groups, ffn_hidden_size=config.ffn_hidden_size,
                       seq_length=model.seq_length, num_experts=tuple(config.num_experts),
                       expert_interval=config.expert_interval,
-                      dropless_moe_layers=config.moe_layer_pattern if config.is_dropless_moe else ())
+                      dropless_moe_layers=config.moe_layer_pattern if config.is_dropless_moe else (),
+                      mtp_num_layers=config.mtp_num_layers)
 
 
 def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_ds.core.parallel_layout import teacher_layers_on
+from megatron_ds.core.pipeline_split import PipelineSplit
 from megatron_ds.planning.model import ModelSpec
 
 
@@ -41,12 +42,28 @@ def norm_parameters(config, width: Optional[int] = None) -> int:
 def attention_parameters(config, tp: int = 1) -> int:
     """Self-attention on one TP rank: QKV (column-parallel) and projection weights and QKV's bias split by TP,
     the projection's (row-parallel) bias and the query and key norms (head dim wide) replicated."""
+    if config.multi_latent_attention:
+        return mla_parameters(config, tp)
     h, d = config.hidden_size, config.kv_channels
     qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
     qkv_bias = config.bias or config.add_qkv_bias
     sharded = qkv_out * h + config.num_attention_heads * d * h + (qkv_out if qkv_bias else 0)
     query_key_norms = 2 * norm_parameters(config, d) if config.qk_layernorm else 0
     return sharded // tp + (h if config.bias else 0) + query_key_norms
+
+
+def mla_parameters(config, tp: int = 1) -> int:
+    """Multi-latent attention on one TP rank: the query projection (or its latent's up projection), the key-value
+    up projection and the output projection split by TP (heads); the down projections, their norms and the output
+    projection's bias whole."""
+    h, heads, rotary = config.hidden_size, config.num_attention_heads, config.qk_pos_emb_head_dim
+    q_rank, kv_rank = config.q_lora_rank, config.kv_lora_rank
+    query_heads = heads * (config.qk_head_dim + rotary)
+    sharded = (q_rank or h) * query_heads + kv_rank * heads * (config.qk_head_dim + config.v_head_dim) + \
+        heads * config.v_head_dim * h
+    query_latent = 0 if q_rank is None else h * q_rank + norm_parameters(config, q_rank)
+    key_value_latent = h * (kv_rank + rotary) + norm_parameters(config, kv_rank)
+    return sharded // tp + query_latent + key_value_latent + (h if config.bias else 0)
 
 
 def mlp_parameters(config, tp: int = 1, ffn_hidden_size: Optional[int] = None) -> int:
@@ -131,10 +148,29 @@ def embedding_parameters(model: ModelSpec, tp: int = 1) -> int:
 
 
 def output_head_parameters(model: ModelSpec, tp: int, pp: int) -> int:
-    """The last stage's head: an untied vocabulary-parallel linear, or the tied embedding's copy (PP > 1)."""
-    if not model.tied_embeddings:
-        return model.padded_vocab_size(tp) // tp * model.config.hidden_size
-    return embedding_parameters(model, tp) if pp > 1 else 0
+    """The last stage's head: an untied vocabulary-parallel linear and/or the embedding's copy there (PP > 1)."""
+    untied = 0 if model.tied_embeddings else model.padded_vocab_size(tp) // tp * model.config.hidden_size
+    return untied + last_stage_embedding_copy(model, tp, pp)
+
+
+def last_stage_embedding_copy(model: ModelSpec, tp: int, pp: int) -> int:
+    """The copy of the embedding the last stage holds at PP > 1: as the tied head, or for the multi-token
+    prediction's tokens ahead (also with an untied head)."""
+    needed = model.tied_embeddings or model.config.mtp_num_layers
+    return embedding_parameters(model, tp) if pp > 1 and needed else 0
+
+
+def mtp_parameters(config, tp: int = 1, ep: int = 1) -> int:
+    """The multi-token prediction modules on one rank of TP `tp` and EP `ep`: per depth three norms, the
+    projection (2h -> h, split by TP) and a layer of the last layer's kind; the embedding and head are the
+    model's."""
+    h = config.hidden_size
+    return sum(3 * norm_parameters(config) + 2 * h * h // tp + layer_parameters(config, tp, number, ep)
+               for number in _mtp_layer_numbers(config))
+
+
+def _mtp_layer_numbers(config):
+    return range(config.num_layers + 1, config.num_layers + config.mtp_num_layers + 1)
 
 
 def total_parameters(model: ModelSpec, tp: int = 1) -> int:
@@ -173,12 +209,13 @@ class StageParameters:
     final_norm: int
     output_head: int
     first_layer: int = 1     # the global number (1-based) of the stage's first layer
+    mtp: int = 0             # the multi-token prediction modules (last stage)
     experts: int = 0         # of `layers`, the MoE experts this device holds (reduced over TP x DP / EP ranks)
     buffers: int = 0         # fp32 buffer values beside the parameters (the dropless MoE layers' bias and counts)
 
     @property
     def total(self) -> int:
-        return self.embedding + self.layers + self.final_norm + self.output_head
+        return self.embedding + self.layers + self.final_norm + self.output_head + self.mtp
 
     @property
     def non_expert(self) -> int:
@@ -186,28 +223,32 @@ class StageParameters:
         return self.total - self.experts
 
 
-def layers_per_stage(num_layers: int, pp: int) -> List[int]:
-    """Even split (the planner requires layers % PP == 0, as training does)."""
-    return [num_layers // pp] * pp
+def layers_per_stage(num_layers: int, pp: int, split: PipelineSplit = PipelineSplit()) -> List[int]:
+    """The transformer layers of each of pp consecutive stages, as training splits them (core/pipeline_split.py:
+    even, or Megatron-LM's uneven split)."""
+    return list(split.stage_layers(num_layers, pp))
 
 
-def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = None) -> List[StageParameters]:
+def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: Optional[int] = None,
+                     split: PipelineSplit = PipelineSplit()) -> List[StageParameters]:
     """Per stage, one device's parameters: TP rank of `tp`, EP rank of `ep` (default the model's
-    moe_expert_parallel_size; ep=1 counts every expert of the stage)."""
+    moe_expert_parallel_size; ep=1 counts every expert of the stage), the layers split as `split` says."""
     config = model.config
     ep = config.moe_expert_parallel_size if ep is None else ep
     stages, first = [], 1
-    for stage, count in enumerate(layers_per_stage(config.num_layers, pp)):
+    for stage, count in enumerate(layers_per_stage(config.num_layers, pp, split)):
         last = stage == pp - 1
         numbers = range(first, first + count)
+        held = (*numbers, *(_mtp_layer_numbers(config) if last else ()))  # the layers whose experts it holds
         stages.append(StageParameters(
             stage=stage, num_layers=count,
             embedding=embedding_parameters(model, tp) if stage == 0 else 0,
             layers=sum(layer_parameters(config, tp, n, ep) for n in numbers),
             final_norm=norm_parameters(config) if last else 0,
             output_head=output_head_parameters(model, tp, pp) if last else 0,
-            first_layer=first, experts=sum(expert_parameters(config, n, ep, tp) for n in numbers),
-            buffers=sum(dropless_buffer_values(config, n) for n in numbers)))
+            mtp=mtp_parameters(config, tp, ep) if last else 0, first_layer=first,
+            experts=sum(expert_parameters(config, n, ep, tp) for n in held),
+            buffers=sum(dropless_buffer_values(config, n) for n in held)))
         first += count
     return stages
 
@@ -236,14 +277,14 @@ def rank_parameters(model: ModelSpec, layout, tp: Optional[int] = None, ep: Opti
     tied in one module there: no copy)."""
     tp = layout.tp if tp is None else tp
     if layout.pipeline_schedule != "dualpipev":
-        return stage_parameters(model, tp, layout.pp, ep)
-    stages = stage_parameters(model, tp, 2 * layout.pp, ep)
+        return stage_parameters(model, tp, layout.pp, ep, layout.split)
+    stages = stage_parameters(model, tp, 2 * layout.pp, ep, layout.split)  # model stages in order: the split's
     ranks = []
     for rank in range(layout.pp):
         down, up = stages[rank], stages[2 * layout.pp - 1 - rank]
-        head = 0 if model.tied_embeddings else up.output_head
+        head = up.output_head - (last_stage_embedding_copy(model, tp, 2 * layout.pp) if rank == 0 else 0)
         ranks.append(StageParameters(stage=rank, num_layers=down.num_layers + up.num_layers,
                                      embedding=down.embedding, layers=down.layers + up.layers,
                                      final_norm=up.final_norm, output_head=head, first_layer=down.first_layer,
-                                     experts=down.experts + up.experts, buffers=down.buffers + up.buffers))
+                                     mtp=up.mtp, experts=down.experts + up.experts, buffers=down.buffers + up.buffers))
     return ranks

@@ -18,6 +18,7 @@ from megatron_ds.arguments import (
     resolve,
     tokenizer_type,
 )
+from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.launch.devices import DEVICES, device_spec
 from megatron_ds.planning import report
@@ -87,6 +88,9 @@ def validated_args(args):
     flags.vocab_size, flags.tokenizer_type = _vocab_size(args), "NullTokenizer"
     if flags.train_iters is None and flags.train_samples is None:  # planning needs no schedule
         flags.train_iters = 1
+    if args.search and not split_from_flags(vars(args)).is_even:
+        raise ArgumentsError([f"--search with {split_from_flags(vars(args)).describe()}: the search ranks layouts "
+                              f"with the layers split evenly; plan an uneven split as one layout (without --search)"])
     if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
         vars(flags).update(WITHOUT_MEMORY_CHOICES)
@@ -115,6 +119,9 @@ def model_summary(model: ModelSpec) -> dict:
                 {"rope": "RoPE", "learned_absolute": "learned positions"}.get(config.position_embedding_type,
                                                                               "no positions"),
                 "biases" if config.bias else "no biases", "tied embeddings" if model.tied_embeddings else "untied"]
+    if config.multi_latent_attention:
+        features.append(f"MLA (q rank {config.q_lora_rank}, kv rank {config.kv_lora_rank}, head dims qk "
+                        f"{config.qk_head_dim} + rope {config.qk_pos_emb_head_dim}, v {config.v_head_dim})")
     moe = moe_section(model) or dropless_moe_section(model)
     if config.is_moe:
         experts = "/".join(map(str, sorted(set(moe["experts"]))))
@@ -152,9 +159,9 @@ def assumptions_text(assumptions: PerformanceAssumptions):
         f"in flight (1F1B: min(p - stage, m); other schedules: simulated)"]
 
 
-def instantiate_check(model: ModelSpec, tp: int, pp: int) -> dict:
+def instantiate_check(model: ModelSpec, tp: int, pp: int, split: PipelineSplit = PipelineSplit()) -> dict:
     start = time.perf_counter()
-    stages = check_against_formula(model, tp, pp)
+    stages = check_against_formula(model, tp, pp, split=split)
     return {"tp": tp, "pp": pp, "stages": stages, "ok": not any(row["difference"] for row in stages.values()),
             "seconds": time.perf_counter() - start}
 
@@ -182,7 +189,7 @@ def run(args) -> tuple:
                                               "--num-attention-heads-teacher: the teacher's memory is not counted")
     if checked.instantiate:
         result["instantiate"] = instantiate_check(model, checked.tensor_model_parallel_size,
-                                                  checked.pipeline_model_parallel_size)
+                                                  checked.pipeline_model_parallel_size, checked.parallel.split)
         status = status or (0 if result["instantiate"]["ok"] else 1)
     return result, status
 

@@ -27,6 +27,7 @@ from megatron_ds.planning.parameters import (
     dropless_buffer_values,
     dropless_expert_parameters,
     mlp_parameters,
+    mtp_parameters,
     rank_parameters,
     total_parameters,
 )
@@ -121,6 +122,10 @@ def _parameters_section(model, layout, stages):
     if _has_experts(model):
         for row, device in zip(section["per_stage"], stages):
             row["per_device_parts"]["experts"] = device.experts
+    if model.config.mtp_num_layers:  # beside the total, as DeepSeek-V3 counts its 671B
+        section["mtp"] = mtp_parameters(model.config)
+        for row, device in zip(section["per_stage"], stages):
+            row["per_device_parts"]["mtp"] = device.mtp
     return section
 
 

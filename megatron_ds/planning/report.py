@@ -31,6 +31,9 @@ def model_lines(model_summary, cluster_summary):
 def _parameter_lines(parameters, moe=None, dropless=None):
     lines = ["Parameters", f"  total (distinct, vocab padded to {parameters['padded_vocab_size']}): "
                            f"{_count(parameters['total'])}"]
+    if "mtp" in parameters:
+        lines.append(f"  multi-token prediction modules, beside the total (embedding and head shared): "
+                     f"{_count(parameters['mtp'])}")
     if dropless:
         lines += _dropless_parameter_lines(parameters, dropless)
     elif moe:
@@ -48,9 +51,10 @@ def _parameter_lines(parameters, moe=None, dropless=None):
         parts = row["per_device_parts"]
         stages = f"{first}" if first == last else f"{first}-{last}"
         experts = f" ({parts['experts']:,})" if "experts" in parts else ""
+        mtp = f" + MTP {parts['mtp']:,}" if parts.get("mtp") else ""
         lines.append(f"  {stages:>6}  {row['layers']:>6}  {_count(row['stage_total']):>27}  "
                      f"{_count(row['per_device']):>22}  ({parts['embedding']:,} / {parts['layers']:,}{experts} / "
-                     f"{parts['final_norm']:,} / {parts['output_head']:,})")
+                     f"{parts['final_norm']:,} / {parts['output_head']:,}{mtp})")
     return lines
 
 

@@ -9,6 +9,7 @@ import sys
 import torch.distributed as dist
 
 from megatron_ds.core import parallel_state
+from megatron_ds.core.pipeline_split import describe_stages
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer.fused_ops import compiled_ops, describe_fused_ops
 from megatron_ds.engine.activation_checkpointing import configure_activation_checkpointing
@@ -90,6 +91,8 @@ def log_startup(args, config, engine, peak, peak_source):
                                                                  config.moe_expert_tensor_parallel).items():
             print_rank_0(f"{axis}-parallel groups: {groups}")
     _log_parameters_per_stage(engine)
+    if args.pipeline_model_parallel_size > 1:
+        print_rank_0(_stage_layers_line(args))
     if config.is_moe:
         _log_experts(args, config)
     if config.is_dropless_moe:
@@ -115,6 +118,13 @@ def _log_parameters_per_stage(engine):
             per_stage[stage] = per_stage.get(stage, 0) + count
     for stage in sorted(per_stage):
         print_rank_0(f"parameters on pipeline stage {stage} (all TP ranks): {per_stage[stage]:,}")
+
+
+def _stage_layers_line(args):
+    layout = args.parallel
+    split = "the even split" if layout.split.is_even else layout.split.describe()
+    return (f"transformer layers per model stage: {describe_stages(layout.stage_layers(args.num_layers))} "
+            f"({split})")
 
 
 def _log_experts(args, config):

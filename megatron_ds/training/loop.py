@@ -19,6 +19,7 @@ from megatron_ds.core.transformer.dropless_moe import (
     update_expert_bias,
 )
 from megatron_ds.core.transformer.moe import auxiliary_loss_of, begin_global_batch, moe_layers
+from megatron_ds.core.transformer.multi_token_prediction import mtp_loss_of, scheduled_factor
 from megatron_ds.data.builder import batch_iterator, describe_samples, will_evaluate
 from megatron_ds.engine.curriculum import SequenceLengthCurriculum
 from megatron_ds.engine.ds_config import deepspeed_train_batch_size
@@ -71,10 +72,13 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
         begin_iteration(args.parallel, engine, plan)
         lr = engine.optimizer.param_groups[0]["lr"]
         observers.begin(iteration, plan)
-        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, (experts, dropless),
+        mtp_factor = scheduled_factor(args.optimization.mtp_loss_scaling_factor,
+                                      args.optimization.mtp_loss_scaling_factor_by_tokens,
+                                      progress.consumed_train_tokens)
+        loss, other_losses = _train_global_batch(engine, train_data, plan, progress, (experts, dropless, mtp_factor),
                                                  validator, iteration)
         if dropless is not None:
-            other_losses.update(_balance_experts(dropless, args.model.moe_layer_pattern))
+            other_losses.update(_balance_experts(dropless, args.model.moe_layer_pattern_with_mtp))
         observers.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size
@@ -114,15 +118,15 @@ class _TrainData:
         return describe_samples(self.dataset, first, count)
 
 
-def _train_global_batch(engine, train_data, plan, progress, moe, validator, iteration):
+def _train_global_batch(engine, train_data, plan, progress, other_losses, validator, iteration):
     """(lm loss, other losses) of the iteration's global batch (run_global_batch), its optimizer step taken;
-    through the validator (megatron_ds/training/resilience/rerun.py) when there is one. moe: this rank's
-    (DeepSpeed-MoE layers, dropless MoE layers), each None where the model has none."""
-    experts, dropless = moe
+    through the validator (megatron_ds/training/resilience/rerun.py) when there is one. other_losses: this rank's
+    (DeepSpeed-MoE layers, dropless MoE layers), each None where the model has none, and the MTP loss's weight."""
+    experts, dropless, mtp_factor = other_losses
 
     def compute():
         return run_global_batch(engine, train_data.iterator, plan.micro_batches, train=True, experts=experts,
-                                dropless=dropless)
+                                dropless=dropless, mtp_factor=mtp_factor)
 
     if validator is None:
         loss, other_losses = compute()
@@ -135,8 +139,8 @@ def _train_global_batch(engine, train_data, plan, progress, moe, validator, iter
 def _balance_experts(layers, moe_layer_pattern):
     """After the optimizer step: the expert biases of this rank's dropless layers updated from the global batch's
     loads (summed over the ranks of the stage: TP, then sequence- and data-parallel); every MoE layer's max/mean
-    load, gathered from the pipeline stages (EXPERT_LOAD_OF_LAYER, by 0-based global layer index), and the
-    largest (EXPERT_LOAD)."""
+    load, gathered from the pipeline stages (EXPERT_LOAD_OF_LAYER, by 0-based global layer index: a multi-token
+    prediction module's after the model's), and the largest (EXPERT_LOAD)."""
     loads = torch.zeros(len(moe_layer_pattern), device=device())
     if layers:  # a DualPipeV rank may hold none
         loads[[layer.layer_number - 1 for layer in layers]] = update_expert_bias(layers, stage_token_groups()).to(loads)
@@ -174,11 +178,12 @@ def begin_iteration(parallel, engine, plan):
     engine.lr_scheduler.begin_iteration(plan)
 
 
-def run_global_batch(engine, iterator, accumulation_steps, train, experts=None, dropless=None):
+def run_global_batch(engine, iterator, accumulation_steps, train, experts=None, dropless=None, mtp_factor=None):
     """One global batch; returns (lm loss, {"moe loss": DeepSpeed-MoE's auxiliary loss, "load balancing loss":
-    the dropless layers' balance and z-losses, "kd loss": the distillation term} (those the run has)), each the
-    mean over all micro-batches and data-parallel ranks. experts / dropless: this rank's DeepSpeed-MoE / dropless
-    MoE layers (possibly none on this stage) when the model has them and their losses are wanted, else None."""
+    the dropless layers' balance and z-losses, "mtp loss": the multi-token prediction's (the mean of its depths'),
+    "kd loss": the distillation term} (those the run has)), each the mean over all micro-batches and data-parallel
+    ranks. experts / dropless: this rank's DeepSpeed-MoE / dropless MoE layers (possibly none on this stage) when
+    the model has them and their losses are wanted, else None. mtp_factor: the MTP loss's weight for this batch."""
     # the auxiliary losses' gradients are started inside the MoE layers: scaled as DeepSpeed scales the loss's
     if experts is not None:
         begin_global_batch(experts, loss_scale(engine) / accumulation_steps)
@@ -187,10 +192,15 @@ def run_global_batch(engine, iterator, accumulation_steps, train, experts=None, 
     distillation = distillation_loss_of(engine.module) if train else None
     if distillation is not None:
         distillation.begin_global_batch()
+    mtp = mtp_loss_of(engine.module) if train else None
+    if mtp is not None:
+        mtp.begin_global_batch(mtp_factor)
     loss = _run_micro_batches(engine, iterator, accumulation_steps, train)
     others = {} if experts is None else {"moe loss": _moe_loss(experts)}
     if dropless is not None:
         others["load balancing loss"] = _moe_loss(dropless, summed_over=token_split_groups())
+    if mtp is not None:
+        others["mtp loss"] = _last_stage_loss(mtp.global_batch_loss(device()))
     if distillation is not None:  # the engine's loss is the weighted sum: the line reports the two terms
         loss, others["kd loss"] = _mean_over_data_parallel(distillation.global_batch_losses(device())).tolist()
     return loss, others
@@ -223,6 +233,13 @@ def _moe_loss(experts, summed_over=()):
     local = auxiliary_loss_of(experts).to(device())
     for group in summed_over:
         dist.all_reduce(local, group=group)
+    dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
+    return _mean_over_data_parallel(local).item()
+
+
+def _last_stage_loss(local):
+    """A loss the last pipeline stage computes (0 on the others), on every rank: the mean over data parallel."""
+    local = local.to(device())
     dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
     return _mean_over_data_parallel(local).item()
 

@@ -8,7 +8,7 @@ import deepspeed
 import torch
 
 from megatron_ds.core import deepspeed_internals, parallel_state
-from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs
+from megatron_ds.core.models.gpt import GPTModel, build_loss_fn, gpt_layer_specs, pipeline_stage_boundaries
 from megatron_ds.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ds.core.transformer.dropless_moe import DroplessMoE
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
@@ -26,7 +26,7 @@ from megatron_ds.training.optimizer import build_optimizer
 
 def build_model(args, config):
     tied = not args.untie_embeddings_and_output_weights
-    loss_fn = build_loss_fn(config)
+    loss_fn = build_loss_fn(config, args.mtp_loss_scaling_factor)
     if args.distillation is not None:
         loss_fn = DistillationLoss(loss_fn, args.distillation)
     if args.pipeline_model_parallel_size == 1:
@@ -34,11 +34,13 @@ def build_model(args, config):
         model.loss_fn = loss_fn
         return model
     specs = gpt_layer_specs(config, args.padded_vocab_size, args.max_position_embeddings, tied)
+    stage_boundaries = pipeline_stage_boundaries(specs, args.parallel.stage_layers(args.num_layers))
     with torch.no_grad():  # DeepSpeed broadcasts tied weights in place at construction; keep it out of autograd
-        module_class = pipeline_module_class(args.pipeline_schedule, args.virtual_pipeline_stages)
-        model = module_class(layers=specs, topology=parallel_state.deepspeed_topology(),
-                             loss_fn=loss_fn, partition_method="type:TransformerLayer")
-    assign_recompute_chunks([m for m in model.modules() if isinstance(m, TransformerLayer)], config)
+        module_class = pipeline_module_class(args.pipeline_schedule, args.virtual_pipeline_stages, stage_boundaries)
+        model = module_class(layers=specs, topology=parallel_state.deepspeed_topology(), loss_fn=loss_fn)
+    decoder_layers = [m for m in model.modules()
+                      if isinstance(m, TransformerLayer) and m.layer_number <= config.num_layers]
+    assign_recompute_chunks(decoder_layers, config)  # an MTP module's layer keeps its own (core/transformer)
     return model
 
 

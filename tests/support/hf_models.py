@@ -86,6 +86,34 @@ def _saved(model, path):
     return model
 
 
+DEEPSEEK_YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+                      "beta_slow": 0.5, "mscale": 0.9, "mscale_all_dim": 0.4, "rope_theta": 10000.0}
+
+
+def tiny_deepseek_v3(path, seed=0, rope_parameters=None):
+    """DeepseekV3ForCausalLM: multi-latent attention (4 heads, q_lora_rank 24, kv_lora_rank 16, 12 + 8 rotary
+    channels per query and key head, values of 16), layer 0 dense (FFN 96), layers 1 and 2 of 8 experts (FFN 32) in 4
+    groups of which 2 are kept, top-4 sigmoid routing scaled by 2.5, a shared expert, a nonzero
+    e_score_correction_bias, untied head; router weights drawn with std 1 so each token's choice is clear-cut, the
+    rest with std 0.2; rope_parameters: plain RoPE (theta 10000) or e.g. DEEPSEEK_YARN_ROPE; saved to path."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                              kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                              max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                              rope_parameters=dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
+                              initializer_range=0.2, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+            layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8))
+    return _saved(model, path)
+
+
 def tiny_mixtral(path, seed=0):
     """MixtralForCausalLM: the tiny LLaMA's attention, 4 SwiGLU experts per layer, top-2 routing; router weights
     scaled up so each token's choice of experts is clear-cut (no near-ties for rounding to flip); saved to path."""

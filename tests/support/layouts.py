@@ -17,6 +17,12 @@ FAMILIES = {
     "gpt2": [],
     "llama": ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-embeddings",
               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-key-value-heads", "2"],
+    # DeepSeek-V3's attention: multi-latent, a query latent, YaRN with both of its factors, v head dim of its own
+    "mla": ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--q-lora-rank", "24",
+            "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+            "--rope-type", "yarn", "--rotary-scaling-factor", "4", "--original-max-position-embeddings", "16",
+            "--mscale-all-dim", "0.8"],
 }
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 

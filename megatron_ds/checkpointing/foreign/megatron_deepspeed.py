@@ -470,6 +470,11 @@ def write_checkpoint(full, save_dir, tp, pp, dp=1, with_optimizer=True):
     if qwen_attention:
         raise CheckpointError(f"Megatron-DeepSpeed has no {' nor '.join(qwen_attention)}: its attention would drop "
                               f"this model's QKV bias or query and key norms")
+    if full.model.get("multi_latent_attention"):
+        raise CheckpointError("Megatron-DeepSpeed has no --multi-latent-attention: its attention is QKV's")
+    if full.model.get("mtp_num_layers"):
+        raise CheckpointError(f"Megatron-DeepSpeed has no multi-token prediction: this model's "
+                              f"{full.model['mtp_num_layers']} MTP module(s) (--mtp-num-layers) would be lost")
     if files.is_moe(full.model):
         _check_experts(full, dp)
     source = dataclasses.replace(full, optimizer=full.optimizer if with_optimizer else None)

@@ -11,14 +11,17 @@ assigned).
     shared_memory_comm.py    DeepSpeed's shared-memory all-reduce on CPUs
     optimizers.py            ZeRO, BF16 and FP16 optimizers' partitions, groups, norms and loss scalers
     interleaved_pipeline.py  Megatron's interleaved 1F1B as subclasses of DeepSpeed's DualPipeV module and engine
+    stage_partition.py       PipelineModule's stage boundaries given explicitly (an uneven split of the layers)
 
 Each function says what it relies on; all of it was read in, and is tested against, DeepSpeed 0.19.8 (the range
 the package pins: SUPPORTED_DEEPSPEED). A DeepSpeed upgrade starts here. The functions are re-exported here, so a
-caller writes deepspeed_internals.name; interleaved_pipeline is imported as its own module.
+caller writes deepspeed_internals.name; interleaved_pipeline and stage_partition are imported as their own
+modules.
 
 It lives in core/ because core (parallel_state, the MoE layer) needs some of it and imports nothing from outside
-core/. Apart from interleaved_pipeline.py (imported only once DeepSpeed is), it imports DeepSpeed only inside the
-functions: importing it must not pick DeepSpeed's accelerator before launch/runtime.py's prepare_host() has run.
+core/. Apart from interleaved_pipeline.py and stage_partition.py (imported only once DeepSpeed is), it imports
+DeepSpeed only inside the functions: importing it must not pick DeepSpeed's accelerator before
+launch/runtime.py's prepare_host() has run.
 """
 from megatron_ds.core.deepspeed_internals.engine_mends import (
     DeferredOptimizerStep,
@@ -66,7 +69,6 @@ from megatron_ds.core.deepspeed_internals.pipeline_engine import (
     install_train_schedule,
     integer_message_values,
     pipeline_integer_messages,
-    remember_layer_partitions,
     scale_loss_outside_output_hooks,
     wrap_pipeline_instructions,
 )

@@ -38,7 +38,7 @@ class InterleavedModule(DualPipeVModule):
     def _partition_layers(self, method="uniform"):
         self.pipeline_ranks = self.num_stages
         self.num_stages *= self.virtual_stages
-        PipelineModule._partition_layers(self, method)
+        super(DualPipeVModule, self)._partition_layers(method)  # PipelineModule's, or given stage boundaries
         stages = [model_stage("interleaved", self.pipeline_ranks, self.stage_id, chunk)
                   for chunk in range(self.virtual_stages)]
         self.phase_bounds = [(self.parts[stage], self.parts[stage + 1]) for stage in stages]

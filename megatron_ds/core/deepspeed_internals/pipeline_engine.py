@@ -176,24 +176,6 @@ def after_weight_gradients(engine):
         engine.optimizer.update_hp_grads(clear_lp_grads=True)
 
 
-def remember_layer_partitions(partitions):
-    """PipelineModule's balanced partition of the layers (deepspeed.runtime.utils.partition_balanced, a pure-Python
-    dynamic program: a second at 130 layers over 64 stages, the same answer on every rank) served from and added
-    to `partitions`, {(layer weights, stages): boundaries} (0.19.8: module.py calls it as ds_utils'
-    attribute)."""
-    from deepspeed.runtime import utils as ds_utils
-    balanced = getattr(ds_utils.partition_balanced, "__wrapped__", ds_utils.partition_balanced)
-
-    def partition_balanced(weights, num_parts):
-        key = (tuple(weights), num_parts)
-        if key not in partitions:
-            partitions[key] = [int(part) for part in balanced(weights, num_parts)]
-        return list(partitions[key])
-
-    partition_balanced.__wrapped__ = balanced
-    ds_utils.partition_balanced = partition_balanced
-
-
 def checkpoint_saved_inputs(node):
     """The tensors DeepSpeed's activation checkpointing keeps for backward in autograd node `node` (its
     ctx.deepspeed_saved_tensors; a partitioned input keeps only its saved_data) (0.19.8); [] for other nodes."""

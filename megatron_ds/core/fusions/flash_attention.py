@@ -8,10 +8,11 @@ stays: it is the more accurate one (O is rounded to the input dtype), and the tr
 The output is stored [s, b, heads, d] (returned as a [b, heads, s, d] view), so the model's reshape of it for
 the output projection is a view and the saved output costs no memory of its own.
 
-    flash_attention(query, key, value, dropout_p, seed) -> context [b, heads, sq, d]
+    flash_attention(query, key, value, dropout_p, seed, scale=None) -> context [b, heads, sq, dv]
 
-query is [b, heads, sq, d]; key and value [b, groups, sk, d], where groups divides heads (grouped-query
-attention: the heads of a group share its key and value, never expanded to every head).
+query is [b, heads, sq, d]; key [b, groups, sk, d] and value [b, groups, sk, dv], where groups divides heads
+(grouped-query attention: the heads of a group share its key and value, never expanded to every head) and dv
+may differ from d (multi-latent attention). The scores are scaled by `scale`, 1 / sqrt(d) by default.
 
 The dropout mask is the model's counter hash (counter_hash.py) of (seed, row, key), where
 row = (batch * heads + head) * s + query and `seed` is drawn once per call (`draw_seed`): every backend
@@ -50,10 +51,9 @@ def queries_per_block(sq: int) -> int:
     return BLOCK_MULTIPLE * max(1, math.ceil(sq / (BLOCK_MULTIPLE * MAX_BLOCKS)))
 
 
-def _block_probabilities(q, k, positions, sq, sk, lse=None):
+def _block_probabilities(q, k, positions, sq, sk, scale, lse=None):
     """fp32 softmax probabilities [b, g, rows, kend] of one block's query rows at `positions` (causal), and
     their log-sum-exp (given in backward, where the forward's is reused)."""
-    scale = 1.0 / math.sqrt(q.size(-1))
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     keys = torch.arange(k.size(-2), device=q.device, dtype=torch.int32)
     scores = scores.masked_fill(keys[None, :] > positions[:, None] + (sk - sq), float("-inf"))
@@ -67,19 +67,18 @@ def _block_keep(row_hash, column_mix, threshold):
     return keep_from_mixes(row_hash.reshape(-1), column_mix, threshold).view(*row_hash.shape, column_mix.numel())
 
 
-def _forward_block(q_block, k_part, v_part, positions, row_hash, column_mix, sq, sk, threshold, keep_scale):
-    probs, lse = _block_probabilities(q_block, k_part, positions, sq, sk)
+def _forward_block(q_block, k_part, v_part, positions, row_hash, column_mix, sq, sk, threshold, keep_scale, scale):
+    probs, lse = _block_probabilities(q_block, k_part, positions, sq, sk, scale)
     if threshold:
         probs = torch.where(_block_keep(row_hash, column_mix, threshold), probs * keep_scale, 0.0)
     return torch.matmul(probs.to(v_part.dtype), v_part), lse
 
 
 def _backward_block(q_block, k_part, v_part, grad_block, lse, delta, positions, row_hash, column_mix, sq, sk, threshold,
-                    keep_scale):
+                    keep_scale, scale):
     """Gradients of one block: dq for its query rows, dk and dv contributions over its keys (delta: its rows'
     rowsum(dO * O), None with dropout)."""
-    scale = 1.0 / math.sqrt(q_block.size(-1))
-    probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, lse)
+    probs, _ = _block_probabilities(q_block, k_part, positions, sq, sk, scale, lse)
     grad_dropped = torch.matmul(grad_block, v_part.transpose(-1, -2)).float()
     if threshold:
         keep = _block_keep(row_hash, column_mix, threshold)
@@ -144,7 +143,7 @@ class _Blocks:
         return whole.view(self.b, self.groups * self.per_group, self.sq, *whole.shape[4:])
 
 
-def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, keep_scale: float):
+def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, keep_scale: float, scale: float):
     """The output and the fp32 log-sum-exp per row of every block, in one function (one compiled graph for the
     compile backend: one dispatch per call, not one per block). row_hash [b, heads, s] and column_mix [sk]: the
     dropout hash's halves, None without dropout."""
@@ -153,13 +152,14 @@ def _forward_blocks(query, key, value, row_hash, column_mix, threshold: int, kee
     for block, keys, positions in blocks:
         out, lse = _forward_block(blocks.rows_of(query, block), *blocks.first_keys(key, value, keys), positions,
                                   blocks.rows_of(row_hash, block), blocks.keys_of(column_mix, keys),
-                                  blocks.sq, blocks.sk, threshold, keep_scale)
+                                  blocks.sq, blocks.sk, threshold, keep_scale, scale)
         outs.append(out)
         lses.append(lse)
     return blocks.joined(outs).permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3), blocks.joined(lses)
 
 
-def _backward_blocks(query, key, value, out, grad_out, lse, row_hash, column_mix, threshold: int, keep_scale: float):
+def _backward_blocks(query, key, value, out, grad_out, lse, row_hash, column_mix, threshold: int, keep_scale: float,
+                     scale: float):
     """dq, dk, dv of every block, in one function; dk and dv summed over the blocks in fp32."""
     blocks = _Blocks(query, key)
     grad_queries = []
@@ -171,7 +171,7 @@ def _backward_blocks(query, key, value, out, grad_out, lse, row_hash, column_mix
         q_rows, grad_rows, lse_rows, delta_rows, hash_rows = rows
         dq, dk, dv = _backward_block(q_rows, *blocks.first_keys(key, value, keys), grad_rows, lse_rows, delta_rows,
                                      positions, hash_rows, blocks.keys_of(column_mix, keys), blocks.sq, blocks.sk,
-                                     threshold, keep_scale)
+                                     threshold, keep_scale, scale)
         grad_queries.append(dq)
         unseen = (0, 0, 0, blocks.sk - keys)  # the keys after the block's last query get nothing from it
         grad_key = grad_key + F.pad(dk.float(), unseen)
@@ -191,15 +191,15 @@ def _hash_halves(query, key, seed, threshold):
 
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, dropout_p, seed, compile_blocks):
+    def forward(ctx, query, key, value, dropout_p, seed, compile_blocks, scale):
         forward_blocks = compiled(_forward_blocks, dynamic=False) if compile_blocks else _forward_blocks
         # once here, not in every block's matmuls: the model passes [s, b, heads, d] tensors permuted to heads-first
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         threshold, keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
         out, lse = forward_blocks(query, key, value, *_hash_halves(query, key, seed, threshold), threshold,
-                                  keep_scale)
+                                  keep_scale, scale)
         ctx.save_for_backward(query, key, value, None if threshold else out, lse, seed)  # out: for delta
-        ctx.threshold, ctx.keep_scale, ctx.compile_blocks = threshold, keep_scale, compile_blocks
+        ctx.threshold, ctx.keep_scale, ctx.compile_blocks, ctx.scale = threshold, keep_scale, compile_blocks, scale
         return out
 
     @staticmethod
@@ -207,30 +207,35 @@ class _BlockedAttention(torch.autograd.Function):
         query, key, value, out, lse, seed = ctx.saved_tensors
         backward_blocks = compiled(_backward_blocks, dynamic=False) if ctx.compile_blocks else _backward_blocks
         grads = backward_blocks(query, key, value, out, grad_out, lse,
-                                *_hash_halves(query, key, seed, ctx.threshold), ctx.threshold, ctx.keep_scale)
-        return (*grads, None, None, None)
+                                *_hash_halves(query, key, seed, ctx.threshold), ctx.threshold, ctx.keep_scale,
+                                ctx.scale)
+        return (*grads, None, None, None, None)
 
 
 def _check(query, key, value):
-    if query.dim() != 4 or key.shape != value.shape or query.size(0) != key.size(0) \
+    if query.dim() != 4 or key.dim() != 4 or key.shape[:-1] != value.shape[:-1] or query.size(0) != key.size(0) \
             or query.size(1) % key.size(1) or query.size(-1) != key.size(-1) or query.size(-2) > key.size(-2):
-        raise ValueError(f"flash_attention expects query [b, heads, sq, d] and key, value [b, groups, sk, d] with "
-                         f"groups dividing heads and sq <= sk; got {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}")
+        raise ValueError(f"flash_attention expects query [b, heads, sq, d], key [b, groups, sk, d] and value "
+                         f"[b, groups, sk, dv] with groups dividing heads and sq <= sk; got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
 
 
-def flash_attention_reference(query, key, value, dropout_p: float, seed):
+def _scale_of(query, scale):
+    return 1.0 / math.sqrt(query.size(-1)) if scale is None else float(scale)
+
+
+def flash_attention_reference(query, key, value, dropout_p: float, seed, scale=None):
     """Blocked causal attention with hashed dropout, in eager PyTorch."""
     _check(query, key, value)
-    return _BlockedAttention.apply(query, key, value, dropout_p, seed, False)
+    return _BlockedAttention.apply(query, key, value, dropout_p, seed, False, _scale_of(query, scale))
 
 
-def flash_attention_compile(query, key, value, dropout_p: float, seed):
+def flash_attention_compile(query, key, value, dropout_p: float, seed, scale=None):
     """The same blocks through torch.compile, all of a call's blocks in one graph for forward and one for
     backward (one fused loop for the mask, the softmax and the dropout between the matmuls; a graph per block
     cost ~0.5 ms of guard checks per call and per block, and the blocks' results were copied into place)."""
     _check(query, key, value)
-    return _BlockedAttention.apply(query, key, value, dropout_p, seed, True)
+    return _BlockedAttention.apply(query, key, value, dropout_p, seed, True, _scale_of(query, scale))
 
 
 class _KernelFootprint(torch.autograd.Function):
@@ -240,7 +245,7 @@ class _KernelFootprint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value):
-        out = torch.empty_like(query)
+        out = query.new_empty((*query.shape[:-1], value.size(-1)))
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, out, lse)
         return out
@@ -320,22 +325,25 @@ def _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale,
 
 
 @kernel
-def _attention_forward(Q, K, V, OUT, LSE, SEED, sq, sk, d, scale, threshold, keep_scale, DROPOUT: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One block of queries of one (batch, head): online softmax over the key blocks it can see."""
+def _attention_forward(Q, K, V, OUT, LSE, SEED, sq, sk, d, e, scale, threshold, keep_scale, DROPOUT: tl.constexpr,
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """One block of queries of one (batch, head): online softmax over the key blocks it can see (d: the query's
+    and key's head dim, e: the value's)."""
     head = tl.program_id(1).to(tl.int64)  # over b * heads
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = head * sq + queries
     channels = tl.arange(0, BLOCK_D)
+    value_channels = tl.arange(0, BLOCK_E)
     q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     # every row sees key 0 (rows past sq see every key), so row_max is finite from the first block on
     for start in range(0, tl.minimum(sk, (tl.program_id(0) + 1) * BLOCK_M + sk - sq), BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k = _load_tile(K + head * sk * d, keys, sk, channels, d)
-        v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+        v = _load_tile(V + head * sk * e, keys, sk, value_channels, e)
         scores = _scores(q, k, queries, keys, sq, sk, scale, UPCAST)
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         correction = tl.exp(row_max - new_max)
@@ -345,23 +353,24 @@ def _attention_forward(Q, K, V, OUT, LSE, SEED, sq, sk, d, scale, threshold, kee
             probs = tl.where(keep_tile(SEED, rows, keys, threshold), probs * keep_scale, 0.0)
         acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, UPCAST)
         row_max = new_max
-    _store_tile(OUT + head * sq * d, acc / row_sum[:, None], queries, sq, channels, d)
+    _store_tile(OUT + head * sq * e, acc / row_sum[:, None], queries, sq, value_channels, e)
     tl.store(LSE + rows, row_max + tl.log(row_sum), mask=queries < sq)
 
 
 @kernel
-def _attention_backward_q(Q, K, V, OUT, DO, LSE, DELTA, DQ, SEED, sq, sk, d, scale, threshold, keep_scale,
+def _attention_backward_q(Q, K, V, OUT, DO, LSE, DELTA, DQ, SEED, sq, sk, d, e, scale, threshold, keep_scale,
                           DROPOUT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
     """dQ of one block of queries over the key blocks it can see. Also stores its rows' delta = rowsum(dO * O),
     which _attention_backward_kv, launched after it, reads."""
     head = tl.program_id(1).to(tl.int64)
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = head * sq + queries
     channels = tl.arange(0, BLOCK_D)
+    value_channels = tl.arange(0, BLOCK_E)
     q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
-    do = _load_tile(DO + head * sq * d, queries, sq, channels, d)
-    out = _load_tile(OUT + head * sq * d, queries, sq, channels, d)
+    do = _load_tile(DO + head * sq * e, queries, sq, value_channels, e)
+    out = _load_tile(OUT + head * sq * e, queries, sq, value_channels, e)
     delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
     tl.store(DELTA + rows, delta, mask=queries < sq)
     lse = tl.load(LSE + rows, mask=queries < sq, other=0.0)
@@ -369,7 +378,7 @@ def _attention_backward_q(Q, K, V, OUT, DO, LSE, DELTA, DQ, SEED, sq, sk, d, sca
     for start in range(0, tl.minimum(sk, (tl.program_id(0) + 1) * BLOCK_M + sk - sq), BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k = _load_tile(K + head * sk * d, keys, sk, channels, d)
-        v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+        v = _load_tile(V + head * sk * e, keys, sk, value_channels, e)
         _, grad_scores = _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED,
                                          threshold, keep_scale, DROPOUT, UPCAST)
         dq += _dot(grad_scores.to(k.dtype), k, UPCAST)
@@ -377,24 +386,25 @@ def _attention_backward_q(Q, K, V, OUT, DO, LSE, DELTA, DQ, SEED, sq, sk, d, sca
 
 
 @kernel
-def _attention_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, SEED, sq, sk, d, scale, threshold, keep_scale,
+def _attention_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, SEED, sq, sk, d, e, scale, threshold, keep_scale,
                            DROPOUT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
     """dK and dV of one block of keys over the query blocks that can see it."""
     head = tl.program_id(1).to(tl.int64)
     keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     channels = tl.arange(0, BLOCK_D)
+    value_channels = tl.arange(0, BLOCK_E)
     k = _load_tile(K + head * sk * d, keys, sk, channels, d)
-    v = _load_tile(V + head * sk * d, keys, sk, channels, d)
+    v = _load_tile(V + head * sk * e, keys, sk, value_channels, e)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     first_query = tl.maximum(tl.program_id(0) * BLOCK_N - (sk - sq), 0) // BLOCK_M * BLOCK_M
     # rows past sq load dO = 0 and delta = 0: they add nothing
     for start in range(first_query, sq, BLOCK_M):
         queries = start + tl.arange(0, BLOCK_M)
         rows = head * sq + queries
         q = _load_tile(Q + head * sq * d, queries, sq, channels, d)
-        do = _load_tile(DO + head * sq * d, queries, sq, channels, d)
+        do = _load_tile(DO + head * sq * e, queries, sq, value_channels, e)
         lse = tl.load(LSE + rows, mask=queries < sq, other=0.0)
         delta = tl.load(DELTA + rows, mask=queries < sq, other=0.0)
         dropped, grad_scores = _tile_gradients(q, k, v, do, lse, delta, queries, keys, rows, sq, sk, scale, SEED,
@@ -402,16 +412,17 @@ def _attention_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, SEED, sq, sk, d, sca
         dv += _dot(tl.trans(dropped.to(do.dtype)), do, UPCAST)
         dk += _dot(tl.trans(grad_scores.to(q.dtype)), q, UPCAST)
     _store_tile(DK + head * sk * d, dk, keys, sk, channels, d)
-    _store_tile(DV + head * sk * d, dv, keys, sk, channels, d)
+    _store_tile(DV + head * sk * e, dv, keys, sk, value_channels, e)
 
 
-def _meta(threshold: int, device: torch.device, d: int) -> dict:
-    """The kernels' constexpr arguments. The interpreter (any device but CUDA) gets tl.dot's smallest tiles (16),
-    which keeps tests quick."""
+def _meta(threshold: int, device: torch.device, d: int, e: int = None) -> dict:
+    """The kernels' constexpr arguments (d: the query's and key's head dim, e: the value's, default d). The
+    interpreter (any device but CUDA) gets tl.dot's smallest tiles (16), which keeps tests quick."""
     interpreter = device.type != "cuda"
-    block_d = max(16, next_power_of_2(d))
-    block = 16 if interpreter else 64 if block_d <= 128 else 32
-    return dict(DROPOUT=threshold > 0, UPCAST=interpreter, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+    block_d, block_e = max(16, next_power_of_2(d)), max(16, next_power_of_2(e or d))
+    block = 16 if interpreter else 64 if max(block_d, block_e) <= 128 else 32
+    return dict(DROPOUT=threshold > 0, UPCAST=interpreter, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
+                BLOCK_E=block_e)
 
 
 def _backward_kv_meta(meta):
@@ -419,33 +430,34 @@ def _backward_kv_meta(meta):
     registers a thread at head dim 128 in tiles of 64 x 64, and it spilled on sm_90 (bench/triton_sm90.py: 428 bytes
     a thread; 8 warps or fewer stages still spilled); at head dims over 64 it takes tiles of 32 x 32 (162 registers,
     no spill, on Triton 3.6 and 3.9)."""
-    if meta["BLOCK_D"] <= 64 or meta["BLOCK_N"] <= 32:
+    if max(meta["BLOCK_D"], meta["BLOCK_E"]) <= 64 or meta["BLOCK_N"] <= 32:
         return meta
     return {**meta, "BLOCK_M": 32, "BLOCK_N": 32}
 
 
-def _launch_args(query, key, seed, threshold, keep_scale):
+def _launch_args(query, key, value, seed, threshold, keep_scale, scale):
     """The kernels' arguments from SEED to keep_scale. Without dropout the kernels never read SEED, and seed may
     be None: any pointer will do."""
     sq, d = query.shape[-2:]
-    return (query if seed is None else seed, sq, key.size(-2), d, 1.0 / math.sqrt(d), threshold, keep_scale)
+    return (query if seed is None else seed, sq, key.size(-2), d, value.size(-1), scale, threshold, keep_scale)
 
 
 class _TritonAttention(torch.autograd.Function):
     """Forward: _attention_forward. Backward: _attention_backward_q (dQ, delta), then _attention_backward_kv."""
 
     @staticmethod
-    def forward(ctx, query, key, value, dropout_p, seed):
+    def forward(ctx, query, key, value, dropout_p, seed, scale):
         check_device(query, key, value, seed, op="flash_attention")
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         b, heads, sq, d = query.shape
-        ctx.threshold, ctx.keep_scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
-        out = torch.empty_like(query)
+        ctx.threshold, ctx.keep_scale, ctx.scale = drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale
+        out = query.new_empty((b, heads, sq, value.size(-1)))
         lse = torch.empty((b, heads, sq), dtype=torch.float32, device=query.device)
         if out.numel():
-            meta = _meta(ctx.threshold, query.device, d)
+            meta = _meta(ctx.threshold, query.device, d, value.size(-1))
             _attention_forward[(cdiv(sq, meta["BLOCK_M"]), b * heads)](
-                query, key, value, out, lse, *_launch_args(query, key, seed, ctx.threshold, ctx.keep_scale), **meta)
+                query, key, value, out, lse, *_launch_args(query, key, value, seed, ctx.threshold, ctx.keep_scale,
+                                                           scale), **meta)
         ctx.save_for_backward(query, key, value, out, lse, seed)
         return out
 
@@ -453,26 +465,27 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse, seed = ctx.saved_tensors
         if not out.numel():
-            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None
+            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None, None
         grad_out = grad_out.contiguous()
         b, heads, sq, d = query.shape
         grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         delta = torch.empty_like(lse)
-        args = _launch_args(query, key, seed, ctx.threshold, ctx.keep_scale)
-        meta = _meta(ctx.threshold, query.device, d)
+        args = _launch_args(query, key, value, seed, ctx.threshold, ctx.keep_scale, ctx.scale)
+        meta = _meta(ctx.threshold, query.device, d, value.size(-1))
         _attention_backward_q[(cdiv(sq, meta["BLOCK_M"]), b * heads)](
             query, key, value, out, grad_out, lse, delta, grad_q, *args, **meta)
         kv_meta = _backward_kv_meta(meta)
         _attention_backward_kv[(cdiv(key.size(-2), kv_meta["BLOCK_N"]), b * heads)](
             query, key, value, grad_out, lse, delta, grad_k, grad_v, *args, **kv_meta)
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
-def flash_attention_triton(query, key, value, dropout_p: float, seed):
+def flash_attention_triton(query, key, value, dropout_p: float, seed, scale=None):
     """Triton kernels, forward and backward (seed may be None when dropout_p is 0). The kernels take a key and
     value head per query head: grouped ones are repeated (and their gradients summed by autograd)."""
     _check(query, key, value)
-    return _TritonAttention.apply(query, *_per_query_head(query, key, value), dropout_p, seed)
+    return _TritonAttention.apply(query, *_per_query_head(query, key, value), dropout_p, seed,
+                                  _scale_of(query, scale))
 
 
 # On CUDA, `auto` leaves attention to scaled_dot_product_attention (flash and cuDNN kernels, with dropout)

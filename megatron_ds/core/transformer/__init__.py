@@ -3,6 +3,8 @@
     transformer_config.py  TransformerConfig: the one validated description of a transformer's shape and numerics
     transformer_layer.py   the pre-norm layer on sequence-first tensors, with recompute
     attention.py           self-attention: QKV column-parallel, core attention, Ulysses
+    multi_latent_attention.py  multi-latent attention (DeepSeek-V3's): queries, keys and values through low-rank latents
+    multi_token_prediction.py  multi-token prediction (DeepSeek-V3's): modules after the last layer, their loss
     mlp.py                 the MLP: GeLU or SwiGLU, column- then row-parallel
     moe.py                 Mixture of Experts on DeepSpeed-MoE's layer (Megatron-DeepSpeed's flags)
     dropless_moe.py        dropless Mixture of Experts on DeepSpeed's router and grouped experts (Megatron-Core's)

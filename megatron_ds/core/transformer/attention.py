@@ -31,12 +31,14 @@ from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
 
 
-def local_attention(query, key, value, attention_mask, dropout_p, training, softmax=scale_mask_softmax_reference):
-    """Explicit QK^T -> scale + mask + softmax -> dropout -> x V on [b, heads, s, d] tensors: the path whose
-    memory the paper counts (softmax output 2 as^2 b, dropout mask as^2 b, its output 2 as^2 b).
-    The scale is applied to the scores so that q and k are saved as views of the QKV output.
-    attention_mask None means causal; softmax is a core.fusions scale_mask_softmax."""
-    scale = 1.0 / math.sqrt(query.size(-1))
+def local_attention(query, key, value, attention_mask, dropout_p, training, softmax=scale_mask_softmax_reference,
+                    scale=None):
+    """Explicit QK^T -> scale + mask + softmax -> dropout -> x V on [b, heads, s, d] tensors (value's head dim may
+    differ from the query's): the path whose memory the paper counts (softmax output 2 as^2 b, dropout mask
+    as^2 b, its output 2 as^2 b). The scale (default 1 / sqrt(d)) is applied to the scores so that q and k are
+    saved as views of the QKV output. attention_mask None means causal; softmax is a core.fusions
+    scale_mask_softmax."""
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-1, -2))
     probs = softmax(scores, attention_mask, scale, attention_mask is None)
     return torch.matmul(dropout(probs, dropout_p, training), value)
@@ -84,30 +86,110 @@ def _repeat_heads(tensor, heads):
     return tensor.unsqueeze(2).expand(b, groups, heads // groups, s, d).reshape(b, heads, s, d)
 
 
-def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softmax=None):
+def sdpa_attention(query, key, value, attention_mask, dropout_p, training, softmax=None, scale=None):
     """torch's scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels where available; it draws
-    its own dropout mask). softmax is unused. Causal attention may get GQA's grouped key and value heads
-    (SelfAttention.takes_grouped_heads): they go in as they are (enable_gqa=True) where the kernel SDPA picks
-    takes them (sdpa_takes_grouped_heads), else repeated to every query head first."""
+    its own dropout mask), scaled by `scale` (default 1 / sqrt(d)). softmax is unused. Causal attention may get
+    GQA's grouped key and value heads (SelfAttention.takes_grouped_heads): they go in as they are
+    (enable_gqa=True) where the kernel SDPA picks takes them (sdpa_takes_grouped_heads), else repeated to every
+    query head first. A value head dim other than the query's (MLA) is padded to it: see _one_head_dim."""
     dropout_p = dropout_p if training else 0.0
+    scale, value_dim = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale, value.size(-1)
+    query, key, value = _one_head_dim(query, key, value)
     if attention_mask is None:
         grouped = key.size(1) != query.size(1)
         if grouped and not sdpa_takes_grouped_heads(query, key, value, dropout_p):
             key, value, grouped = _repeat_heads(key, query.size(1)), _repeat_heads(value, query.size(1)), False
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True,
-                                              enable_gqa=grouped)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p)
+        context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True,
+                                                 enable_gqa=grouped, scale=scale)
+    else:
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p,
+                                                 scale=scale)
+    return context if context.size(-1) == value_dim else context[..., :value_dim]
+
+
+def _one_head_dim(query, key, value):
+    """query, key and value with one head dim: torch's flash kernels (CPU and CUDA, torch 2.11-2.13) take a single
+    one, and SDPA's dispatch sends a value head dim other than the query's to its math path, which holds the
+    s x s scores (Megatron-Core pads MLA's values alike). Zeros are added: to the value's channels (the extra
+    output channels are zeros, cut off after), or to the query's and key's (their scores unchanged; the scale is
+    given explicitly)."""
+    d, value_dim = query.size(-1), value.size(-1)
+    if value_dim < d:
+        return query, key, F.pad(value, (0, d - value_dim))
+    if value_dim > d:
+        return F.pad(query, (0, value_dim - d)), F.pad(key, (0, value_dim - d)), value
+    return query, key, value
 
 
 _BACKENDS = {"local": local_attention, "sdpa": sdpa_attention, "flash": sdpa_attention}  # flash: masked batches
 
 
-class SelfAttention(torch.nn.Module):
-    def __init__(self, config, layer_number):
+class AttentionHeads(torch.nn.Module):
+    """What SelfAttention and MultiLatentAttention share: RoPE's angles for this rank's tokens, and core attention
+    on this rank's heads at softmax_scale (None: 1 / sqrt(the query's head dim)), through the configured backend,
+    DeepSpeed-Ulysses' exchange and selective recompute."""
+
+    def __init__(self, config, layer_number, softmax_scale=None):
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
         self.config = config
         self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.rotary = RotaryEmbedding.from_config(config) if config.position_embedding_type == "rope" else None
+        self.core_attention = _BACKENDS[config.attention_backend]
+        # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
+        # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
+        self.ulysses = None
+        self.sequence_rank = get_sequence_parallel_rank()  # RoPE offsets this rank's tokens by its slices before
+        if get_sequence_parallel_world_size() > 1:
+            self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
+                                                scatter_idx=2, gather_idx=0)
+        self.softmax = op_implementation(config, "scale_mask_softmax")
+        self.flash_attention = op_implementation(config, "flash_attention") if runs_flash_attention(config) else None
+        self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
+
+    def rotary_angles(self, seq_len, device):
+        """cos, sin for this rank's seq_len tokens, each at its place in the whole sequence (Ulysses: after the
+        slices of the ranks before)."""
+        return self.rotary(seq_len, device, offset=self.sequence_rank * seq_len)
+
+    def attend(self, query, key, value, attention_mask):
+        """Core attention of [s, b, heads, d] query and key and [s, b, heads, dv] value: [s, b, heads, dv]."""
+        if self.ulysses is None:
+            return self._attention_of_heads(query, key, value, attention_mask)
+        # [s/SP, b, heads, d] -> all-to-all -> [s, b, heads/SP, d] -> attention -> all-to-all back
+        return self.ulysses(query, key, value, 1, None, attention_mask)
+
+    def _attention_of_heads(self, query, key, value, attention_mask):
+        """Core attention on [s, b, heads, d] tensors (the layout DeepSpeed's DistributedAttention exchanges)."""
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
+        if self.config.recompute_granularity == "selective":
+            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self._core_attention(query, key, value, attention_mask)
+        return context.permute(2, 0, 1, 3)
+
+    def _core_attention(self, query, key, value, attention_mask):
+        """Softmax(QK^T x scale) V for this rank's heads; its dropout differs per TP rank. Fake tensors (the
+        dry run) take the flash kernels' footprint unless the backend is the explicit local one."""
+        if self.config.attention_backend != "local" and is_fake(query):
+            return flash_attention_footprint(query, key, value,
+                                             copies=self.flash_attention is not None and attention_mask is None)
+        with get_cuda_rng_tracker().fork():
+            if self.flash_attention is not None and attention_mask is None:
+                return self._flash_attention(query, key, value)
+            return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
+                                       self.training, self.softmax, scale=self.softmax_scale)
+
+    def _flash_attention(self, query, key, value):
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        seed = draw_seed(query.device) if dropout_p else torch.zeros((), dtype=torch.int64, device=query.device)
+        return self.flash_attention(query, key, value, dropout_p, seed, scale=self.softmax_scale)
+
+
+class SelfAttention(AttentionHeads):
+    def __init__(self, config, layer_number):
+        super().__init__(config, layer_number)
+        tp = get_tensor_model_parallel_world_size()
         self.head_dim = config.kv_channels
         self.num_heads = divide(config.num_attention_heads, tp, "--num-attention-heads over TP:")
         self.num_groups = divide(config.num_query_groups, tp, "--num-key-value-heads over TP:")
@@ -126,18 +208,6 @@ class SelfAttention(torch.nn.Module):
                                              config=config, bias=config.bias, input_is_parallel=True,
                                              skip_bias_add=True,
                                              init_method=init_method_normal(config.output_layer_init_std))
-        self.rotary = RotaryEmbedding.from_config(config) if config.position_embedding_type == "rope" else None
-        self.core_attention = _BACKENDS[config.attention_backend]
-        # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
-        # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
-        self.ulysses = None
-        self.sequence_rank = get_sequence_parallel_rank()  # RoPE offsets this rank's tokens by its slices before
-        if get_sequence_parallel_world_size() > 1:
-            self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
-                                                scatter_idx=2, gather_idx=0)
-        self.softmax = op_implementation(config, "scale_mask_softmax")
-        self.flash_attention = op_implementation(config, "flash_attention") if runs_flash_attention(config) else None
-        self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
     def _split_qkv(self, mixed, expand=True):
         """[s, b, groups*(heads_per_group+2)*d] -> q [s, b, heads, d], k and v expanded to [s, b, heads, d]
@@ -161,14 +231,10 @@ class SelfAttention(torch.nn.Module):
     def forward(self, hidden_states, attention_mask=None):
         mixed, _ = self.linear_qkv(hidden_states)
         query, key, value = self._split_qkv(mixed, expand=not self.takes_grouped_heads(mixed, attention_mask))
-        if self.rotary is not None:  # each token at its place in the whole sequence (Ulysses: after the slices before)
-            s = query.size(0)
-            cos, sin = self.rotary(s, query.device, offset=self.sequence_rank * s)
-            query, key = apply_rotary(query, key, cos, sin, self.rotary_pos_emb)
-        if self.ulysses is None:
-            context = self._attention_of_heads(query, key, value, attention_mask)
-        else:  # [s/SP, b, heads, d] -> all-to-all -> [s, b, heads/SP, d] -> attention -> all-to-all back
-            context = self.ulysses(query, key, value, 1, None, attention_mask)
+        if self.rotary is not None:
+            query, key = apply_rotary(query, key, *self.rotary_angles(query.size(0), query.device),
+                                      self.rotary_pos_emb)
+        context = self.attend(query, key, value, attention_mask)
         s, b = context.shape[:2]
         return self.linear_proj(context.reshape(s, b, self.num_heads * self.head_dim))
 
@@ -188,29 +254,3 @@ class SelfAttention(torch.nn.Module):
         if is_fake(mixed):
             return gpu_sdpa_takes_grouped_heads(mixed.dtype, self.head_dim)
         return mixed.device.type in ("cpu", "cuda")
-
-    def _attention_of_heads(self, query, key, value, attention_mask):
-        """Core attention on [s, b, heads, d] tensors (the layout DeepSpeed's DistributedAttention exchanges)."""
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
-        if self.config.recompute_granularity == "selective":
-            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
-        else:
-            context = self._core_attention(query, key, value, attention_mask)
-        return context.permute(2, 0, 1, 3)
-
-    def _core_attention(self, query, key, value, attention_mask):
-        """Softmax(QK^T / sqrt(d)) V for this rank's heads; its dropout differs per TP rank. Fake tensors (the
-        dry run) take the flash kernels' footprint unless the backend is the explicit local one."""
-        if self.config.attention_backend != "local" and is_fake(query):
-            return flash_attention_footprint(query, key, value,
-                                             copies=self.flash_attention is not None and attention_mask is None)
-        with get_cuda_rng_tracker().fork():
-            if self.flash_attention is not None and attention_mask is None:
-                return self._flash_attention(query, key, value)
-            return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
-                                       self.training, self.softmax)
-
-    def _flash_attention(self, query, key, value):
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        seed = draw_seed(query.device) if dropout_p else torch.zeros((), dtype=torch.int64, device=query.device)
-        return self.flash_attention(query, key, value, dropout_p, seed)

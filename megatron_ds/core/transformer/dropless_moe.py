@@ -266,10 +266,11 @@ def within_capacity(weights, chosen, num_experts, capacity_factor, drop_policy):
 
 class DroplessMoE(torch.nn.Module):
     """The MLP of a dropless MoE layer. forward(x [s, b, h]) -> (output, None), as MLP's (output, bias).
-    layer_number: the layer's, 1-based over the whole model; expert_group: the expert-parallel process group (None:
-    all experts on this rank)."""
+    layer_number: the layer's, 1-based over the whole model (a multi-token prediction module's layer after them);
+    expert_group: the expert-parallel process group (None: all experts on this rank); name: the layer's MLP's
+    canonical name (its experts are named and drawn from it)."""
 
-    def __init__(self, config, layer_number, expert_group=None):
+    def __init__(self, config, layer_number, expert_group=None, name=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -279,7 +280,7 @@ class DroplessMoE(torch.nn.Module):
             self.num_experts, expert_group, drops=config.moe_expert_capacity_factor is not None)
         self.experts = _grouped_experts(config, self.dispatcher.local_experts)
         expert_rank = dist.get_rank(expert_group) if expert_group is not None else 0
-        _name_experts(self.experts, f"decoder.layers.{layer_number - 1}.mlp.experts",
+        _name_experts(self.experts, f"{name or f'decoder.layers.{layer_number - 1}.mlp'}.experts",
                       expert_rank * self.dispatcher.local_experts, config)
         self.shared_experts = _shared_experts(config)
         self.shared_gate = None

@@ -15,6 +15,9 @@ YARN_DEFAULTS = {"rotary_scaling_factor": 1.0, "original_max_position_embeddings
                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 LLAMA3_SCALING_DEFAULTS = {"rope_scaling_factor": 8.0}
 ROPE_SCALING_FIELDS = ("rope_type", *YARN_DEFAULTS, "use_rope_scaling", *LLAMA3_SCALING_DEFAULTS)
+# multi-latent attention's fields, named alike in the flags and here
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim")
 ATTENTION_BACKENDS = ("sdpa", "local", "flash")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -51,6 +54,13 @@ class TransformerConfig:
     bias: bool = True                           # biases on the linear layers
     add_qkv_bias: bool = False                  # a bias on the QKV projection even where bias is False (Qwen2)
     qk_layernorm: bool = False                  # `normalization` over each query and key head (Qwen3), before RoPE
+    # multi-latent attention (DeepSeek-V3's; core/transformer/multi_latent_attention.py), Megatron-LM's defaults
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None           # None: queries through one projection, no low-rank latent
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128                      # each query and key head's channels without RoPE
+    qk_pos_emb_head_dim: int = 64               # ... and with it (the decoupled rotary key, shared by the heads)
+    v_head_dim: int = 128
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0                 # RoPE rotates the first int(kv_channels * this) channels of a head
@@ -115,6 +125,8 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "alltoall"
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless; else each expert's capacity, in shares
     moe_token_drop_policy: str = "probs"                 # which pairs beyond an expert's capacity are dropped
+    # multi-token prediction (core/transformer/multi_token_prediction.py): modules after the main model, 0 = none
+    mtp_num_layers: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -125,6 +137,8 @@ class TransformerConfig:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_query_groups ({self.num_query_groups})")
+        if self.kv_channels is None and self.multi_latent_attention:
+            self.kv_channels = self.qk_head_dim + self.qk_pos_emb_head_dim  # the query's and key's head dim
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -139,6 +153,7 @@ class TransformerConfig:
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("fusion_backend", FUSION_BACKENDS)
+        self._check_mla()
         self._check_rotary()
         self._check_recompute()
         self._check_moe()
@@ -150,12 +165,17 @@ class TransformerConfig:
             raise ValueError("; ".join(errors))
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"TransformerConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
-        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim < 2
-                                                       or self.kv_channels * self.rotary_percent
-                                                       - self.rotary_dim > 1e-6):
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention and (
+                self.rotary_dim % 2 or self.rotary_dim < 2
+                or self.kv_channels * self.rotary_percent - self.rotary_dim > 1e-6):
             raise ValueError(f"rotary embeddings rotate kv_channels x rotary_percent = {self.kv_channels} x "
                              f"{self.rotary_percent} = {self.kv_channels * self.rotary_percent:g} channels of each "
                              f"head: that must be an even integer >= 2")
+
+    def _check_mla(self):
+        errors = mla_errors(self) if self.multi_latent_attention else []
+        if errors:
+            raise ValueError("; ".join(errors))
 
     def _check_recompute(self):
         if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
@@ -212,8 +232,15 @@ class TransformerConfig:
         return self.num_moe_experts is not None
 
     def dropless_moe_in_layer(self, layer_number) -> bool:
-        """Whether layer layer_number (1-based, global) is a dropless MoE layer (moe_layer_pattern)."""
-        return self.num_moe_experts is not None and bool(self.moe_layer_pattern[layer_number - 1])
+        """Whether layer layer_number (1-based, global) is a dropless MoE layer (moe_layer_pattern); a multi-token
+        prediction module's layer (past num_layers) is of the last layer's kind, as Megatron-Core builds it."""
+        return self.num_moe_experts is not None and bool(self.moe_layer_pattern[min(layer_number, self.num_layers) - 1])
+
+    @property
+    def moe_layer_pattern_with_mtp(self) -> Tuple[int, ...]:
+        """moe_layer_pattern, then one 0/1 per multi-token prediction module's layer (layer numbers past num_layers)."""
+        return tuple(self.moe_layer_pattern) + tuple(int(self.dropless_moe_in_layer(self.num_layers + depth))
+                                                     for depth in range(1, self.mtp_num_layers + 1))
 
     def experts_in_layer(self, layer_number) -> int:
         """Experts of layer layer_number (1-based, global): Megatron-DeepSpeed's placement, every
@@ -230,7 +257,10 @@ class TransformerConfig:
     @property
     def rotary_dim(self) -> int:
         """The leading channels of each query and key head that RoPE rotates (Megatron's
-        int(kv_channels * rotary_percent)); the rest pass through unrotated."""
+        int(kv_channels * rotary_percent)); the rest pass through unrotated. MLA: its rotary part,
+        qk_pos_emb_head_dim."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     @property
@@ -258,6 +288,38 @@ def rope_scaling_errors(values):
     if not llama3:
         errors += _unused_flags(values, LLAMA3_SCALING_DEFAULTS, "LLaMA-3.1's RoPE scaling", "--use-rope-scaling")
     return errors
+
+
+def mla_errors(values):
+    """What multi-latent attention cannot take, each problem naming its flags (values: a TransformerConfig, or the
+    resolved flags: the names are the same)."""
+    errors = [f"--{name.replace('_', '-')} {getattr(values, name)} must be positive"
+              for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank")
+              if getattr(values, name) is not None and getattr(values, name) <= 0]
+    for name in ("q_lora_rank", "kv_lora_rank"):
+        rank = getattr(values, name)
+        if rank is not None and rank > values.hidden_size:
+            errors.append(f"--{name.replace('_', '-')} {rank} exceeds --hidden-size {values.hidden_size}: the "
+                          f"latent is a compression of the hidden state")
+    if values.qk_pos_emb_head_dim % 2:
+        errors.append(f"--qk-pos-emb-head-dim {values.qk_pos_emb_head_dim}: RoPE rotates pairs of channels, it "
+                      f"must be even")
+    if values.position_embedding_type != "rope":
+        errors.append(f"--multi-latent-attention rotates its decoupled key with RoPE: --position-embedding-type "
+                      f"{values.position_embedding_type} is not rope (add --position-embedding-type rope)")
+    unused = [flag for flag, given in _mla_unused_flags(values) if given]
+    if unused:
+        errors.append(f"--multi-latent-attention with {', '.join(unused)}: MLA has no key/value groups, QKV "
+                      f"projection or per-head query/key norm, and RoPE rotates qk-pos-emb-head-dim channels whole")
+    return errors
+
+
+def _mla_unused_flags(values):
+    kv_heads = getattr(values, "num_query_groups", None) or getattr(values, "num_key_value_heads", None)
+    return ((f"--num-query-groups {kv_heads}", kv_heads not in (None, values.num_attention_heads)),
+            ("--group-query-attention", getattr(values, "group_query_attention", False)),
+            ("--qk-layernorm", values.qk_layernorm), ("--add-qkv-bias", values.add_qkv_bias),
+            (f"--rotary-percent {values.rotary_percent:g}", values.rotary_percent != 1.0))
 
 
 def _yarn_errors(values):

@@ -15,26 +15,29 @@ from megatron_ds.core.transformer.dropless_moe import DroplessMoE
 from megatron_ds.core.transformer.fused_ops import op_implementation
 from megatron_ds.core.transformer.mlp import MLP
 from megatron_ds.core.transformer.moe import MoEMLP
+from megatron_ds.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron_ds.core.transformer.norms import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    """layer_number is 1-based and global (across pipeline stages), as in Megatron."""
+    """layer_number is 1-based and global (across pipeline stages), as in Megatron; a multi-token prediction
+    module's layer comes after the model's (num_layers + its depth) and is initialised by its own name."""
 
-    def __init__(self, config, layer_number=1):
+    def __init__(self, config, layer_number=1, init_name=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attention = (MultiLatentAttention if config.multi_latent_attention else SelfAttention)(config,
+                                                                                                     layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = _mlp(config, layer_number)
+        self.mlp = _mlp(config, layer_number, f"{init_name or f'decoder.layers.{layer_number - 1}'}.mlp")
         self.bias_dropout_add = op_implementation(config, "bias_dropout_add")
         # layers this one recomputes in backward (itself alone by default under full recompute); a layer
         # absorbed into another's chunk passes its input through, the leader having already applied it
         self.recompute_chunk = [self] if config.recompute_granularity == "full" else None
         self.absorbed = False
-        initialize_deterministically(self, f"decoder.layers.{layer_number - 1}", config.init_seed)
+        initialize_deterministically(self, init_name or f"decoder.layers.{layer_number - 1}", config.init_seed)
 
     def forward(self, hidden_states, attention_mask=None):
         if self.absorbed:
@@ -96,9 +99,14 @@ def recompute_chunk_count(recompute_method, recompute_num_layers, stage_layers):
     return -(-stage_layers // size)
 
 
-def _mlp(config, layer_number):
-    """The layer's MLP: dense, DeepSpeed-MoE's (Megatron-DeepSpeed's flags) or the dropless MoE (Megatron-Core's)."""
+def _mlp(config, layer_number, name):
+    """The layer's MLP (canonical name `name`): dense, DeepSpeed-MoE's (Megatron-DeepSpeed's flags) or the dropless
+    MoE (Megatron-Core's); a multi-token prediction module's is of the last layer's kind (DeepSpeed-MoE's there is
+    refused at start-up)."""
     if config.dropless_moe_in_layer(layer_number):
-        return DroplessMoE(config, layer_number, parallel_state.expert_parallel_group(config.moe_expert_parallel_size))
+        return DroplessMoE(config, layer_number, parallel_state.expert_parallel_group(config.moe_expert_parallel_size),
+                           name)
+    if layer_number > config.num_layers:
+        return MLP(config)
     experts = config.experts_in_layer(layer_number)
     return MLP(config) if experts == 1 else MoEMLP(config, experts, layer_number)

@@ -19,8 +19,8 @@ stay real. For each rank it writes what the rank built as one JSON object, OUT_D
         -- <tools/dry_run.py flags>
 
 start-up runs each of RANKS (0,5,8-11) in a child forked from this process once the imports are done (a fresh
-process per rank, without its seconds of imports; the later ones also without DeepSpeed's layer partition,
-which the first works out), the child's output in OUT_DIR/rank<R>.log: the whole start-up.
+process per rank, without its seconds of imports), the child's output in OUT_DIR/rank<R>.log: the whole
+start-up.
 groups runs each of RANKS in turn in this process: only the process groups (initialize_groups) and
 DeepSpeed's pipeline grid over them, the check --ranks all makes of every rank. Not run: data loading, the
 watchdog, storage checks, the save-folder lock, TensorBoard. Both build the model with the reference fused ops
@@ -169,8 +169,6 @@ def groups_by_axis(grid, args, rank):
 
 def run_rank(rank, world_size, args):
     """Start rank `rank` up on the fake backend; its record (the module docstring's fields)."""
-
-
     start = time.perf_counter()
     calls = []
     with recorded_new_groups(calls), moves_in_place_skipped():
@@ -179,7 +177,8 @@ def run_rank(rank, world_size, args):
         engine, _ = initialize.start_up(args, building_model=lambda: FakeTensorMode(allow_non_fake_inputs=True))
     parameters = {id(p): p.numel() for p in engine.module.parameters()}
     record = {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank),
-              "layers": sum(isinstance(module, TransformerLayer) for module in engine.module.modules()),
+              "layers": sum(isinstance(module, TransformerLayer) and module.layer_number <= args.num_layers
+                            for module in engine.module.modules()),  # an MTP module's layer is not one of them
               "parameters": sum(parameters.values()), "bytes": allocated_bytes(engine)}
     if args.step:
         record["step"] = run_step(engine, args, args.micro_batches)
@@ -243,7 +242,6 @@ def main(argv):
             record = group_rank(rank, world_size, args)
             _write(os.path.join(folder, f"rank{rank}.json"), digested(record) if digest else record)
         return 0
-    deepspeed_internals.remember_layer_partitions(_PARTITIONS)
     for index, rank in enumerate(ranks):
         _environment(rank, world_size, gpus_per_node)
         modules = os.path.join(folder, f"rank{rank}.modules") if index == 0 else None
@@ -251,18 +249,7 @@ def main(argv):
                  os.path.join(folder, f"rank{rank}.log"))
         if modules is not None and os.path.exists(modules):
             _import_listed(modules)
-            _read_partitions(modules + ".partitions")
     return 0
-
-
-_PARTITIONS = {}  # DeepSpeed's layer partitions the first rank worked out, for the ranks forked after it
-
-
-def _read_partitions(path):
-    if os.path.exists(path):
-        with open(path) as handle:
-            _PARTITIONS.update({(tuple(weights), parts): boundaries
-                                for weights, parts, boundaries in json.load(handle)})
 
 
 def _start_up_rank(rank, world_size, args, folder, modules):
@@ -270,8 +257,6 @@ def _start_up_rank(rank, world_size, args, folder, modules):
     if modules is not None:
         with open(modules, "w") as handle:
             handle.write("\n".join(sorted(sys.modules)))
-        _write(modules + ".partitions", [[[int(weight) for weight in weights], parts, boundaries]
-                                         for (weights, parts), boundaries in _PARTITIONS.items()])
 
 
 def in_child(work, log_path):

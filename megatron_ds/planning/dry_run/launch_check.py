@@ -30,6 +30,7 @@ from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import report
 from megatron_ds.planning.dry_run import step_checks
 from megatron_ds.planning.from_flags import layout_from_args, model_spec
+from megatron_ds.planning.memory import GIB
 from megatron_ds.planning.model import Cluster
 from megatron_ds.planning.plan_cli import add_cluster_flags, validated_args
 from megatron_ds.planning.planner import make_plan
@@ -53,6 +54,9 @@ def build_dry_run_parser():
                        help="micro-batches of the --step iteration (default: the first batch's)")
     group.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="ranks run at once")
     group.add_argument("--json", metavar="FILE", default=None, help="also write the records and checks here")
+    group.add_argument("--start-anyway", action="store_true",
+                       help="start the ranks even where the planner puts a stage over the device's memory (without "
+                            "it the dry run answers at once, naming the stages and both figures)")
     parser.set_defaults(search=False)  # what planning/plan_cli.validated_args reads
     return parser
 
@@ -285,6 +289,9 @@ def main(argv=None):
         print("the planner refuses the layout:\n  - " + "\n  - ".join(text for _, text in plan["errors"]),
               file=sys.stderr)
         return 2
+    if not plan["memory"]["fits"] and not args.start_anyway:  # no rank needs to start for this answer
+        print(over_memory_message(plan["memory"], device), file=sys.stderr)
+        return 1
     topology = parallel_state.topology_of(args.parallel)
     ranks = chosen_ranks(args.ranks, topology, args.world_size)
     print(f"dry run: {len(ranks)} of {args.world_size} ranks ({args.ranks}), {args.jobs} at a time, on a fake "
@@ -319,6 +326,17 @@ def main(argv=None):
           + ("; every send received, every group's collectives alike on its members, traffic and memory as "
              "planned, memory within the device" if args.step and started else ""))
     return 0
+
+
+def over_memory_message(memory, device):
+    """The stages the planner puts over the device's memory, each with both figures: what the dry run answers
+    before any rank starts."""
+    over = [row for row in memory["per_stage"] if row["total"] > memory["capacity_bytes"]]
+    stages = "; ".join(f"stage {row['stage']}: {row['total'] / GIB:,.1f} GiB" for row in over)
+    return (f"dry run FAILED before any rank started: the planner puts {len(over)} pipeline stage(s) over the "
+            f"{device.name}'s {device.memory_gib:g} GiB ({stages}; the largest, stage {memory['peak_stage']}, by "
+            f"{-memory['margin_bytes'] / GIB:,.1f} GiB). tools/plan.py shows each stage's terms; less memory: "
+            f"recompute (--recompute-granularity), a smaller --micro-batch-size, more TP or PP, ZeRO")
 
 
 def _write_json(path, content):

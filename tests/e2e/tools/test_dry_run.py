@@ -267,7 +267,7 @@ def test_a_micro_batch_that_overflows_one_stage_names_that_rank_and_the_device()
     for flag, value in (("--seq-length", "2048"), ("--micro-batch-size", "480"), ("--global-batch-size", "7680")):
         flags[flags.index(flag) + 1] = value   # still 8 micro-batches
     flags += ["--max-position-embeddings", "2048"]
-    result = dry(flags + ["--step", "--ranks", "0,4", "--device", "a100-40gb"])
+    result = dry(flags + ["--step", "--ranks", "0,4", "--device", "a100-40gb", "--start-anyway"])
     assert result.returncode == 1, result.stdout + result.stderr
     problems = [line.strip() for line in result.stderr.split("dry run FAILED:")[1].strip().splitlines()]
     assert len(problems) == 1, result.stderr
@@ -275,24 +275,34 @@ def test_a_micro_batch_that_overflows_one_stage_names_that_rank_and_the_device()
         "GiB" in problems[0], problems[0]
 
 
+def test_a_launch_the_planner_puts_over_memory_is_answered_before_any_rank_starts():
+    """The same launch without --start-anyway: the planner's figures alone answer it (stage 0 over, stage 1 not
+    named), and no rank's start-up runs."""
+    flags = list(WORLD_16)
+    for flag, value in (("--seq-length", "2048"), ("--micro-batch-size", "480"), ("--global-batch-size", "7680")):
+        flags[flags.index(flag) + 1] = value
+    result = dry(flags + ["--max-position-embeddings", "2048", "--step", "--ranks", "0,4", "--device", "a100-40gb"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "dry run FAILED before any rank started" in result.stderr and "dry run:" not in result.stdout, \
+        result.stdout + result.stderr
+    stages = re.findall(r"stage (\d+): ([\d,.]+) GiB", result.stderr)
+    assert [stage for stage, _ in stages] == ["0"] and float(stages[0][1].replace(",", "")) > 40, result.stderr
+    assert "NVIDIA A100-SXM4-40GB's 40 GiB" in result.stderr
+
+
 def test_a_partition_that_leaves_a_stage_without_layers_is_named(tmp_path):
-    """DeepSpeed balancing the stages on the embedding modules (two of them, the tied pair, among 8 layers)
-    instead of the transformer layers puts every layer in the first two stages."""
+    """Stage boundaries that put all 8 layers in the first two stages (the specs: embedding, 8 layers, final norm,
+    tied head; cut at 0, 5, 9, 10, 11) leave stage 2 the final norm alone, which the dry run names."""
     hook = sitecustomize(tmp_path, """
         import os
         if os.environ.get("DRY_RUN_TEST_PARTITION"):
             from megatron_ds.training import model_setup
             choose = model_setup.pipeline_module_class
 
-            def partitioned_on_embeddings(*args, **kwargs):
-                module_class = choose(*args, **kwargs)
+            def cut_after_two_stages(name, virtual_stages=1, stage_boundaries=None):
+                return choose(name, virtual_stages, [0, 5, 9, 10, 11])
 
-                class OnEmbeddings(module_class):
-                    def __init__(self, *a, **k):
-                        super().__init__(*a, **{**k, "partition_method": "type:EmbeddingPipe"})
-                return OnEmbeddings
-
-            model_setup.pipeline_module_class = partitioned_on_embeddings
+            model_setup.pipeline_module_class = cut_after_two_stages
     """)
     environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_PARTITION": "1"}
     result = dry(WORLD_16 + ["--ranks", "8", "--jobs", "1"], environment)

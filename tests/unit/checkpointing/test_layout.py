@@ -29,6 +29,10 @@ def test_live_names_map_to_canonical_names():
     assert layout.canonical_name("tied_modules.embedding.word_embeddings.weight", 2, True) == layout.WORD_EMBEDDINGS
     assert layout.canonical_name("3.norm.weight", 2, True) == "decoder.final_layernorm.weight"
     assert layout.canonical_name("4.linear.weight", 2, True) == layout.OUTPUT_LAYER
+    # with multi-token prediction: 4 the last stage's tied embedding, 5 the MTP modules, 6 the untied head
+    assert layout.canonical_name("5.layers.0.eh_proj.weight", 2, True) == "mtp.layers.0.eh_proj.weight"
+    assert layout.canonical_name("6.linear.weight", 2, True) == layout.OUTPUT_LAYER
+    assert layout.canonical_name("mtp.layers.1.enorm.weight", 2, False) == "mtp.layers.1.enorm.weight"
     with pytest.raises(layout.LayoutError):
         layout.canonical_name("5.linear.weight", 2, True)
 
@@ -61,3 +65,16 @@ def test_a_dropless_layers_shared_expert_splits_like_the_dense_mlp_and_its_exper
     assert layout.expert_index("decoder.layers.1.mlp.experts.3.w1") == 3
     assert layout.is_grouped_experts("layers.1.mlp.experts.w2") and not layout.is_grouped_experts(
         "decoder.layers.1.mlp.experts.3.w2")
+
+
+def test_an_mtp_module_splits_its_projection_by_rows_and_its_layer_as_a_decoder_layer():
+    assert layout.partition_rule("mtp.layers.0.eh_proj.weight", swiglu=True) == (0, 1)
+    assert layout.partition_rule("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight", swiglu=True) == (0, 2)
+    assert layout.partition_rule("mtp.layers.1.mtp_model_layer.self_attention.linear_proj.weight", False) == (1, 1)
+    for name in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight",
+                 "mtp.layers.0.mtp_model_layer.input_layernorm.weight"):
+        assert layout.partition_rule(name, swiglu=True) is None, name
+    assert layout.stages_holding("mtp.layers.0.eh_proj.weight", 4, 2, False) == [1]
+    assert layout.stages_holding("mtp.layers.0.eh_proj.weight", 4, 2, False, "dualpipev", 2) == [0]
+    assert layout.last_stage_embeds({"untie_embeddings_and_output_weights": True, "mtp_num_layers": 1})
+    assert not layout.last_stage_embeds({"untie_embeddings_and_output_weights": True})

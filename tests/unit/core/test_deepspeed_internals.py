@@ -231,16 +231,3 @@ def test_the_loss_scale_is_cur_scale_then_loss_scale_then_1():
     assert internals.loss_scale(types.SimpleNamespace(cur_scale=8, loss_scale=4)) == 8.0
     assert internals.loss_scale(types.SimpleNamespace(loss_scale=4)) == 4.0
     assert internals.loss_scale(object()) == 1.0
-
-
-def test_remembered_layer_partitions_are_deepspeeds_and_served_from_the_table(monkeypatch):
-    """PipelineModule's balanced partition, remembered: the same boundaries as DeepSpeed's dynamic program, the
-    second call answered from the table (a table filled elsewhere, e.g. by an earlier forked rank, is used)."""
-    from deepspeed.runtime import utils as ds_utils
-    monkeypatch.setattr(ds_utils, "partition_balanced", ds_utils.partition_balanced)  # restored afterwards
-    weights, partitions = [5, 1, 1, 1, 9, 2, 2, 7, 1, 3], {}
-    expected = ds_utils.partition_balanced(weights, 4)
-    internals.remember_layer_partitions(partitions)
-    assert ds_utils.partition_balanced(weights, 4) == expected and partitions == {(tuple(weights), 4): expected}
-    partitions[(tuple(weights), 4)] = [0, 1, 2, 3, 10]
-    assert ds_utils.partition_balanced(weights, 4) == [0, 1, 2, 3, 10]

@@ -13,7 +13,8 @@ from megatron_ds.planning.dry_run.collective_devices import CollectiveDevices, n
 
 # torch.cuda.get_device_name() of each GPU -> its entry in the device table (None: not held, measured)
 CUDA_NAMES = [("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", None),
-              ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", None), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+              ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", None), ("NVIDIA H800", "h800"),
+              ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
               ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie"),
               ("NVIDIA A100-PCIE-40GB", None), ("A100-SXM4-40GB", "a100-40gb"),   # an older driver's name
               ("Tesla V100-SXM2-32GB", None), ("NVIDIA GeForce RTX 4090", None), ("", None)]

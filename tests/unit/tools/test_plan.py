@@ -159,9 +159,9 @@ def test_json_entry_point():
 def test_instantiate_mismatch_exits_1(capsys, monkeypatch):
     import megatron_ds.planning.meta as meta
     real = meta.stage_parameters
-    monkeypatch.setattr(meta, "stage_parameters", lambda *args: [
+    monkeypatch.setattr(meta, "stage_parameters", lambda *args, **kwargs: [
         type(stage)(stage.stage, stage.num_layers, stage.embedding, stage.layers + 1, stage.final_norm,
-                    stage.output_head) for stage in real(*args)])
+                    stage.output_head) for stage in real(*args, **kwargs)])
     status = cli.main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                        "--pipeline-model-parallel-size", "2", "--world-size", "2", "--instantiate"])
     assert status == 1
@@ -170,7 +170,8 @@ def test_instantiate_mismatch_exits_1(capsys, monkeypatch):
 
 # ---------------------------------------------------------------- reproduction configs (examples/)
 
-SCRIPTS = {"mtnlg_530b": 530e9, "gpt3_175b": 175e9, "gpt_1t": 1.0e12, "llama2_70b": 70e9}
+SCRIPTS = {"mtnlg_530b": 530e9, "gpt3_175b": 175e9, "gpt_1t": 1.0e12, "llama2_70b": 70e9, "llama31_405b": 405e9,
+           "deepseek_v3_671b": 671e9}
 PENDING_FLAGS = {"--rampup-batch-size"}   # used by the scripts, being added to pretrain.py by another issue
 
 
@@ -192,11 +193,32 @@ def llama_total(layers, h, heads, kv_heads, ffn, vocab):
     return layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * ffn + 2 * h) + 2 * vocab * h + h
 
 
+def deepseek_v3_parts(h=7168, heads=128, q_rank=1536, kv_rank=512, qk=128, rope=64, v=128, dense_ffn=18432,
+                      experts=256, expert_ffn=2048, topk=8, vocab=129280):
+    """(attention, dense MLP, MoE MLP, its active part, one MTP module) of DeepSeek-V3, written out."""
+    attention = (h * q_rank + q_rank + q_rank * heads * (qk + rope)       # query down, its norm, up
+                 + h * (kv_rank + rope) + kv_rank + kv_rank * heads * (qk + v)   # key-value down, norm, up
+                 + heads * v * h)                                          # output projection
+    expert = 3 * h * expert_ffn
+    moe, moe_active = h * experts + experts * expert + expert, h * experts + topk * expert + expert  # + shared
+    mtp = 3 * h + 2 * h * h + attention + moe + 2 * h                     # enorm, hnorm, final norm; eh_proj; layer
+    return attention, 3 * h * dense_ffn, moe, moe_active, mtp
+
+
+def deepseek_v3_totals(layers=61, dense=3, h=7168, vocab=129280):
+    """(total, active) as DeepSeek counts them: embedding and untied head, 3 dense and 58 MoE layers, no MTP."""
+    attention, dense_mlp, moe, moe_active, _ = deepseek_v3_parts()
+    common = 2 * vocab * h + h + layers * (attention + 2 * h) + dense * dense_mlp
+    return common + (layers - dense) * moe, common + (layers - dense) * moe_active
+
+
 EXACT_TOTALS = {
     "gpt3_175b": gpt_total(96, 12288, 51200, 2048),
     "mtnlg_530b": gpt_total(105, 20480, 51200, 2048),
     "gpt_1t": gpt_total(128, 25600, 51200, 2048),
     "llama2_70b": llama_total(80, 8192, 64, 8, 28672, 32000),
+    "llama31_405b": llama_total(126, 16384, 128, 8, 53248, 129024),  # 128,256 padded for TP 8
+    "deepseek_v3_671b": deepseek_v3_totals()[0],
 }
 
 
@@ -214,8 +236,23 @@ def test_reproduction_config_parameters_and_fit(name):
 def test_reproduction_totals_match_the_published_figures():
     assert EXACT_TOTALS["gpt3_175b"] == 174_615_846_912               # "174.6e9" with the vocab padded to 51200
     assert EXACT_TOTALS["llama2_70b"] == 68_976_648_192               # "68.98e9" with vocab 32000
+    assert EXACT_TOTALS["llama31_405b"] == pytest.approx(405e9, rel=0.005)
+    total, active = deepseek_v3_totals()
+    assert (total, active) == (671_026_404_352, 37_552_282_624)        # the paper: 671B, 37B activated
+    assert deepseek_v3_parts()[0] == 187_107_328                       # MLA's parameters per layer
     assert EXACT_TOTALS["mtnlg_530b"] == pytest.approx(530e9, rel=0.01)
     assert EXACT_TOTALS["gpt_1t"] == pytest.approx(1.0e12, rel=0.01)
+
+
+def test_the_deepseek_v3_plan_counts_its_active_parameters_and_its_mtp_module_by_hand():
+    """Beside the total: the parameters one token uses (router, its 8 experts and the shared one in each MoE layer)
+    and the MTP module, which DeepSeek-V3's 671B leaves out (its 14B with the embedding and head copies the
+    Hugging Face checkpoint stores; here they are shared)."""
+    result, status = cli.run(cli.build_plan_parser().parse_args(script_args("deepseek_v3_671b", plan=True)))
+    parameters = result["plan"]["parameters"]
+    assert status == 0 and parameters["active"] == deepseek_v3_totals()[1]
+    assert parameters["mtp"] == deepseek_v3_parts()[4] == 11_610_067_968
+    assert [row["layers"] for row in parameters["per_stage"]] == [1 + 0, *[2 + 2] * 15]   # the layout's V
 
 
 @pytest.mark.parametrize("name", list(SCRIPTS))

@@ -10,4 +10,5 @@ from megatron_ds.core.models.gpt.gpt_model import (
     gpt_layer_specs,
     language_model_loss,
     pack_model_inputs,
+    pipeline_stage_boundaries,
 )

@@ -15,6 +15,14 @@ top-k, dispatch and combine, and the padding of the experts' capacity buffers (c
 The dropless MoE layer (Megatron-Core's flags; config.dropless_moe_in_layer): the router 2 h E, k experts of
 moe_ffn_hidden_size (gated), the shared expert of its own width and its gate 2 h.
 A dense model (num_experts 1) gets exactly the formula above.
+
+Multi-latent attention (config.multi_latent_attention; Megatron-LM's num_floating_point_operations less its norm
+terms, which no other layer here counts either): the weight GEMMs 2 x (query: h a dq, or with a query latent
+h q_r + q_r a dq; key-value down h (kv_r + r); key-value up kv_r a (qk + v); projection a v h), dq = qk + r, and
+QK^T and attention x V 2 s a (dq + v) in place of 4 s a d.
+
+Multi-token prediction (config.mtp_num_layers D; as Megatron-LM counts it): each depth's projection 2 x 2h h, its
+layer (of the last layer's kind) and the output head again: D x (4 h^2 + layer + 2 h V) per token.
 """
 from dataclasses import dataclass
 from typing import Tuple
@@ -40,11 +48,32 @@ def dropless_moe_flops_per_token(config) -> float:
     return 2 * h * config.num_moe_experts + routed + shared + (2 * h if config.moe_shared_expert_gate else 0)
 
 
+def attention_gemm_flops_per_token(config) -> float:
+    """The attention's weight GEMMs per token: QKV and projection, or multi-latent attention's projections."""
+    h, d, heads = config.hidden_size, config.kv_channels, config.num_attention_heads
+    if not config.multi_latent_attention:
+        return 2 * (h * (heads + 2 * config.num_query_groups) * d + heads * d * h)
+    query_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
+    q_rank = config.q_lora_rank
+    query = h * heads * query_dim if q_rank is None else h * q_rank + q_rank * heads * query_dim
+    key_value = h * (config.kv_lora_rank + config.qk_pos_emb_head_dim) + \
+        config.kv_lora_rank * heads * (config.qk_head_dim + config.v_head_dim)
+    return 2 * (query + key_value + heads * config.v_head_dim * h)
+
+
+def attention_score_flops_per_token(config, seq_length) -> float:
+    """QK^T and attention x V per token: 2 s a (d + d) (MLA: the query's head dim and the value's)."""
+    if config.multi_latent_attention:
+        head_dims = config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim
+    else:
+        head_dims = 2 * config.kv_channels
+    return 2 * seq_length * config.num_attention_heads * head_dims
+
+
 def layer_gemm_flops_per_token(config, layer_number) -> float:
     """Weight GEMMs of layer `layer_number` (1-based, global) per token: attention plus the dense MLP, or an
     MoE layer's router, top-k experts and residual."""
-    h, d, heads = config.hidden_size, config.kv_channels, config.num_attention_heads
-    attention = 2 * (h * (heads + 2 * config.num_query_groups) * d + heads * d * h)
+    attention = attention_gemm_flops_per_token(config)
     if config.dropless_moe_in_layer(layer_number):
         return attention + dropless_moe_flops_per_token(config)
     experts = config.experts_in_layer(layer_number)
@@ -56,6 +85,7 @@ class ForwardFlopsPerToken:
     layers_gemms: Tuple[float, ...]   # each layer's weight GEMMs, layer 1 first (MoE layers differ)
     attention_scores: float           # one layer's QK^T and attention x V (the same in every layer)
     head: float                       # the output head
+    mtp: float = 0.0                  # the multi-token prediction modules, their heads included
 
     def layer(self, layer_number) -> float:
         """Forward FLOPs per token of layer `layer_number` (1-based, global)."""
@@ -68,16 +98,19 @@ class ForwardFlopsPerToken:
 
     @property
     def total(self) -> float:
-        """The whole model: every layer and the head."""
-        return self.layers() + self.head
+        """The whole model: every layer, the head and the MTP modules."""
+        return self.layers() + self.head + self.mtp
 
 
 def forward_flops_per_token(config, seq_length, vocab_size) -> ForwardFlopsPerToken:
     """config: a TransformerConfig; vocab_size: the rows of the output head (padded)."""
+    head = 2 * config.hidden_size * vocab_size
+    scores = attention_score_flops_per_token(config, seq_length)
+    mtp = sum(2 * 2 * config.hidden_size ** 2 + layer_gemm_flops_per_token(config, config.num_layers + depth)
+              + scores + head for depth in range(1, config.mtp_num_layers + 1))
     return ForwardFlopsPerToken(
         layers_gemms=tuple(layer_gemm_flops_per_token(config, n) for n in range(1, config.num_layers + 1)),
-        attention_scores=4 * seq_length * config.num_attention_heads * config.kv_channels,
-        head=2 * config.hidden_size * vocab_size)
+        attention_scores=scores, head=head, mtp=mtp)
 
 
 def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):

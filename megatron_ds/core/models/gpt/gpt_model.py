@@ -5,6 +5,7 @@ Data flow: input ids [b, s] -> embedding -> [s, b, h] -> transformer layers -> f
 [s, b, vocab/tp] -> vocab-parallel cross entropy against labels [b, s].
 """
 import functools
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,11 @@ from megatron_ds.core.tensor_parallel.random import (
     set_init_method,
 )
 from megatron_ds.core.transformer.fused_ops import op_implementation
+from megatron_ds.core.transformer.multi_token_prediction import (
+    MultiTokenPrediction,
+    MultiTokenPredictionLoss,
+    embeddings_ahead,
+)
 from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer, assign_recompute_chunks
 
@@ -62,9 +68,10 @@ class LanguageModelEmbedding(torch.nn.Module):
             return dropout(embeddings, self.config.hidden_dropout, self.training)
 
 
-# Pipeline stages exchange one object: the hidden states [s, b, h], or a tuple of them with, in this order, a frozen
-# teacher's hidden states carried as integers (--kd, training/distillation.py) and the attention mask when the
-# batch carries its own (--reset-attention-mask; last, where DeepSpeed's pipeline engine looks for a boolean).
+# Pipeline stages exchange one object: the hidden states [s, b, h], or a tuple of them with, in this order, a rider
+# and the attention mask when the batch carries its own (--reset-attention-mask; last, where DeepSpeed's pipeline
+# engine looks for a boolean). The rider is a frozen teacher's hidden states carried as integers (--kd,
+# training/distillation.py) or the input ids [b, s] for the multi-token prediction after the last layer.
 # The model inputs are the input ids [b, s], or (input ids, position ids[, attention mask]).
 
 def _split_activation(activation):
@@ -89,7 +96,8 @@ def activation_between_stages(config, model_inputs, tensor_parallel_size):
     batch, tokens = input_ids.shape
     tokens //= tensor_parallel_size if config.sequence_parallel else 1
     hidden_states = torch.empty(tokens, batch, config.hidden_size, dtype=config.params_dtype)
-    return _join_activation(hidden_states, rest[1] if len(rest) > 1 else None)
+    rider = torch.empty_like(input_ids) if config.mtp_num_layers else None
+    return _join_activation(hidden_states, rest[1] if len(rest) > 1 else None, rider)
 
 
 def pack_model_inputs(input_ids, position_ids=None, attention_mask=None):
@@ -107,8 +115,11 @@ class EmbeddingPipe(LanguageModelEmbedding):
     def forward(self, inputs):
         input_ids, position_ids, *mask = inputs if isinstance(inputs, tuple) else (inputs, None)
         hidden_states = super().forward(input_ids, position_ids)
-        carrier = self.teacher.carried(self.teacher.embed(inputs)) if _teaching(self) else None
-        return _join_activation(hidden_states, mask[0] if mask else None, carrier)
+        if _teaching(self):
+            rider = self.teacher.carried(self.teacher.embed(inputs))
+        else:
+            rider = input_ids if self.config.mtp_num_layers else None
+        return _join_activation(hidden_states, mask[0] if mask else None, rider)
 
 
 def _teaching(layer):
@@ -121,7 +132,7 @@ class TransformerLayerPipe(TransformerLayer):
     def forward(self, activation):
         hidden_states, carrier, attention_mask = _split_activation(activation)
         hidden_states = super().forward(hidden_states, attention_mask)
-        if carrier is not None:
+        if carrier is not None and self.teacher is not None:
             teacher = self.teacher
             carrier = teacher.carried(teacher.layers_riding_on(self.layer_number, teacher.unpacked(carrier),
                                                                attention_mask))
@@ -129,7 +140,8 @@ class TransformerLayerPipe(TransformerLayer):
 
 
 class FinalLayerNorm(torch.nn.Module):
-    """Final norm; also drops the attention mask from the activation (and hands on a teacher's hidden states)."""
+    """Final norm; also drops the attention mask from the activation (and hands on a teacher's hidden states, or
+    the input ids for the multi-token prediction)."""
     teacher = None
 
     def __init__(self, config):
@@ -137,9 +149,26 @@ class FinalLayerNorm(torch.nn.Module):
         self.norm = build_norm(config)
 
     def forward(self, activation):
-        hidden_states, carrier, _ = _split_activation(activation)
+        hidden_states, rider, _ = _split_activation(activation)
         hidden_states = self.norm(hidden_states)
-        return hidden_states if carrier is None else (hidden_states, self.teacher.unpacked(carrier))
+        if rider is None:
+            return hidden_states
+        return hidden_states, (rider if self.teacher is None else self.teacher.unpacked(rider))
+
+
+def embed_tokens_ahead(embedding: LanguageModelEmbedding, activation):
+    """(final hidden states, input ids) -> (final hidden states, embeddings of the tokens 1..D ahead): the word
+    embeddings of the last stage's copy of the embedding (tied to the first stage's) for the multi-token
+    prediction."""
+    hidden_states, input_ids = activation
+    embed = functools.partial(LanguageModelEmbedding.forward, embedding)
+    return (hidden_states, *embeddings_ahead(embed, input_ids, embedding.config.mtp_num_layers))
+
+
+class MultiTokenPredictionPipe(MultiTokenPrediction):
+    def forward(self, activation):
+        hidden_states, *token_embeddings = activation
+        return super().forward(hidden_states, token_embeddings)
 
 
 class OutputLayer(torch.nn.Module):
@@ -197,23 +226,48 @@ def _tokens_per_slice(counted):
     return total.clamp(min=1.0) / ranks
 
 
-def build_loss_fn(config):
-    """language_model_loss with the cross entropy config.fusion_backend selects."""
-    return functools.partial(language_model_loss, cross_entropy=op_implementation(config, "cross_entropy"))
+def build_loss_fn(config, mtp_loss_scaling_factor=0.1):
+    """language_model_loss with the cross entropy config.fusion_backend selects; with multi-token prediction the
+    MTP depths' losses beside it, weighted by mtp_loss_scaling_factor (--mtp-loss-scaling-factor)."""
+    loss_fn = functools.partial(language_model_loss, cross_entropy=op_implementation(config, "cross_entropy"))
+    if not config.mtp_num_layers:
+        return loss_fn
+    return MultiTokenPredictionLoss(loss_fn, config.mtp_num_layers, mtp_loss_scaling_factor)
 
 
 def gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights=True):
-    """The model as an ordered list of DeepSpeed layer specs (embedding, layers, final norm, head)."""
-    if share_embeddings_and_output_weights:
+    """The model as an ordered list of DeepSpeed layer specs (embedding, layers, final norm, head; with
+    multi-token prediction, between the final norm and the head: the last stage's copy of the embedding, tied to
+    the first stage's, which embeds the tokens ahead, then the MTP modules)."""
+    if share_embeddings_and_output_weights or config.mtp_num_layers:
         embedding = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, vocab_size,
                                   max_sequence_length, tied_weight_attr="word_embeddings.weight")
+    else:
+        embedding = LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length)
+    if share_embeddings_and_output_weights:
         head = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, vocab_size, max_sequence_length,
                              forward_fn=tied_output_logits, tied_weight_attr="word_embeddings.weight")
     else:
-        embedding = LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length)
         head = LayerSpec(OutputLayer, config, vocab_size)
     layers = [LayerSpec(TransformerLayerPipe, config, number) for number in range(1, config.num_layers + 1)]
-    return [embedding, *layers, LayerSpec(FinalLayerNorm, config), head]
+    mtp = []
+    if config.mtp_num_layers:
+        mtp = [TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, vocab_size, max_sequence_length,
+                             forward_fn=embed_tokens_ahead, tied_weight_attr="word_embeddings.weight"),
+               LayerSpec(MultiTokenPredictionPipe, config)]
+    return [embedding, *layers, LayerSpec(FinalLayerNorm, config), *mtp, head]
+
+
+def pipeline_stage_boundaries(specs, stage_layers):
+    """The spec index where each model stage starts, and the spec count after the last: stage s holds
+    stage_layers[s] transformer layers, the first stage the specs before the first layer (the embedding), the
+    last the specs after the last layer (final norm, head and whatever sits between)."""
+    positions = [index for index, spec in enumerate(specs) if spec.typename is TransformerLayerPipe]
+    if sum(stage_layers) != len(positions):
+        raise ValueError(f"stages of {' + '.join(map(str, stage_layers))} layers for a model of {len(positions)}")
+    starts = [positions[count] if count < len(positions) else positions[-1] + 1
+              for count in accumulate(stage_layers[:-1])]
+    return [0, *starts, len(specs)]
 
 
 class GPTModel(torch.nn.Module):
@@ -226,9 +280,10 @@ class GPTModel(torch.nn.Module):
         self.config = config
         specs = gpt_layer_specs(config, vocab_size, max_sequence_length, share_embeddings_and_output_weights)
         self.embedding = specs[0].build()
-        self.layers = torch.nn.ModuleList(spec.build() for spec in specs[1:-2])
+        self.layers = torch.nn.ModuleList(spec.build() for spec in specs[1:config.num_layers + 1])
         assign_recompute_chunks(list(self.layers), config)
-        self.final_layernorm = specs[-2].build()
+        self.final_layernorm = specs[config.num_layers + 1].build()
+        self.mtp = specs[-2].build() if config.mtp_num_layers else None
         self.output_layer = None if share_embeddings_and_output_weights else specs[-1].build()
         self.loss_fn = build_loss_fn(config)
 
@@ -239,6 +294,9 @@ class GPTModel(torch.nn.Module):
         for layer in self.layers:
             activation = layer(activation)
         hidden_states = self.final_layernorm(activation)
+        if self.mtp is not None:  # the depths' outputs beside the main ones when there is a loss to take
+            hidden_states = self.mtp(embed_tokens_ahead(self.embedding, hidden_states)) if labels is not None \
+                else hidden_states[0]
         logits = (tied_output_logits(self.embedding, hidden_states) if self.output_layer is None
                   else self.output_layer(hidden_states))
         if labels is None:

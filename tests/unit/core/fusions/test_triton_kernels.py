@@ -156,13 +156,29 @@ def test_flash_attention(triton_device, dtype, p, b, heads, groups, sq, sk, d):
                    [q, k, v])
 
 
+@pytest.mark.parametrize("dtype, p", [(torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize("d, e", [(24, 8), (16, 40)])
+def test_flash_attention_with_a_value_head_dim_other_than_the_query_s_and_a_given_scale(triton_device, dtype, p, d,
+                                                                                        e):
+    """Multi-latent attention's shapes: values of e channels, queries and keys of d, the scores scaled by a
+    factor other than 1 / sqrt(d); forward and every gradient the reference's. (bf16 with dropout: the kernels'
+    delta from the bf16 output and the reference's exact row sum differ by more than bf16's tolerance at so few
+    value channels; so they do at d = e = 8, so it is not the two dims' difference.)"""
+    b, heads, s = 2, 2, 37
+    q, k = leaf((b, heads, s, d), dtype, triton_device), leaf((b, heads, s, d), dtype, triton_device, seed=10)
+    v = leaf((b, heads, s, e), dtype, triton_device, seed=11)
+    seed = torch.tensor(ATTENTION_SEED, device=triton_device)
+    assert_matches(lambda *qkv: flash_attention_triton(*qkv, p, seed, scale=0.3),
+                   lambda *qkv: flash_attention_reference(*qkv, p, seed, scale=0.3), [q, k, v])
+
+
 def test_flash_attention_with_a_gpu_s_tiles_at_head_dim_128(triton_device, monkeypatch):
     """A GPU's tiles (64 x 64; the dK/dV kernel 32 x 32 past head dim 64, where 64 x 64 spilled on sm_90), through
     the interpreter: forward and every gradient still the reference's, dropout included, over several blocks."""
     from megatron_ds.core.fusions import flash_attention
     gpu_meta = flash_attention._meta
-    monkeypatch.setattr(flash_attention, "_meta", lambda threshold, device, d: {
-        **gpu_meta(threshold, device, d), "BLOCK_M": 64, "BLOCK_N": 64})
+    monkeypatch.setattr(flash_attention, "_meta", lambda threshold, device, d, e=None: {
+        **gpu_meta(threshold, device, d, e), "BLOCK_M": 64, "BLOCK_N": 64})
     assert flash_attention._backward_kv_meta(flash_attention._meta(1, triton_device, 128))["BLOCK_N"] == 32
     b, heads, s, d = 1, 2, 70, 128
     seed = torch.tensor(ATTENTION_SEED, device=triton_device)

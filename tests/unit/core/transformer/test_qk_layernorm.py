@@ -15,7 +15,7 @@ from megatron_ds.core.tensor_parallel.random import initialize_deterministically
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
 from megatron_ds.core.transformer.attention import SelfAttention
 from tests.support.distributed import run_distributed
-from tests.support.transformer_layers import gather_param
+from tests.support.transformer_layers import layer_results_on_this_rank
 
 S, B, HEADS, GROUPS, D, HIDDEN, EPS = 6, 2, 4, 2, 8, 16, 1e-6  # head dim 8: 4 x 8 != hidden 16
 QWEN = dict(normalization="RMSNorm", gated_linear_unit=True, bias=False, add_qkv_bias=True, qk_layernorm=True,
@@ -91,29 +91,10 @@ def _layer_results(tp, sequence_parallel, path):
             module.weight.add_(torch.randn(D, generator=generator))
     hidden, output_grad = torch.randn(S * 2, B, HIDDEN, generator=generator), torch.randn(S * 2, B, HIDDEN,
                                                                                           generator=generator)
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    split = (lambda t: t.chunk(tp)[rank].clone()) if sequence_parallel else (lambda t: t)  # noqa: E731
-    hidden = split(hidden).requires_grad_()
-    output = layer(hidden)
-    output.backward(split(output_grad))
-    results = {"output": _gather_sequence(output.detach(), sequence_parallel),
-               "input_grad": _gather_sequence(hidden.grad, sequence_parallel)}
-    for name, param in layer.named_parameters():
-        results[name] = gather_param(param.grad, param)
-        if "_layernorm" in name and "self_attention" in name:
-            copies = [torch.empty_like(param.grad) for _ in range(tp)]
-            dist.all_gather(copies, param.grad, group=parallel_state.get_tensor_model_parallel_group())
-            results[f"on every rank:{name}"] = all(torch.equal(copy, copies[0]) for copy in copies)
+    results = layer_results_on_this_rank(layer, hidden, output_grad, sequence_parallel,
+                                         lambda name, _: "_layernorm" in name and "self_attention" in name)
     if dist.get_rank() == 0:
         torch.save(results, path)
-
-
-def _gather_sequence(tensor, sequence_parallel):
-    if not sequence_parallel:
-        return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
-    dist.all_gather(pieces, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(pieces)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])

@@ -34,7 +34,7 @@ def _attention_qk(config):
             param.copy_(0.2 * torch.randn(param.shape, generator=generator))
     seen = {}
 
-    def core_attention(query, key, value, *rest):  # [b, heads, s, d]
+    def core_attention(query, key, value, *rest, scale=None):  # [b, heads, s, d]
         seen["query"], seen["key"] = query.permute(2, 0, 1, 3), key.permute(2, 0, 1, 3)
         return query
 
