@@ -159,10 +159,21 @@ class UlyssesTraffic:
 def ulysses_traffic_per_layer(model: ModelSpec, layout: Layout) -> UlyssesTraffic:
     config = model.config
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
-    payload = (tokens * layout.micro_batch_size * config.num_attention_heads / layout.tp * config.kv_channels
-               * activation_element_bytes(model))
-    one = all_to_all_bytes(layout.ulysses, payload)
-    return UlyssesTraffic(payload, one, 4 * one, 4 * one, 4 * one if layout.recompute == "full" else 0.0)
+    per_channel = tokens * layout.micro_batch_size * config.num_attention_heads / layout.tp \
+        * activation_element_bytes(model)
+    sent = [all_to_all_bytes(layout.ulysses, per_channel * dim) for dim in _ulysses_head_dims(config)]
+    forward = sum(sent)
+    return UlyssesTraffic(per_channel * _ulysses_head_dims(config)[0], sent[0], forward, forward,
+                          forward if layout.recompute == "full" else 0.0)
+
+
+def _ulysses_head_dims(config):
+    """Each head's channels in the query, key, value and context all-to-alls (every key and value head expanded to
+    the query heads first): d each, or multi-latent attention's query and key qk + r and value and context v."""
+    if not config.multi_latent_attention:
+        return (config.kv_channels,) * 4
+    query = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return query, query, config.v_head_dim, config.v_head_dim
 
 
 def ulysses_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int) -> float:
