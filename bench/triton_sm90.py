@@ -110,7 +110,7 @@ def gpu_choices(arch):
         (_triton, "check_device"): check_device,
         (_triton, "parallel_programs"): parallel_programs,
         (_triton, "row_programs"): lambda rows, block_m, device: row_programs(rows, block_m, cuda),
-        (flash_attention, "_meta"): lambda threshold, device, d: meta(threshold, cuda, d),
+        (flash_attention, "_meta"): lambda threshold, device, d, e=None: meta(threshold, cuda, d, e),
         (dropout, "hash_chunk_elements"): lambda device: chunk(cuda),  # plain PyTorch's dropout: no kernel
     }
 
