@@ -65,7 +65,7 @@ def _cycle(process, stopped_share, period, done, applied):
 def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
     done, applied = threading.Event(), [None]
     lines = []
-    with _launch(iterations=120, ranks=RANKS, log_interval=20, extra=LOOSER) as launch:
+    with _launch(iterations=200, ranks=RANKS, log_interval=20, extra=LOOSER) as launch:
         try:
             for line in lines_within(launch, 400):
                 lines.append(line)
@@ -83,9 +83,10 @@ def test_a_rank_slowed_from_outside_is_named_with_its_slowdown():
     warnings = WARNING.findall(output)
     assert warnings, output[-4000:]
     checks_before = len(re.findall(r"straggler check, iterations", output[:output.index("WARNING: straggler")]))
-    # before the slowdown, then <= 4: the slowdown starts when this test reads the first check's line, the next
-    # interval may straddle it, and the warning needs 2 slowed intervals in a row (a CI run of 2026-12-06 took 4)
-    assert checks_before <= 1 + 4, [line for line in lines if "straggler" in line]
+    # before the slowdown, then <= 6: the slowdown starts when this test reads the first check's line, the next
+    # interval may straddle it, and the warning needs 2 slowed intervals in a row, which a dipping one (1.10x under
+    # CI's load, for 1.43x applied) resets (CI runs of 2026-12-06 took 4 and 5)
+    assert checks_before <= 1 + 6, [line for line in lines if "straggler" in line]
     assert {rank for rank, _ in warnings} == {str(RANKS - 1)}, warnings
     slowdown = 1 / (1 - applied[0])
     # the median of the warnings: the first slowed interval may straddle the start of the slowdown (seen: 1.17x then
