@@ -161,10 +161,11 @@ def ulysses_traffic_per_layer(model: ModelSpec, layout: Layout) -> UlyssesTraffi
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
     per_channel = tokens * layout.micro_batch_size * config.num_attention_heads / layout.tp \
         * activation_element_bytes(model)
-    sent = [all_to_all_bytes(layout.ulysses, per_channel * dim) for dim in _ulysses_head_dims(config)]
+    dims = _ulysses_head_dims(config)
+    sent = [all_to_all_bytes(layout.ulysses, per_channel * dim) for dim in dims]
     forward = sum(sent)
-    return UlyssesTraffic(per_channel * _ulysses_head_dims(config)[0], sent[0], forward, forward,
-                          forward if layout.recompute == "full" else 0.0)
+    recompute = forward if layout.recompute == "full" else 0.0
+    return UlyssesTraffic(per_channel * dims[0], sent[0], forward, forward, recompute)
 
 
 def _ulysses_head_dims(config):
