@@ -44,7 +44,13 @@ def size_errors(args):
                         "log_interval", "straggler_minmax_count", "straggler_threshold", "straggler_intervals"),
         optional=("num_key_value_heads", "max_position_embeddings", "ffn_hidden_size", "kv_channels",
                   "micro_batch_size", "global_batch_size", "vocab_size", "train_iters", "train_samples",
-                  "train_tokens", "lr_decay_samples", "lr_decay_tokens"))
+                  "train_tokens", "lr_decay_samples", "lr_decay_tokens")) + _moe_layer_interval_errors(args)
+
+
+def _moe_layer_interval_errors(args):
+    """--moe-layer-freq N marks every N-th layer: N must be positive (a list pattern is checked with the model)."""
+    freq = args.moe_layer_freq
+    return [f"--moe-layer-freq must be positive, got {freq}"] if isinstance(freq, int) and freq <= 0 else []
 
 
 def parallel_layout(args, zero_stage=None) -> ParallelLayout:
@@ -547,7 +553,7 @@ def moe_family_errors(args):
 
 
 def _dropless_moe_unbuilt_errors(args):
-    errors = []
+    errors = _no_moe_layer_errors(args)
     if args.moe_pad_expert_input_to_capacity:
         errors.append("--moe-pad-expert-input-to-capacity is not built: the experts take each one's count of pairs "
                       "(padding would only add pairs of weight 0); leave it unset")
@@ -555,6 +561,16 @@ def _dropless_moe_unbuilt_errors(args):
         errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: the dropless layer keeps "
                       f"each expert whole on its rank (1); splitting experts is not built yet")
     return errors
+
+
+def _no_moe_layer_errors(args):
+    """A --moe-layer-freq list of 0s only (a Megatron-LM spelling of a dense model): the dropless layer's experts
+    would be built nowhere, and everything that sizes them reads the first MoE layer."""
+    freq = args.moe_layer_freq
+    if not isinstance(freq, list) or any(freq):
+        return []
+    return [f"--moe-layer-freq [0]*{len(freq)} with --num-experts {' '.join(map(str, args.num_experts))}: no "
+            f"layer would be an MoE layer; drop --num-experts and --moe-layer-freq for a dense model"]
 
 
 def unbuilt_feature_errors(args):

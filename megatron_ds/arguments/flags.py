@@ -10,6 +10,7 @@ import types
 
 from megatron_ds.arguments import compat
 from megatron_ds.core.pipeline_schedules import SCHEDULES
+from megatron_ds.core.pipeline_split import add_split_flags
 from megatron_ds.core.transformer.transformer_config import (
     ATTENTION_BACKENDS,
     FUSION_BACKENDS,
@@ -283,22 +284,7 @@ def _add_parallel_args(parser):
                        help="Megatron's interleaved schedule: N layers per virtual stage (v = layers / (PP x N))")
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                        help="Megatron's interleaved schedule: v virtual stages per pipeline rank")
-    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the first pipeline stage (default: the even split); the rest "
-                            "spread evenly over the stages after it")
-    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the last pipeline stage (default: the even split); the rest "
-                            "spread evenly over the stages before it")
-    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                       help="count the embedding as one layer when splitting the layers over the pipeline stages: "
-                            "the first stage holds one transformer layer less")
-    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                       help="count the loss (final norm and output layer) as one layer when splitting the layers "
-                            "over the pipeline stages: the last stage holds one transformer layer less")
-    group.add_argument("--pipeline-model-parallel-layout", default=None,
-                       help="each model stage's items in model order, stages split by |: E embedding, t transformer "
-                            "layer, m multi-token prediction module, L loss; (...)*n and x*n repeat, commas are "
-                            "cosmetic (e.g. DeepSeek-V3 at PP 16 under DualPipeV: \"Et|(tt|)*30,mL\")")
+    add_split_flags(group)
     group.add_argument("--zero-stage", type=int, default=None, help="default: DeepSpeed JSON, or 1")
     group.add_argument("--no-pipeline-parallel", action="store_true",
                        help="Megatron-DeepSpeed compatibility: PP = 1 always uses the plain DeepSpeed engine")

@@ -46,17 +46,18 @@ class FullState:
         return self.recorded_model if self.recorded_model is not None else files.model_shape(self.args)
 
 
-def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank):
-    """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size)."""
+def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank, stage_layers=None):
+    """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size), one model stage per pipeline
+    rank holding stage_layers[rank] layers (None: the even split)."""
     args = full.args
     num_layers, swiglu = args["num_layers"], bool(args.get("swiglu"))
     sharded_experts = bool(args.get("enable_expert_tensor_parallelism"))
     tied = layout.last_stage_embeds(args)
-    if num_layers % pp_size:
+    if stage_layers is None and num_layers % pp_size:
         raise CheckpointError(f"{num_layers} layers do not split into {pp_size} pipeline stages")
     weights, optimizer = {}, {} if full.optimizer is not None else None
     for name, tensor in full.weights.items():
-        if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied):
+        if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied, stage_layers=stage_layers):
             continue
         rule = layout.partition_rule(name, swiglu, sharded_experts)
         weights[name] = layout.split_tensor(tensor, rule, tp_size, tp_rank)

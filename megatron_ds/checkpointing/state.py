@@ -338,9 +338,10 @@ def resize_vocabulary(full: FullState, rows):
 
 
 def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=None, with_optimizer=True,
-                             source=None):
+                             source=None, stage_layers=None):
     """Write `full` for (tp_size, pp_size) as a megatron_ds-sharded checkpoint (any data-parallel size
-    loads it), crash-safe like a training save; returns the checkpoint folder."""
+    loads it), crash-safe like a training save; returns the checkpoint folder. stage_layers: the layers of each
+    pipeline stage, recorded in the layout (None: the even split, which the saved flags then give)."""
     tag = tag or files.tag_for(full.iteration)
     tmp_tag, tmp_path = files.start_folder(save_dir, tag)
     optimizer = full.optimizer if with_optimizer else None
@@ -348,7 +349,7 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
     checksums = {}
     for tp_rank in range(tp_size):
         for pp_rank in range(pp_size):
-            rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank)
+            rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank, stage_layers)
             name = files.sharded_file_name(tp_rank, pp_rank)
             checksums[name] = files.write_torch_file(
                 {"model": rank.weights, "optimizer": rank.optimizer, "optimizer_step": rank.optimizer_step},
@@ -356,7 +357,8 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
     checkpoint_layout = {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size,
                          "data_parallel_size": None, "zero_stage": None,
                          "precision": full.args.get("params_dtype", "float32"),
-                         "engine": "pipeline" if pp_size > 1 else "plain"}
+                         "engine": "pipeline" if pp_size > 1 else "plain",
+                         **({"stage_layers": list(stage_layers)} if stage_layers is not None else {})}
     metadata = files.new_metadata(files.FORMAT_SHARDED, tag, full.args, checkpoint_layout,
                                   iteration=full.iteration, consumed_train_samples=full.consumed_train_samples,
                                   consumed_valid_samples=full.consumed_valid_samples, scheduler=full.scheduler,

@@ -13,7 +13,13 @@ from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.conversion import huggingface
 from megatron_ds.core.parallel_layout import stages_without_experts
-from megatron_ds.core.pipeline_split import EVEN_SPLIT_FLAGS
+from megatron_ds.core.pipeline_split import (
+    LAYOUT_FLAG,
+    PipelineSplit,
+    first_layers,
+    split_flags,
+    split_from_flags,
+)
 from megatron_ds.core.transformer.transformer_config import MLA_FIELDS
 from megatron_ds.data.tokenizers import build_tokenizer
 
@@ -37,24 +43,43 @@ def load_full(load_dir, iteration=None, with_optimizer=True):
     return full, path
 
 
-def _check_target(shape, tp, pp, ep=None, expert_tensor_parallelism=None):
-    """shape: the model's (files.model_shape)."""
-    problems = _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism)
+def _check_target(shape, tp, pp, ep=None, expert_tensor_parallelism=None, split=PipelineSplit()):
+    """shape: the model's (files.model_shape). Returns the layers of each target pipeline stage (one model stage
+    per pipeline rank, as 1F1B places them)."""
+    stage_layers, problems = _target_stage_layers(shape, pp, split)
+    problems += _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism, stage_layers, split)
     for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
                         ("--num-key-value-heads", shape["num_key_value_heads"]),
                         ("--ffn-hidden-size", shape["ffn_hidden_size"])):
         if value % tp:
             problems.append(f"{what} {value} is not divisible by --target-tensor-parallel-size {tp}")
-    if shape["num_layers"] % pp:
-        problems.append(f"--num-layers {shape['num_layers']} is not divisible by "
-                        f"--target-pipeline-model-parallel-size {pp}")
     if tp < 1 or pp < 1:
         problems.append("target sizes must be positive")
     if problems:
         raise CheckpointError("cannot reshape to this layout:\n  - " + "\n  - ".join(problems))
+    return stage_layers
 
 
-def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
+def _target_stage_layers(shape, pp, split):
+    """(the layers of each target pipeline stage, or None; the split's problems)."""
+    num_layers = shape["num_layers"]
+    if pp < 1:
+        return None, []  # _check_target refuses it
+    if split.is_even:
+        if num_layers % pp:
+            return None, [f"--num-layers {num_layers} is not divisible by --target-pipeline-model-parallel-size {pp}"]
+        return split.stage_layers(num_layers, pp), []
+    problems = [problem.replace("--pipeline-model-parallel-size", "--target-pipeline-model-parallel-size")
+                for problem in split.problems(num_layers, pp)]
+    modules = shape.get("mtp_num_layers") or 0
+    placed = "".join(split.layout).count("m") if split.layout is not None else modules
+    if placed != modules:
+        problems.append(f"{LAYOUT_FLAG} places {placed} multi-token prediction module(s) (m), the model has "
+                        f"{modules} (--mtp-num-layers)")
+    return (None, problems) if problems else (split.stage_layers(num_layers, pp), [])
+
+
+def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism, stage_layers, split):
     if not files.is_moe(shape):
         return ([f"--target-expert-parallel-size {ep}: the model has no experts"] if ep not in (None, 1) else []) + \
             ([f"--target-expert-tensor-parallelism {expert_tensor_parallelism}: the model has no experts"]
@@ -64,22 +89,22 @@ def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism):
     if files.is_dropless_moe(shape) and expert_tensor_parallelism == "on":
         problems.append("--target-expert-tensor-parallelism on: the dropless MoE layer keeps each expert whole on "
                         "its rank (expert TP 1)")
-    if shape["num_layers"] % pp:
+    if stage_layers is None:
         return problems
     if files.is_dropless_moe(shape):
-        pattern, per_stage = shape["dropless_moe_layers"], shape["num_layers"] // pp
-        empty = [stage for stage in range(pp) if not any(pattern[stage * per_stage:(stage + 1) * per_stage])]
+        pattern, starts = shape["dropless_moe_layers"], first_layers(stage_layers)
+        empty = [stage for stage in range(pp) if not any(pattern[starts[stage]:starts[stage + 1]])]
         placement = f"--moe-layer-freq {pattern}"
     else:
-        empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"])
+        empty = stages_without_experts(shape["num_layers"], pp, shape["expert_interval"], split)
         placement = f"--expert-interval {shape['expert_interval']}"
     if empty:
-        problems.append(f"pipeline stage(s) {empty} of --target-pipeline-model-parallel-size {pp} would hold no MoE "
-                        f"layer ({placement})")
+        problems.append(f"pipeline stage(s) {empty} of --target-pipeline-model-parallel-size {pp}"
+                        f"{' ' + split.describe() if not split.is_even else ''} would hold no MoE layer ({placement})")
     return problems
 
 
-def _retarget(full, tp, pp, divisible_by=None):
+def _retarget(full, tp, pp, divisible_by=None, split=PipelineSplit()):
     """Set the layout in full.args; keep the vocabulary rows when they split over tp, else pad them."""
     args = full.args
     rows = full.weights[layout.WORD_EMBEDDINGS].size(0)
@@ -97,14 +122,15 @@ def _retarget(full, tp, pp, divisible_by=None):
     old_dp = args.get("data_parallel_size") or 1
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=wanted,
                 make_vocab_size_divisible_by=divisible_by, world_size=tp * pp * old_dp)
-    args.update(EVEN_SPLIT_FLAGS)  # written with the layers split evenly over the target's stages
+    args.update(split_flags(split))  # the target's split, as pretrain.py's flags give it
     return divisible_by
 
 
 def _training_hint(full, tp, pp):
     args = full.args
-    hint = (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
-            f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}")
+    split = split_from_flags(args).describe()
+    hint = (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+            f"{' ' + split if split else ''} --make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}")
     if not files.is_moe(full.model):
         return hint + " (any data-parallel size)"
     if args.get("enable_expert_tensor_parallelism"):
@@ -131,14 +157,16 @@ def _set_expert_layout(args, ep, expert_tensor_parallelism):
         args["enable_expert_tensor_parallelism"] = expert_tensor_parallelism == "on"
 
 
-def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None, expert_tensor_parallelism=None):
+def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None, expert_tensor_parallelism=None,
+            split=PipelineSplit()):
     full, path = load_full(load_dir, iteration, with_optimizer)
-    _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
+    stage_layers = _check_target(full.model, tp, pp, ep, expert_tensor_parallelism, split)
     source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"],
               full.args.get("moe_expert_parallel_size") or 1)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
-    _retarget(full, tp, pp)
-    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path)
+    _retarget(full, tp, pp, split=split)
+    folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path,
+                                            stage_layers=stage_layers)
     experts = files.is_moe(full.model)
     source_text = f"TP {source[0]} x PP {source[1]}" + (f" x EP {source[2]}" if experts else "")
     target_text = f"TP {tp} x PP {pp}" + (f" x EP {full.args.get('moe_expert_parallel_size') or 1}" if experts else "")
@@ -329,13 +357,14 @@ def _hf_tokenizer_args(hf_dir, base):
 
 
 def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_parallelism=None,
-            moe_layer=None):
+            moe_layer=None, split=PipelineSplit()):
     full = read_hf(hf_dir, divisible_by, tp, moe_layer)
-    _check_target(full.model, tp, pp, ep, expert_tensor_parallelism)
+    stage_layers = _check_target(full.model, tp, pp, ep, expert_tensor_parallelism, split)
     _set_expert_layout(full.args, ep, expert_tensor_parallelism)
-    full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
+                     **split_flags(split))
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
-                                            source=os.path.abspath(hf_dir))
+                                            source=os.path.abspath(hf_dir), stage_layers=stage_layers)
     shape = full.model
     experts = files.is_moe(shape)
     moe_layer_text = "the dropless MoE layer" if files.is_dropless_moe(shape) else "DeepSpeed-MoE"
@@ -348,7 +377,7 @@ def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_
     return folder
 
 
-def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None):
+def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None, split=PipelineSplit()):
     """A Megatron-DeepSpeed checkpoint written as ours (weights, fp32 master weights and Adam moments, iteration,
     data position, tokens, LR schedule), at its own layout unless told another."""
     path = megatron_deepspeed.checkpoint_folder(mds_dir, iteration)
@@ -356,10 +385,10 @@ def from_megatron_deepspeed(mds_dir, save_dir, tp=None, pp=None, iteration=None)
     full = state.read_full_state(path, metadata, with_optimizer=metadata["has_optimizer_states"])
     source_tp, source_pp = full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"]
     tp, pp = tp or source_tp, pp or source_pp
-    _check_target(full.model, tp, pp)
-    _retarget(full, tp, pp)
+    stage_layers = _check_target(full.model, tp, pp, split=split)
+    _retarget(full, tp, pp, split=split)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=full.optimizer is not None,
-                                            source=os.path.abspath(path))
+                                            source=os.path.abspath(path), stage_layers=stage_layers)
     optimizer = (f"fp32 master weights and Adam moments (step {full.optimizer_step})" if full.optimizer is not None
                  else "no optimizer states (no ZeRO files, or saved before the first step: the optimizer starts "
                       "afresh)")

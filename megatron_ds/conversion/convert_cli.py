@@ -5,6 +5,7 @@ import sys
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.conversion import convert
 from megatron_ds.conversion.huggingface import MOE_LAYERS
+from megatron_ds.core.pipeline_split import add_split_flags, split_from_flags
 
 DESCRIPTION = """Reshape megatron_ds checkpoints to another tensor/pipeline-parallel layout, and convert them to and
 from Hugging Face `transformers` models (GPT-2 family <-> GPT2LMHeadModel, LLaMA family <-> LlamaForCausalLM, LLaMA
@@ -70,21 +71,35 @@ def build_parser():
     parser.add_argument("--trim-vocab-padding", action="store_true",
                         help="--to-hf: keep only the tokenizer's rows (default: all rows, padding included, so a "
                              "round trip reproduces every tensor)")
+    add_split_flags(parser.add_argument_group(
+        "the target's pipeline split (reshape, --from-hf, --from-megatron-deepspeed): pretrain.py's flags, one "
+        "model stage per pipeline rank; default the even split"))
     return parser
+
+
+def _target_split(parser, args):
+    """The split the written checkpoint is to have; refused where the output is not our checkpoint."""
+    split = split_from_flags(vars(args))
+    if not split.is_even and (args.to_hf or args.to_megatron_deepspeed):
+        why = "--to-hf writes no pipeline stages" if args.to_hf else "--to-megatron-deepspeed writes the even split"
+        parser.error(f"{split.describe()}: a pipeline split is for our checkpoints (reshape, --from-hf, "
+                     f"--from-megatron-deepspeed); {why}")
+    return split
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    split = _target_split(parser, args)
     try:
         if args.from_hf:
             convert.from_hf(args.from_hf, args.save, args.target_tensor_parallel_size or 1,
                             args.target_pipeline_model_parallel_size or 1, args.make_vocab_size_divisible_by,
                             args.target_expert_parallel_size, args.target_expert_tensor_parallelism,
-                            args.moe_layer)
+                            args.moe_layer, split)
         elif args.from_megatron_deepspeed:
             convert.from_megatron_deepspeed(args.from_megatron_deepspeed, args.save, args.target_tensor_parallel_size,
-                                            args.target_pipeline_model_parallel_size, args.load_iteration)
+                                            args.target_pipeline_model_parallel_size, args.load_iteration, split)
         elif not args.load:
             parser.error("give --load (reshape, --to-hf or --to-megatron-deepspeed), --from-hf or "
                          "--from-megatron-deepspeed")
@@ -99,7 +114,7 @@ def main(argv=None):
                 parser.error("reshaping needs --target-tensor-parallel-size and --target-pipeline-model-parallel-size")
             convert.reshape(args.load, args.save, args.target_tensor_parallel_size,
                             args.target_pipeline_model_parallel_size, args.load_iteration, not args.no_optim,
-                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism)
+                            args.target_expert_parallel_size, args.target_expert_tensor_parallelism, split)
     except CheckpointError as error:
         print(f"convert_checkpoint: error: {error}", file=sys.stderr, flush=True)
         return 2

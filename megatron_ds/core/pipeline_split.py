@@ -203,9 +203,36 @@ class PipelineSplit:
         return tuple(counts)
 
 
-EVEN_SPLIT_FLAGS = {"decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
-                    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
-                    "pipeline_model_parallel_layout": None}
+def add_split_flags(group):
+    """Megatron-LM's uneven split flags, for pretrain.py and for tools/convert_checkpoint.py's target."""
+    group.add_argument(FIRST_FLAG, type=int, default=None,
+                       help="transformer layers on the first pipeline stage (default: the even split); the rest "
+                            "spread evenly over the stages after it")
+    group.add_argument(LAST_FLAG, type=int, default=None,
+                       help="transformer layers on the last pipeline stage (default: the even split); the rest "
+                            "spread evenly over the stages before it")
+    group.add_argument(EMBEDDING_FLAG, action="store_true",
+                       help="count the embedding as one layer when splitting the layers over the pipeline stages: "
+                            "the first stage holds one transformer layer less")
+    group.add_argument(LOSS_FLAG, action="store_true",
+                       help="count the loss (final norm and output layer) as one layer when splitting the layers "
+                            "over the pipeline stages: the last stage holds one transformer layer less")
+    group.add_argument(LAYOUT_FLAG, default=None,
+                       help="each model stage's items in model order, stages split by |: E embedding, t transformer "
+                            "layer, m multi-token prediction module, L loss; (...)*n and x*n repeat, commas are "
+                            "cosmetic (e.g. DeepSeek-V3 at PP 16 under DualPipeV: \"Et|(tt|)*30,mL\")")
+
+
+def split_flags(split: PipelineSplit) -> dict:
+    """The flags' values (dest names) that give `split`: split_from_flags' inverse, as a checkpoint records them."""
+    return {"decoder_first_pipeline_num_layers": split.first_stage_layers,
+            "decoder_last_pipeline_num_layers": split.last_stage_layers,
+            "account_for_embedding_in_pipeline_split": split.account_for_embedding,
+            "account_for_loss_in_pipeline_split": split.account_for_loss,
+            "pipeline_model_parallel_layout": None if split.layout is None else "|".join(split.layout)}
+
+
+EVEN_SPLIT_FLAGS = split_flags(PipelineSplit())
 
 
 def split_from_flags(values) -> PipelineSplit:

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import List
 
 from megatron_ds.core.fusions.fused_cross_entropy import default_chunk_rows
-from megatron_ds.core.pipeline_schedules import messages_split_over_tensor_parallel
+from megatron_ds.core.pipeline_schedules import chunks_per_rank, messages_split_over_tensor_parallel, model_stage
 from megatron_ds.core.transformer.attention import gpu_sdpa_takes_grouped_heads
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
@@ -237,18 +237,19 @@ def dropless_moe_mlp_bytes(model: ModelSpec, layout: Layout, received_rows=None)
       - the MLP's input, w h T (the router's input; under TP without SP the layer's own split copy);
       - the router (_router_bytes) and, with their coefficients, the balance and z-losses (_router_loss_bytes);
       - each row's place and token (int64), 16 N; with EP > 1 the received rows' expert order and its inverse, 16 R;
-      - the experts: each row's input and SwiGLU, w h + 3 or 4 w F (_expert_swiglu_tensors);
-      - the combine: each row's output, its weighted output (index_add's source) and its weight, w (2h + 1) N;
+      - the experts: each row's input, and its gate and up projections and their SwiGLU product, w (h + 3F) (the
+        layer's SwiGLU keeps its two inputs alone on every device, DeepSpeed's Triton kernel on a GPU);
+      - the combine: each row's output and its fp32 weight, (w h + 4) N;
       - the shared expert and its gate (_shared_expert_bytes)."""
     config, width = model.config, _activation_width(model)
     h, tokens = config.hidden_size, dropless_routed_tokens(model, layout)
     rows = config.moe_router_topk * tokens
     received = dropless_received_rows(model, layout) if received_rows is None else received_rows
     places = 16 * rows + (16 * received if config.moe_expert_parallel_size > 1 else 0)
-    experts = received * width * (h + _expert_swiglu_tensors(config) * config.moe_ffn_hidden_size)
+    experts = received * width * (h + 3 * config.moe_ffn_hidden_size)
     losses = _router_loss_bytes(config, tokens, layout.micro_batch_size)
     return (width * h * tokens + _router_bytes(config, tokens) + losses + places
-            + experts + rows * width * (2 * h + 1) + _shared_expert_bytes(model, layout, width))
+            + experts + rows * (width * h + 4) + _shared_expert_bytes(model, layout, width))
 
 
 def _router_bytes(config, tokens):
@@ -271,13 +272,6 @@ def _router_loss_bytes(config, tokens, micro_batch_size):
     if config.moe_z_loss_coeff:
         z = tokens * 4 * (experts + 1)
     return balance + z + (4 if balance or z else 0)
-
-
-def _expert_swiglu_tensors(config):
-    """Tensors of F per row the routed experts keep: with --moe-grouped-gemm DeepSpeed's Triton SwiGLU keeps the
-    gate and up projections and the product (3, as on a GPU); one GEMM per expert (or without Triton) keeps silu's
-    input, its output, up and the product (4)."""
-    return 3 if config.moe_grouped_gemm else 4
 
 
 def _shared_expert_bytes(model, layout, width):
@@ -422,32 +416,59 @@ def _pipeline_buffer_bytes(model, layout, stage, in_flight):
     """DeepSpeed's PipelineEngine (1F1B, ZB-H1) keeps, on a stage that sends activations, each in-flight
     micro-batch's output as sent (1/t of it where it splits messages over TP, the rest of the tensor freed) and
     one received gradient; without the split a receiving stage also keeps each received input beside the clone
-    its forward runs on. DualPipeVEngine's buffers are not counted."""
-    if layout.pp == 1 or layout.pipeline_schedule not in ("1f1b", "zbh1"):
+    its forward runs on. DualPipeVEngine (dualpipev, interleaved) as _chunked_pipeline_buffer_bytes."""
+    if layout.pp == 1:
         return 0.0
     whole = (_activation_width(model) * layout.tokens_per_rank(model.seq_length) * layout.micro_batch_size
              * model.config.hidden_size)
+    if layout.pipeline_schedule not in ("1f1b", "zbh1"):
+        return _chunked_pipeline_buffer_bytes(layout, stage, in_flight, whole)
     split = messages_split_over_tensor_parallel(layout.pipeline_schedule, layout.sequence_parallel)
     message = whole / layout.tp if split else whole
     kept = (in_flight + 1) * message if stage != pipeline.head_rank(layout) else 0.0
     return kept + (in_flight * whole if stage != 0 and not split else 0.0)
 
 
-def _backward_working_set_bytes(model, layout):
-    """The gradients alive while one layer runs its MLP's backward, beside everything kept: fc1's output
-    gradient (2F wide with SwiGLU, / t) and two of the hidden state's (the one arriving and the one being made)."""
+def _chunked_pipeline_buffer_bytes(layout, stage, in_flight, message):
+    """DualPipeVEngine keeps, for each chunk's micro-batch in flight, the input it received (beside the clone its
+    forward runs on) and the output it sent, both whole, until that micro-batch's backward; the model's first
+    stage receives nothing, its last (the loss) sends nothing, and on DualPipeV's last rank the V turns around in
+    place (its second chunk's input is its first chunk's output). The chunks in flight as spread evenly over the
+    rank's chunks."""
+    schedule, chunks = layout.pipeline_schedule, chunks_per_rank(layout.pipeline_schedule, layout.virtual_stages)
+    last_stage = chunks * layout.pp - 1
+    kept = 0
+    for chunk in range(chunks):
+        model_stage_of_chunk = model_stage(schedule, layout.pp, stage, chunk)
+        turns_around = schedule == "dualpipev" and model_stage_of_chunk == layout.pp
+        kept += (model_stage_of_chunk > 0 and not turns_around) + (model_stage_of_chunk < last_stage)
+    return in_flight * kept * message
+
+
+def _backward_working_set_bytes(model, layout, kinds):
+    """The gradients alive while a layer of the stage runs its MLP's backward, beside everything kept: two of the
+    hidden state's (the one arriving and the one being made) and the largest of its layers' kinds (`kinds`, as
+    _layer_kind gives them): a dense MLP's fc1 output gradient (2F wide with SwiGLU, / t), a dropless MoE layer's
+    rows' gradient (k h per routed token: its combine's backward makes that alone)."""
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
-    fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    fc1 = layout.tokens_per_rank(s, split_over_tp=False) * fc1_width / layout.tp
     hidden = 2 * layout.tokens_per_rank(s) * config.hidden_size
-    return _activation_width(model) * b * (fc1 + hidden)
+    fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    widest = 0.0
+    for _, dropless in kinds:
+        if dropless:
+            widest = max(widest, dropless_routed_tokens(model, layout) / b * config.moe_router_topk
+                         * config.hidden_size)
+        else:
+            widest = max(widest, layout.tokens_per_rank(s, split_over_tp=False) * fc1_width / layout.tp)
+    return _activation_width(model) * b * (widest + hidden)
 
 
 def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int,
                            first_layer: int = 1) -> float:
     in_flight = in_flight_micro_batches(layout, stage)
     kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers, first_layer)
-    total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout)
+    kinds = {_layer_kind(model.config, n) for n in range(first_layer, first_layer + num_layers)} or {(1, False)}
+    total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout, kinds)
              + _pipeline_buffer_bytes(model, layout, stage, in_flight))
     if stage == 0:
         total += in_flight * _first_stage_extra_bytes(model, layout)

@@ -18,7 +18,16 @@ from megatron_ds.arguments import (
     resolve,
     tokenizer_type,
 )
-from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags
+from megatron_ds.core.pipeline_split import (
+    EMBEDDING_FLAG,
+    EVEN_SPLIT_FLAGS,
+    FIRST_FLAG,
+    LAST_FLAG,
+    LAYOUT_FLAG,
+    LOSS_FLAG,
+    PipelineSplit,
+    split_from_flags,
+)
 from megatron_ds.data.tokenizers import build_tokenizer
 from megatron_ds.launch.devices import DEVICES, device_spec
 from megatron_ds.planning import report
@@ -88,12 +97,14 @@ def validated_args(args):
     flags.vocab_size, flags.tokenizer_type = _vocab_size(args), "NullTokenizer"
     if flags.train_iters is None and flags.train_samples is None:  # planning needs no schedule
         flags.train_iters = 1
-    if args.search and not split_from_flags(vars(args)).is_even:
-        raise ArgumentsError([f"--search with {split_from_flags(vars(args)).describe()}: the search ranks layouts "
-                              f"with the layers split evenly; plan an uneven split as one layout (without --search)"])
-    if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1
+    if args.search and args.pipeline_model_parallel_layout:
+        raise ArgumentsError([f"--search with {LAYOUT_FLAG} {args.pipeline_model_parallel_layout}: the layout names "
+                              f"each model stage, so it fixes PP (x the schedule's stages per rank); plan it as one "
+                              f"layout (without --search), or search with {FIRST_FLAG} / {LAST_FLAG} or "
+                              f"{EMBEDDING_FLAG} / {LOSS_FLAG}, which split the layers at any PP"])
+    if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1, evenly split
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
-        vars(flags).update(WITHOUT_MEMORY_CHOICES)
+        vars(flags).update(WITHOUT_MEMORY_CHOICES, **EVEN_SPLIT_FLAGS)
     resolved = resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
     unplanned = unplanned_dropless_choices(resolved.model) if resolved.dropless_moe else []
     if unplanned:
@@ -178,7 +189,7 @@ def run(args) -> tuple:
     status = 0
     if checked.search:
         result["search"] = search_layouts(model, cluster, checked.global_batch_size, checked.zero_stage, assumptions,
-                                          checked.top)
+                                          checked.top, split_from_flags(vars(args)))
     else:
         layout = layout_from_args(checked)
         result["layout_description"] = layout.describe()

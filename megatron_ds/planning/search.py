@@ -13,11 +13,16 @@ smaller Ulysses size (each U' dividing U, the other ranks in DP): out of memory,
 at all (micro batch x DP above the global batch). Layouts passed over this way are counted (ulysses_skipped).
 With a long sequence whose activations fit no layout without Ulysses, the search offers the smallest U that
 fits each layout and the ranking chooses among those and the other layouts that fit.
+
+Megatron-LM's uneven split flags (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-
+pipeline-split) say how to split at any PP, so every candidate keeps them: one whose PP or schedule they do not
+fit breaks the uneven split's rule, as pretrain.py would refuse it.
 """
 import dataclasses
 from collections import defaultdict
 
 from megatron_ds.core.parallel_layout import divisors, layouts_of_world
+from megatron_ds.core.pipeline_split import PipelineSplit
 from megatron_ds.planning.memory import GIB, memory_per_stage
 from megatron_ds.planning.model import RECOMPUTE_CHOICES, Cluster, Layout, ModelSpec, layout_errors
 from megatron_ds.planning.parameters import rank_parameters
@@ -28,9 +33,9 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 EXAMPLES_PER_REASON = 3
 
 
-def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int):
-    """All layouts of the world, smaller Ulysses sizes first; micro batches larger than a data-parallel rank's
-    share are skipped."""
+def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int, split=PipelineSplit()):
+    """All layouts of the world, smaller Ulysses sizes first, each with the split; micro batches larger than a
+    data-parallel rank's share are skipped."""
     for ulysses, tp, pp, dp in layouts_of_world(world_size):
         for micro in MICRO_BATCH_SIZES:
             if micro > 1 and micro * dp > global_batch_size:
@@ -38,7 +43,7 @@ def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int):
             for sequence_parallel in ((False, True) if tp > 1 else (False,)):
                 for recompute in RECOMPUTE_CHOICES:
                     yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute, zero_stage,
-                                 ulysses=ulysses)
+                                 ulysses=ulysses, split=split)
 
 
 def smaller_ulysses(layout: Layout):
@@ -72,22 +77,20 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: Pe
 MAX_SEARCHED_VIRTUAL_STAGES = 4
 
 
-def schedule_variants(model: ModelSpec, layout: Layout):
+def schedule_variants(layout: Layout):
     """The layout under each other pipeline schedule (none at PP 1); evaluate() refuses those whose rules it
-    breaks."""
+    breaks (the layers of a stage that its virtual stages do not divide among them)."""
     if layout.pp == 1:
         return []
-    variants = [dataclasses.replace(layout, pipeline_schedule="zbh1"),
-                dataclasses.replace(layout, pipeline_schedule="dualpipev", virtual_stages=2)]
-    layers_per_rank = model.config.num_layers // layout.pp
-    variants += [dataclasses.replace(layout, pipeline_schedule="interleaved", virtual_stages=v)
-                 for v in range(2, MAX_SEARCHED_VIRTUAL_STAGES + 1) if layers_per_rank % v == 0]
-    return variants
+    return [dataclasses.replace(layout, pipeline_schedule="zbh1"),
+            dataclasses.replace(layout, pipeline_schedule="dualpipev", virtual_stages=2),
+            *(dataclasses.replace(layout, pipeline_schedule="interleaved", virtual_stages=v)
+              for v in range(2, MAX_SEARCHED_VIRTUAL_STAGES + 1))]
 
 
 def _fastest_schedule(model, layout, cluster, assumptions, row):
     """The row of the fastest schedule of the layout that fits (row: its 1F1B row)."""
-    for variant in schedule_variants(model, layout):
+    for variant in schedule_variants(layout):
         result = evaluate(model, variant, cluster, assumptions)
         if isinstance(result, dict) and result["iteration_s"] < row["iteration_s"]:
             row = result
@@ -113,9 +116,11 @@ def _examples(items):
 
 
 def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, zero_stage: int = 1,
-                   assumptions: PerformanceAssumptions = PerformanceAssumptions(), top: int = 20) -> dict:
+                   assumptions: PerformanceAssumptions = PerformanceAssumptions(), top: int = 20,
+                   split: PipelineSplit = PipelineSplit()) -> dict:
+    """The candidates of the world, each with the split (the flags' uneven one, or the even split)."""
     feasible, infeasible, fitting, ulysses_skipped = [], defaultdict(list), set(), 0
-    for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage):
+    for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage, split):
         if any(smaller in fitting for smaller in smaller_ulysses(layout)):
             ulysses_skipped += 1
             continue
@@ -130,7 +135,7 @@ def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, z
     feasible.sort(key=lambda row: (row["iteration_s"], row["peak_memory_gib"]))
     by_reason = {reason: {"count": len(items), "examples": _examples(items)}
                  for reason, items in sorted(infeasible.items(), key=lambda entry: -len(entry[1]))}
-    return {"world_size": cluster.world_size, "global_batch_size": global_batch_size,
+    return {"world_size": cluster.world_size, "global_batch_size": global_batch_size, "split": split.describe(),
             "candidates": len(feasible) + sum(len(items) for items in infeasible.values()),
             "ulysses_skipped": ulysses_skipped, "feasible": len(feasible), "ranked": feasible[:top],
             "infeasible_by_reason": by_reason}

@@ -1,6 +1,6 @@
 """Autograd that saves an op's inputs alone, for a reference that autograd would make keep more than the fused
 kernels do: RMSNorm's fp32 math (fp32 copies of its input and intermediates, five times the bytes of a bf16
-input), SwiGLU's silu(gate) beside its input. The fused kernels and the paper's accounting keep only the input.
+input). The fused kernels and the paper's accounting keep only the input.
 Here backward recomputes the math from the saved inputs and differentiates it (on CPU as fast as autograd's
 saved-tensor path)."""
 import torch

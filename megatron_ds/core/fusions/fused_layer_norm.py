@@ -43,6 +43,30 @@ def rms_norm_reference(x, weight, bias=None, eps: float = 1e-5):
     return recomputed_in_backward(_rms_norm_fp32, x, weight, bias, eps)
 
 
+class _NormFootprint(torch.autograd.Function):
+    """Shapes only: what the GPU's fused norm kernels keep for backward (the input and fp32 mean and 1/std per
+    row) and the gradients they make, without the math."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        statistics = torch.empty((2, *x.shape[:-1]), dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, statistics)
+        ctx.has_bias = bias is not None
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, _ = ctx.saved_tensors
+        weight_grad = x.new_empty(x.shape[-1:])
+        return torch.empty_like(x), weight_grad, torch.empty_like(weight_grad) if ctx.has_bias else None
+
+
+def rms_norm_footprint(x, weight, bias=None):
+    """For fake tensors (tools/dry_run.py): the memory a GPU's fused RMSNorm holds, where the CPU's reference
+    recomputes its fp32 math in backward (several fp32 copies of the input at once)."""
+    return _NormFootprint.apply(x, weight, bias)
+
+
 def layer_norm_compile(x, weight, bias=None, eps: float = 1e-5):
     """torch.compile of the reference math."""
     return compiled(_layer_norm_fp32)(x, weight, bias, eps)

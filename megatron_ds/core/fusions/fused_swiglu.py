@@ -1,14 +1,14 @@
 """SwiGLU: silu(gate) * up from fc1's output [..., 2f], first half the gate and second half the up projection
 (the layout of mlp.py's fc1, stride 2 over TP); output [..., f] in the input dtype. The reference is
-PyTorch's SiLU and product in the input dtype, saving the input alone as the fused kernels do (backward
-recomputes them; left to autograd it would also keep silu(gate), half as much again); the compiled and triton
+PyTorch's SiLU and product in the input dtype, saving the input alone as the fused kernels do (left to autograd
+it would also keep silu(gate), half as much again), its backward writing the gradients in place into the one
+tensor it returns (autograd's would make four more of the output's size on the way); the compiled and triton
 paths compute in fp32 and save the input alone; the kernels write both halves' gradients into one [..., 2f]
 tensor.
 """
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.core.fusions._recompute import recomputed_in_backward
 from megatron_ds.core.fusions._triton import cdiv, check_device, elementwise_tiles, kernel, tl
 from megatron_ds.core.fusions.backends import FusedOp, compiled
 
@@ -18,14 +18,53 @@ def _swiglu_fp32(x):
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def _swiglu_math(x):
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def _write_swiglu_gradients(gate, up, grad, gate_grad, up_grad):
+    """silu(gate) * up's gradients written into gate_grad and up_grad, no other tensor made: up's is grad silu(gate),
+    gate's grad up (s + silu(gate) (1 - s)) with s = sigmoid(gate)."""
+    torch.sigmoid(gate, out=gate_grad)
+    torch.mul(gate, gate_grad, out=up_grad)
+    gate_grad.addcmul_(gate_grad, up_grad, value=-1).add_(up_grad).mul_(up).mul_(grad)
+    up_grad.mul_(grad)
+
+
+class _SwiGLUReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x_grad = torch.empty_like(x)
+        _write_swiglu_gradients(*x.chunk(2, dim=-1), grad, *x_grad.chunk(2, dim=-1))
+        return x_grad
+
+
+class _SwiGLUOfHalves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        gate_grad, up_grad = torch.empty_like(gate), torch.empty_like(up)
+        _write_swiglu_gradients(gate, up, grad, gate_grad, up_grad)
+        return gate_grad, up_grad
 
 
 def swiglu_reference(x):
-    """silu(gate) * up with gate, up = x.chunk(2, -1), by PyTorch's kernels in x's dtype; saves x alone."""
-    return recomputed_in_backward(_swiglu_math, x)
+    """silu(gate) * up with gate, up = x.chunk(2, -1), by PyTorch's kernels in x's dtype; saves x alone, and its
+    backward makes the input's gradient alone, as the fused kernels do."""
+    return _SwiGLUReference.apply(x)
+
+
+def swiglu_of_halves_reference(gate, up):
+    """swiglu_reference with the gate and up projections as two tensors (the MoE experts' grouped GEMMs)."""
+    return _SwiGLUOfHalves.apply(gate, up)
 
 
 def swiglu_compile(x):

@@ -26,10 +26,13 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from deepspeed.moe.ep_experts import GroupedExperts
+import torch.nn.functional as F
+from deepspeed.moe.ep_experts import EXPERT_ACTIVATIONS, GroupedExperts, register_expert_activation
 from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+from deepspeed.ops.triton_ops.swiglu_triton import swiglu as swiglu_triton
 
 from megatron_ds.core import parallel_state
+from megatron_ds.core.fusions.fused_swiglu import swiglu_of_halves_reference
 from megatron_ds.core.tensor_parallel.layers import mark_sequence_parallel_parameter
 from megatron_ds.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -118,19 +121,21 @@ class AllToAllDispatcher:
         """tokens [T, h], weights and destinations [T, k] (a destination outside the experts: a dropped pair) ->
         [T, h]: each token's expert outputs, weighted and summed."""
         return weighted_expert_sums(tokens, weights, destinations, self.num_experts,
-                                    lambda rows, counts: self.run(rows, counts, experts), every_pair=not self.drops)
+                                    lambda *rows_and_counts: self.run(*rows_and_counts, experts),
+                                    every_pair=not self.drops)
 
     # tools/dry_run.py sets this: its fake tensors hold no counts, so each rank's rows are taken as routed
     # uniformly (uniform_counts) and every rank as receiving the counts it sends (its fake process group moves none)
     uniform_routing = False
 
-    def run(self, rows, counts, experts):
-        """rows [N, h] sorted by global expert, counts [E]: experts(rows of this rank's experts, their counts)
-        for every row, in the same order."""
+    def run(self, tokens, token_of_row, counts, experts):
+        """The rows tokens[token_of_row] [N, h], sorted by global expert, counts [E]: experts(rows of this rank's
+        experts, their counts) for every row, in the same order. Each N x h or R x h tensor is let go as soon as
+        the next is made (the forward, recomputed in backward under full recompute, would hold six at once)."""
         if self.uniform_routing:
-            counts = uniform_counts(rows.shape[0], self.num_experts, rows.device)
+            counts = uniform_counts(token_of_row.shape[0], self.num_experts, token_of_row.device)
         if self.ranks == 1:
-            return experts(rows, counts)
+            return experts(tokens[token_of_row], counts)
         counts_by_rank = counts.view(self.ranks, self.local_experts)
         received_counts = torch.empty_like(counts_by_rank)
         dist.all_to_all_single(received_counts, counts_by_rank, group=self.group)  # [source, local expert]
@@ -138,11 +143,11 @@ class AllToAllDispatcher:
             received_counts.copy_(counts_by_rank[dist.get_rank(self.group)].expand_as(received_counts))
         send_splits = counts_by_rank.sum(1).tolist()
         receive_splits = received_counts.sum(1).tolist()
-        received = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
-        order = _expert_major_order(received_counts.cpu())
-        computed = experts(received[order.to(received.device)], received_counts.sum(0))
-        returned = computed[torch.argsort(order).to(computed.device)]
-        return _AllToAll.apply(returned, send_splits, receive_splits, self.group)
+        received = _AllToAll.apply(tokens[token_of_row], receive_splits, send_splits, self.group)
+        order = _expert_major_order(received_counts.cpu()).to(received.device)
+        computed = experts(received[order], received_counts.sum(0))
+        del received
+        return _AllToAll.apply(computed[torch.argsort(order)], send_splits, receive_splits, self.group)
 
 
 def uniform_counts(rows, experts, device):
@@ -167,13 +172,18 @@ class AllGatherDispatcher:
     def combine(self, tokens, weights, destinations, experts):
         """As AllToAllDispatcher.combine."""
         if self.ranks == 1:
-            return weighted_expert_sums(tokens, weights, destinations, self.local_experts, experts,
+            return weighted_expert_sums(tokens, weights, destinations, self.local_experts, _on_rows(experts),
                                         every_pair=not self.drops)
         group_tokens = _GatherFromGroup.apply(tokens, self.group)
         group_weights = _GatherFromGroup.apply(weights, self.group)
         local_destinations = _all_gathered(destinations, self.group) - self.first_expert
-        sums = weighted_expert_sums(group_tokens, group_weights, local_destinations, self.local_experts, experts)
+        sums = weighted_expert_sums(group_tokens, group_weights, local_destinations, self.local_experts,
+                                    _on_rows(experts))
         return _ReduceScatterToGroup.apply(sums, self.group)
+
+
+def _on_rows(experts):
+    return lambda tokens, token_of_row, counts: experts(tokens[token_of_row], counts)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
@@ -181,9 +191,9 @@ DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 def weighted_expert_sums(tokens, weights, destinations, experts, compute, every_pair=False):
     """tokens [T, h]; weights, destinations [T, k]: each token's sum of weight x output over its pairs whose
-    destination is one of `experts` (0 .. experts - 1; any other adds nothing). compute(rows [N, h] sorted by
-    destination, counts [experts]) gives the rows' outputs, in the same order. every_pair: every destination is
-    one of `experts`, so none is left out (and no host sync counts them)."""
+    destination is one of `experts` (0 .. experts - 1; any other adds nothing). compute(tokens, token_of_row [N],
+    counts [experts]) gives the outputs of the rows tokens[token_of_row], sorted by destination, in that order.
+    every_pair: every destination is one of `experts`, so none is left out (and no host sync counts them)."""
     keys = destinations.reshape(-1)
     if not every_pair:
         keys = torch.where((keys >= 0) & (keys < experts), keys, experts)
@@ -192,9 +202,31 @@ def weighted_expert_sums(tokens, weights, destinations, experts, compute, every_
     if not every_pair:
         order = order[:int(counts.sum())]  # the pairs of no expert here sort last
     token_of_row = order // destinations.shape[1]
-    outputs = compute(tokens[token_of_row], counts)
-    weighted = outputs * weights.reshape(-1)[order].unsqueeze(-1).to(outputs.dtype)
-    return torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
+    outputs = compute(tokens, token_of_row, counts)
+    return _WeightedSumOfRows.apply(outputs, weights.reshape(-1)[order], token_of_row, tokens.shape[0])
+
+
+class _WeightedSumOfRows(torch.autograd.Function):
+    """rows [N, h], weights [N], token_of_row [N] -> [tokens, h]: each token's sum of its rows times their weights.
+    Autograd's mul and index_add would make three N x h gradients at once in backward (the rows' gradient, the
+    weighted one, and the product summed into the weights' gradient); this makes one, the rows' gradient, and
+    takes the weights' gradient as a row-by-row dot product."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, token_of_row, tokens):
+        ctx.save_for_backward(rows, weights, token_of_row)
+        weighted = rows * weights.unsqueeze(-1).to(rows.dtype)
+        return rows.new_zeros((tokens, rows.shape[-1])).index_add_(0, token_of_row, weighted)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, token_of_row = ctx.saved_tensors
+        rows_grad = grad.index_select(0, token_of_row)
+        weights_grad = None
+        if ctx.needs_input_grad[1]:
+            dots = torch.bmm(rows_grad.unsqueeze(1), rows.unsqueeze(-1)).view(-1)
+            weights_grad = dots.to(weights.dtype)
+        return rows_grad.mul_(weights.unsqueeze(-1).to(rows_grad.dtype)), weights_grad, None, None
 
 
 def expert_counts(destinations, experts):
@@ -462,9 +494,28 @@ def z_loss(config, logits):
     return torch.logsumexp(logits, dim=-1).square().mean() * config.moe_z_loss_coeff
 
 
+def _swiglu_saving_its_inputs(gate, up, alpha, limit):
+    """silu(gate) * up keeping gate and up alone for backward, as DeepSpeed's Triton SwiGLU does on a GPU (left to
+    autograd, PyTorch's ops would keep silu(gate) too): the experts keep the same bytes on every device."""
+    return swiglu_of_halves_reference(gate, up)
+
+
+def _swiglu_fused_where_it_runs(gate, up, alpha, limit):
+    if gate.is_cuda:
+        return swiglu_triton(gate, up)
+    return _swiglu_saving_its_inputs(gate, up, alpha, limit)
+
+
+EXPERT_ACTIVATION = "megatron_ds_swiglu"
+if EXPERT_ACTIVATION not in EXPERT_ACTIVATIONS:
+    register_expert_activation(EXPERT_ACTIVATION, _swiglu_saving_its_inputs, fused_fn=_swiglu_fused_where_it_runs,
+                               gate_fn=F.silu)
+
+
 def _grouped_experts(config, local_experts):
     experts = GroupedExperts(config.hidden_size, config.moe_ffn_hidden_size, local_experts,
-                             use_grouped_mm=config.moe_grouped_gemm, disable_triton_grouped_mm=True)
+                             use_grouped_mm=config.moe_grouped_gemm, disable_triton_grouped_mm=True,
+                             activation=EXPERT_ACTIVATION)
     return experts.to(config.params_dtype)
 
 

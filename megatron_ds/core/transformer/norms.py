@@ -3,8 +3,10 @@ core/fusions (the backend's implementation, or the reference: statistics in fp32
 per-row statistics saved for backward). Under sequence parallelism their parameters see only this rank's tokens,
 so their gradients are summed over TP; so are those of the query and key norms, which see only its heads."""
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_ds.core.fusions import layer_norm_reference, rms_norm_reference
+from megatron_ds.core.fusions.fused_layer_norm import rms_norm_footprint
 from megatron_ds.core.tensor_parallel.layers import mark_sequence_parallel_parameter
 from megatron_ds.core.transformer.fused_ops import op_implementation
 
@@ -19,6 +21,8 @@ class RMSNorm(torch.nn.Module):
         self.implementation = implementation
 
     def forward(self, x):
+        if is_fake(x):  # the dry run: a GPU kernel's memory, not the reference's fp32 temporaries
+            return rms_norm_footprint(x, self.weight)
         return self.implementation(x, self.weight, None, self.eps)
 
 

@@ -101,6 +101,20 @@ def test_each_pipeline_stage_needs_an_moe_layer():
     assert "pipeline stage(s) 0 would hold no MoE layer" in error
 
 
+def test_a_pattern_without_an_moe_layer_is_refused_with_a_wrong_length_and_a_zero_interval():
+    error = _errors("--num-experts", "32", "--moe-layer-freq", "[0]*4")
+    assert ("--moe-layer-freq [0]*4 with --num-experts 32: no layer would be an MoE layer; drop --num-experts and "
+            "--moe-layer-freq for a dense model") in error
+    assert "--moe-layer-freq must give one 0 or 1 per layer (4), got [1, 1, 1]" in _errors(
+        "--num-experts", "32", "--moe-layer-freq", "[1]*3")
+    assert "--moe-layer-freq must be positive, got 0" in _errors("--num-experts", "32", "--moe-layer-freq", "0")
+
+
+def test_the_planner_refuses_a_pattern_without_an_moe_layer(capsys):
+    from megatron_ds.planning.plan_cli import main
+    assert main(LLAMA + ["--num-experts", "32", "--moe-layer-freq", "[0]*4", "--world-size", "8"]) == 2
+    assert "no layer would be an MoE layer" in capsys.readouterr().err
+
 
 def test_tensor_parallel_ranks_without_sequence_parallelism_need_a_sequence_they_divide():
     error = _errors("--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "4",
