@@ -57,7 +57,8 @@ import re
 
 import torch
 
-from megatron_ds.core.pipeline_schedules import chunks_per_rank, pipeline_rank_of
+from megatron_ds.checkpointing.files import CheckpointError
+from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, chunks_per_rank, pipeline_rank_of, stage_placement
 from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags, stage_of_layer
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -68,6 +69,7 @@ _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _DEEPSPEED_EXPERT = re.compile(r"\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
 _GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.w[123]$")
 _CANONICAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+ONE_STAGE_PER_RANK_PLACEMENT = ("1f1b", 1)  # the (schedule, virtual stages) placing one model stage per pipeline rank
 
 
 class LayoutError(ValueError):
@@ -253,15 +255,45 @@ def stages_holding(name, num_layers, pp_size, tied, schedule="1f1b", virtual_sta
     raise LayoutError(f"unknown canonical parameter {name!r}")
 
 
+def recorded_stage_placement(metadata):
+    """How a checkpoint's model stages lie on its pipeline ranks, as its layout records it
+    (pipeline_schedules.stage_placement); one stage per rank where it records none: a checkpoint converted before
+    the converter recorded it, Megatron-DeepSpeed's, or one saved before the training save recorded it (when only
+    1F1B ran)."""
+    return metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK)
+
+
+def saved_placement(metadata):
+    """(schedule, virtual stages) that place a checkpoint's model stages on its pipeline ranks as its files hold
+    them: read from the layout's record (recorded_stage_placement), never from the saved --pipeline-schedule (a
+    converted checkpoint keeps its source run's arguments, but its files hold one model stage per rank)."""
+    recorded = recorded_stage_placement(metadata)
+    if recorded == ONE_STAGE_PER_RANK:
+        return ONE_STAGE_PER_RANK_PLACEMENT
+    schedule, _, rest = recorded.partition(": ")
+    chunks = rest.split(" ", 1)[0]
+    if chunks.isdigit() and stage_placement(schedule, int(chunks)) == recorded:
+        return schedule, int(chunks)
+    raise CheckpointError(f"checkpoint {metadata.get('tag')}: its layout's stage_placement {recorded!r} is not one "
+                          f"this version reads ({ONE_STAGE_PER_RANK!r}, 'dualpipev: 2 stages per rank' or "
+                          f"'interleaved: V stages per rank')")
+
+
 def saved_stage_layers(metadata):
     """The layers of each model stage of a checkpoint, as its layout records them; for one saved before they were
-    recorded, the split its arguments give (even, unless Megatron-LM's uneven split flags were set)."""
+    recorded, the split its arguments give (even, unless Megatron-LM's uneven split flags were set) over the model
+    stages of its recorded placement."""
     saved, args = metadata["layout"], metadata["args"]
-    if saved.get("stage_layers"):
-        return tuple(saved["stage_layers"])
-    return split_from_flags(args).stage_layers(args["num_layers"], saved["pipeline_model_parallel_size"],
-                                               args.get("pipeline_schedule", "1f1b"),
-                                               args.get("virtual_pipeline_stages", 1))
+    pp_size, placement = saved["pipeline_model_parallel_size"], saved_placement(metadata)
+    if not saved.get("stage_layers"):
+        return split_from_flags(args).stage_layers(args["num_layers"], pp_size, *placement)
+    model_stages = pp_size * chunks_per_rank(*placement)
+    if len(saved["stage_layers"]) != model_stages:
+        raise CheckpointError(f"checkpoint {metadata.get('tag')}: its layout records stage_layers "
+                              f"{saved['stage_layers']} ({len(saved['stage_layers'])} model stages), but its "
+                              f"stage_placement {recorded_stage_placement(metadata)!r} at "
+                              f"pipeline_model_parallel_size {pp_size} has {model_stages}")
+    return tuple(saved["stage_layers"])
 
 
 def last_stage_embeds(args):

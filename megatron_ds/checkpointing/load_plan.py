@@ -13,10 +13,10 @@ import os
 from megatron_ds.checkpointing import files
 from megatron_ds.checkpointing.files import CheckpointError
 from megatron_ds.checkpointing.foreign import deepspeed_universal as universal
-from megatron_ds.checkpointing.layout import saved_stage_layers
+from megatron_ds.checkpointing.layout import recorded_stage_placement, saved_stage_layers
 from megatron_ds.core.optimizer_param_scheduler import LRSchedule, Position, schedule_to_resume
 from megatron_ds.core.parallel_layout import ParallelLayout
-from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
+from megatron_ds.core.pipeline_schedules import placement_note
 
 UNIVERSAL, DEEPSPEED, PER_RANK = "universal", "deepspeed", "per-rank"
 
@@ -115,7 +115,7 @@ def needs_resharding(request: LoadRequest, metadata):
     saved, layout = metadata["layout"], request.layout
     if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) != (layout.tensor, layout.pipeline):
         return True
-    if saved.get("stage_placement", ONE_STAGE_PER_RANK) != layout.stage_placement:
+    if recorded_stage_placement(metadata) != layout.stage_placement:
         return True
     if saved_stage_layers(metadata) != layout.stage_layers(request.shape["num_layers"]):
         return True

@@ -44,7 +44,7 @@ from megatron_ds.checkpointing.rank_state import stack_expert_slices
 from megatron_ds.checkpointing.rng import collect_rng_state, restore_rng_state
 from megatron_ds.checkpointing.state import grouped_expert_files, read_rank_state, read_resharded_rank_state
 from megatron_ds.core import deepspeed_internals, parallel_state
-from megatron_ds.core.pipeline_schedules import ONE_STAGE_PER_RANK, placement_note
+from megatron_ds.core.pipeline_schedules import placement_note
 from megatron_ds.launch.runtime import device, print_rank_0
 
 
@@ -358,7 +358,7 @@ class CheckpointManager:
         self.engine.global_samples = progress.consumed_train_samples
         self.loaded_iteration = progress.iteration
         rng = self._stage_rng_state(path, metadata, plan.resharded) if plan.load_rng else "not restored"
-        saved_placement = placement_note(metadata["layout"].get("stage_placement", ONE_STAGE_PER_RANK))
+        saved_placement = placement_note(layout.recorded_stage_placement(metadata))
         dist.barrier()
         print_rank_0(f"loaded checkpoint {path} ({checkpoint_description(metadata)}{saved_placement}) via {how} in "
                       f"{time.perf_counter() - start:.2f} s: resuming at iteration {progress.iteration}, consumed "

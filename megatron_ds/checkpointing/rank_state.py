@@ -10,6 +10,7 @@ import torch
 
 from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError, load_file
+from megatron_ds.core.pipeline_schedules import chunks_per_rank
 
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -46,18 +47,21 @@ class FullState:
         return self.recorded_model if self.recorded_model is not None else files.model_shape(self.args)
 
 
-def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank, stage_layers=None):
-    """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size), one model stage per pipeline
-    rank holding stage_layers[rank] layers (None: the even split)."""
+def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank, stage_layers=None,
+                  placement=layout.ONE_STAGE_PER_RANK_PLACEMENT):
+    """The RankState (tp_rank, pp_rank) of a FullState split for (tp_size, pp_size), the model stages placed on the
+    pipeline ranks as the schedule of `placement` (schedule, virtual stages) places them (default one per rank, as
+    1F1B does), model stage s holding stage_layers[s] layers (None: the even split)."""
     args = full.args
     num_layers, swiglu = args["num_layers"], bool(args.get("swiglu"))
     sharded_experts = bool(args.get("enable_expert_tensor_parallelism"))
     tied = layout.last_stage_embeds(args)
-    if stage_layers is None and num_layers % pp_size:
-        raise CheckpointError(f"{num_layers} layers do not split into {pp_size} pipeline stages")
+    model_stages = pp_size * chunks_per_rank(*placement)
+    if stage_layers is None and num_layers % model_stages:
+        raise CheckpointError(f"{num_layers} layers do not split into {model_stages} model stages")
     weights, optimizer = {}, {} if full.optimizer is not None else None
     for name, tensor in full.weights.items():
-        if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied, stage_layers=stage_layers):
+        if pp_rank not in layout.stages_holding(name, num_layers, pp_size, tied, *placement, stage_layers=stage_layers):
             continue
         rule = layout.partition_rule(name, swiglu, sharded_experts)
         weights[name] = layout.split_tensor(tensor, rule, tp_size, tp_rank)

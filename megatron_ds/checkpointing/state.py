@@ -17,6 +17,7 @@ from megatron_ds.checkpointing import files, layout
 from megatron_ds.checkpointing.files import CheckpointError, load_file
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.rank_state import OPTIMIZER_KEYS, FullState, RankState, ZeroPartitions, rank_state_of
+from megatron_ds.core.pipeline_schedules import stage_placement
 from megatron_ds.core.transformer.dropless_moe import dropless_layers, expert_slice_names
 
 
@@ -306,11 +307,13 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
 
 
 def _stage_to_read(names, metadata):
-    """{name: the saved pipeline stage to read it from}: a tensor two stages hold (the tied embedding, on the first
-    and the last) is read from a stage this rank reads anyway, so no stage is read for it alone."""
+    """{name: the saved pipeline stage to read it from}, by the placement and stage layers the checkpoint's layout
+    records (a converted checkpoint's saved --pipeline-schedule is its source run's): a tensor two stages hold (the
+    tied embedding, on the first and the last) is read from a stage this rank reads anyway, so no stage is read for
+    it alone."""
     args, saved_pp = metadata["args"], metadata["layout"]["pipeline_model_parallel_size"]
     tied = layout.last_stage_embeds(args)
-    placement = (args.get("pipeline_schedule", "1f1b"), args.get("virtual_pipeline_stages", 1))
+    placement = layout.saved_placement(metadata)
     stage_layers = layout.saved_stage_layers(metadata)
     holding = {name: layout.stages_holding(name, args["num_layers"], saved_pp, tied, *placement,
                                            stage_layers=stage_layers) for name in names}
@@ -338,10 +341,12 @@ def resize_vocabulary(full: FullState, rows):
 
 
 def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=None, with_optimizer=True,
-                             source=None, stage_layers=None):
+                             source=None, stage_layers=None, placement=layout.ONE_STAGE_PER_RANK_PLACEMENT):
     """Write `full` for (tp_size, pp_size) as a megatron_ds-sharded checkpoint (any data-parallel size
-    loads it), crash-safe like a training save; returns the checkpoint folder. stage_layers: the layers of each
-    pipeline stage, recorded in the layout (None: the even split, which the saved flags then give)."""
+    loads it), crash-safe like a training save; returns the checkpoint folder. placement: the (schedule, virtual
+    stages) placing the model stages on the pipeline ranks (default one per rank), recorded in the layout as its
+    stage_placement, which readers go by; stage_layers: the layers of each model stage, recorded in the layout
+    (None: the even split, which the saved flags then give)."""
     tag = tag or files.tag_for(full.iteration)
     tmp_tag, tmp_path = files.start_folder(save_dir, tag)
     optimizer = full.optimizer if with_optimizer else None
@@ -349,7 +354,7 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
     checksums = {}
     for tp_rank in range(tp_size):
         for pp_rank in range(pp_size):
-            rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank, stage_layers)
+            rank = rank_state_of(source_state, tp_size, pp_size, tp_rank, pp_rank, stage_layers, placement)
             name = files.sharded_file_name(tp_rank, pp_rank)
             checksums[name] = files.write_torch_file(
                 {"model": rank.weights, "optimizer": rank.optimizer, "optimizer_step": rank.optimizer_step},
@@ -358,6 +363,7 @@ def write_sharded_checkpoint(full: FullState, save_dir, tp_size, pp_size, tag=No
                          "data_parallel_size": None, "zero_stage": None,
                          "precision": full.args.get("params_dtype", "float32"),
                          "engine": "pipeline" if pp_size > 1 else "plain",
+                         "stage_placement": stage_placement(*placement),
                          **({"stage_layers": list(stage_layers)} if stage_layers is not None else {})}
     metadata = files.new_metadata(files.FORMAT_SHARDED, tag, full.args, checkpoint_layout,
                                   iteration=full.iteration, consumed_train_samples=full.consumed_train_samples,

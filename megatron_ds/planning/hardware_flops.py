@@ -4,7 +4,8 @@ hardware FLOPs (what recompute adds).
 Hardware FLOPs (docs/formulas.md): selective recompute doubles the attention-score term (s/(6h) -> s/(3h));
 full recompute adds one forward of every recomputed layer (all of them with the "uniform" method:
 72 -> 96, V/(12lh) -> V/(16lh); "block" recomputes only N layers per stage, the first N of it, which
-matters with MoE layers: they cost the router and k experts' MLPs, core/models/gpt/flops.py).
+matters with MoE layers: they cost the router and k experts' MLPs, core/models/gpt/flops.py); a multi-token
+prediction module's layer is its own chunk, recomputed under either method.
 """
 from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.core.pipeline_split import first_layers
@@ -25,6 +26,19 @@ def recompute_flops_per_token(model: ModelSpec, layout: Layout, num_layers: int,
     return per_token.layers(first_layer, layout.recomputed_layers(num_layers))
 
 
+def mtp_recompute_flops_per_token(model: ModelSpec, layout: Layout) -> float:
+    """What recompute adds for the multi-token prediction modules' layers (on the head's stage): full recompute
+    reruns each one's forward (every module's layer is its own chunk, whatever the method); selective its
+    attention scores, as for any layer."""
+    per_token = forward_flops_per_token(model, layout.tp)
+    depths = len(per_token.mtp_layers_gemms)
+    if layout.recompute == "selective":
+        return depths * 3 * per_token.attention_scores
+    if layout.recompute == "full":
+        return sum(per_token.mtp_layers_gemms) + depths * per_token.attention_scores
+    return 0.0
+
+
 def stage_first_layers(model: ModelSpec, layout: Layout):
     """(first global layer, layers) of each pipeline stage (core/pipeline_split.py)."""
     counts = layout.split.stage_layers(model.config.num_layers, layout.pp, layout.pipeline_schedule,
@@ -39,8 +53,8 @@ def model_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
 
 def hardware_flops_per_iteration(model: ModelSpec, layout: Layout) -> float:
     tokens = layout.global_batch_size * model.seq_length
-    extra = sum(recompute_flops_per_token(model, layout, count, first) for first, count in
-                stage_first_layers(model, layout)) * tokens
+    extra = (sum(recompute_flops_per_token(model, layout, count, first) for first, count in
+                 stage_first_layers(model, layout)) + mtp_recompute_flops_per_token(model, layout)) * tokens
     return model_flops_per_iteration(model, layout) + extra
 
 
@@ -56,5 +70,5 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
     flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
                                                                                        first_layer)
     if last:
-        flops += 3 * (per_token.head + per_token.mtp)
+        flops += 3 * (per_token.head + per_token.mtp) + mtp_recompute_flops_per_token(model, layout)
     return flops * layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False) / layout.tp

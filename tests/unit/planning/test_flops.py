@@ -86,3 +86,22 @@ def test_stage_flops_of_every_device_add_up_to_the_iteration():
         per_micro_batch = sum(stage_hardware_flops_per_micro_batch(model, choice, 2, last=stage == 1)
                               for stage in (0, 1))
         assert per_micro_batch * 2 * 2 * 4 == pytest.approx(hardware_flops_per_iteration(model, choice), rel=1e-12)
+
+
+def test_recompute_reruns_the_multi_token_prediction_layer():
+    """One MTP module (a dense layer of the hand case's shape, its projection 2h -> h and its head, all run once
+    per token): full recompute reruns its layer, LAYER, selective its attention scores, 3 x SCORES, beside the
+    decoder's; the last stage carries it, and every device's share still adds up to the iteration."""
+    model, layout = hand_case()
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, mtp_num_layers=1))
+    B, s = 16, 32
+    without = hardware_flops_per_iteration(model, layout)
+    assert without == model_flops_per_iteration(model, layout)
+    full = dataclasses.replace(layout, recompute="full")
+    assert hardware_flops_per_iteration(model, full) - without == (4 * LAYER + LAYER) * B * s
+    selective = dataclasses.replace(layout, recompute="selective")
+    assert hardware_flops_per_iteration(model, selective) - without == (4 + 1) * 3 * SCORES * B * s
+    for choice in (full, selective):
+        per_micro_batch = sum(stage_hardware_flops_per_micro_batch(model, choice, 2, last=stage == 1)
+                              for stage in (0, 1))
+        assert per_micro_batch * 2 * 2 * 4 == pytest.approx(hardware_flops_per_iteration(model, choice), rel=1e-12)

@@ -86,6 +86,7 @@ class ForwardFlopsPerToken:
     attention_scores: float           # one layer's QK^T and attention x V (the same in every layer)
     head: float                       # the output head
     mtp: float = 0.0                  # the multi-token prediction modules, their heads included
+    mtp_layers_gemms: Tuple[float, ...] = ()  # each multi-token prediction module's transformer layer's
 
     def layer(self, layer_number) -> float:
         """Forward FLOPs per token of layer `layer_number` (1-based, global)."""
@@ -106,11 +107,12 @@ def forward_flops_per_token(config, seq_length, vocab_size) -> ForwardFlopsPerTo
     """config: a TransformerConfig; vocab_size: the rows of the output head (padded)."""
     head = 2 * config.hidden_size * vocab_size
     scores = attention_score_flops_per_token(config, seq_length)
-    mtp = sum(2 * 2 * config.hidden_size ** 2 + layer_gemm_flops_per_token(config, config.num_layers + depth)
-              + scores + head for depth in range(1, config.mtp_num_layers + 1))
+    mtp_layers = tuple(layer_gemm_flops_per_token(config, config.num_layers + depth)
+                       for depth in range(1, config.mtp_num_layers + 1))
+    mtp = sum(2 * 2 * config.hidden_size ** 2 + layer + scores + head for layer in mtp_layers)
     return ForwardFlopsPerToken(
         layers_gemms=tuple(layer_gemm_flops_per_token(config, n) for n in range(1, config.num_layers + 1)),
-        attention_scores=scores, head=head, mtp=mtp)
+        attention_scores=scores, head=head, mtp=mtp, mtp_layers_gemms=mtp_layers)
 
 
 def model_flops_per_iteration(config, vocab_size, global_batch_size, seq_length):
