@@ -509,7 +509,9 @@ class StageMemory:
     activations: float
     overhead: float
     expert_gradient_reduction: float = 0.0  # alive at the step, when the activations are gone
-    gradients_before_activation_peak: bool = True  # False with one micro-batch: none exists before its backward
+    # False where every micro-batch's forward runs before the first backward (one micro-batch; 1F1B with m at most
+    # p - stage): no gradient exists at the activation peak
+    gradients_before_activation_peak: bool = True
     teacher: float = 0.0  # --kd: the frozen teacher's weights, carried hidden states and logits (teacher_bytes)
     buffers: float = 0.0  # fp32 buffers beside the parameters: the dropless MoE layers' expert bias and counts
 
@@ -519,12 +521,15 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        """The model states and the larger of the activation peak and the step's reduction copy; with one
-        micro-batch the gradients are made as its activations are freed, so they count with the copy only."""
+        """The model states and the larger of the activation peak and the step's reduction copy. Where every
+        forward runs before the first backward, the gradients are made by that backward as its micro-batch's
+        activations (1/n of those of the n in flight) are freed: they count beside the other n - 1 micro-batches'
+        activations, or the copy."""
         if self.gradients_before_activation_peak:
             peak = self.gradients + max(self.activations, self.expert_gradient_reduction)
         else:
-            peak = max(self.activations, self.gradients + self.expert_gradient_reduction)
+            others = self.activations * (self.in_flight_micro_batches - 1) / self.in_flight_micro_batches
+            peak = max(self.activations, self.gradients + max(others, self.expert_gradient_reduction))
         return (self.weights + self.grad_accumulation + self.optimizer + self.buffers + peak + self.teacher
                 + self.overhead)
 
@@ -562,7 +567,8 @@ def stage_memory(model: ModelSpec, layout: Layout, stage_params: StageParameters
                                                           stage_params.num_layers, stage_params.first_layer),
                        overhead=RUNTIME_OVERHEAD_BYTES,
                        expert_gradient_reduction=expert_gradient_reduction_bytes(model, layout, stage_params),
-                       gradients_before_activation_peak=layout.num_micro_batches > 1,
+                       gradients_before_activation_peak=layout.num_micro_batches > in_flight_micro_batches(
+                           layout, stage_params.stage),
                        teacher=teacher_bytes(model, layout, stage_params), buffers=4.0 * stage_params.buffers)
 
 

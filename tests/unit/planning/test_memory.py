@@ -233,3 +233,19 @@ def test_uniform_chunks_round_up_and_the_working_set_is_one_chunk():
     # stage 0 of 2 with m 4: 2 micro-batches in flight, each with 2 saved inputs and the embedding mask
     assert stage_activation_bytes(model, layout, 0, 3) == \
         2 * (2 * 2 * SBH + SBH) + 2 * WHOLE_LAYER + BACKWARD + sent(2) == 267264
+
+
+def test_gradients_come_with_the_first_backward_where_every_forward_runs_before_it():
+    """PP 4, m 2: stages 0-2 run both forwards before either backward, so the activation peak holds no gradient,
+    and the first backward makes the gradients while its micro-batch's half of the activations goes; stage 3
+    (one in flight) runs a backward before its second forward."""
+    model, _ = hand_case()
+    layout = Layout(1, 4, 1, 1, 2)
+    stages = memory_per_stage(model, layout, stage_parameters(model, layout.tp, layout.pp))
+    assert [stage.gradients_before_activation_peak for stage in stages] == [False, False, False, True]
+    for stage in stages:
+        states = stage.weights + stage.grad_accumulation + stage.optimizer + stage.buffers + stage.overhead
+        if stage.gradients_before_activation_peak:
+            assert stage.total == states + stage.gradients + stage.activations
+        else:
+            assert stage.total == states + max(stage.activations, stage.gradients + stage.activations / 2)
