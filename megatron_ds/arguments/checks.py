@@ -58,10 +58,17 @@ def parallel_layout(args, zero_stage=None) -> ParallelLayout:
     return ParallelLayout(world_size=args.world_size, tensor=args.tensor_model_parallel_size,
                           pipeline=args.pipeline_model_parallel_size, ulysses=args.ds_sequence_parallel_size,
                           expert=args.moe_expert_parallel_size,
-                          expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
+                          expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism)
+                          or splits_dropless_experts(args),
                           sequence_parallel=bool(args.sequence_parallel), zero_stage=zero_stage,
                           pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_pipeline_stages,
                           split=pipeline_split(args))
+
+
+def splits_dropless_experts(args):
+    """--expert-tensor-parallel-size above 1: the dropless layer's experts split over the TP ranks (ETP = TP, the
+    only size above 1 built: _dropless_moe_unbuilt_errors)."""
+    return (args.expert_tensor_parallel_size or 1) > 1
 
 
 def pipeline_split(args) -> PipelineSplit:
@@ -557,9 +564,25 @@ def _dropless_moe_unbuilt_errors(args):
     if args.moe_pad_expert_input_to_capacity:
         errors.append("--moe-pad-expert-input-to-capacity is not built: the experts take each one's count of pairs "
                       "(padding would only add pairs of weight 0); leave it unset")
-    if args.expert_tensor_parallel_size not in (None, 1):
-        errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: the dropless layer keeps "
-                      f"each expert whole on its rank (1); splitting experts is not built yet")
+    return errors + _expert_tensor_parallel_errors(args)
+
+
+def _expert_tensor_parallel_errors(args):
+    """--expert-tensor-parallel-size: 1 (whole experts) or TP (each expert's F split over the TP ranks) only."""
+    etp, tp = args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    if etp in (None, 1):
+        return []
+    if etp != tp:
+        return [f"--expert-tensor-parallel-size {etp}: the dropless layer splits its experts over 1 rank (whole "
+                f"experts) or over the TP ranks (--tensor-model-parallel-size {tp}); other sizes are not built"]
+    errors = []
+    if args.moe_token_dispatcher_type == "allgather":
+        errors.append(f"--expert-tensor-parallel-size {etp} with --moe-token-dispatcher-type allgather: the experts "
+                      f"split over TP are built for the alltoall dispatcher only; use alltoall")
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if ffn and ffn % etp:
+        errors.append(f"--expert-tensor-parallel-size {etp}: each expert's FFN size {ffn} (--moe-ffn-hidden-size) "
+                      f"must be divisible by it")
     return errors
 
 

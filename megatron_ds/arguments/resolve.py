@@ -191,7 +191,7 @@ def moe_family_values(args, ffn_hidden_size):
             "moe_ffn_hidden_size": _given(args.moe_ffn_hidden_size, ffn_hidden_size),
             "moe_layer_freq": _given(args.moe_layer_freq, 1),
             "expert_model_parallel_size": expert_parallel, "moe_expert_parallel_size": expert_parallel,
-            "expert_tensor_parallel_size": 1}
+            "expert_tensor_parallel_size": _given(args.expert_tensor_parallel_size, 1)}
 
 
 def _given(value, default):
@@ -411,4 +411,5 @@ def _dropless_moe_fields(args):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_grouped_gemm=args.moe_grouped_gemm,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy)
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_expert_tensor_parallel=checks.splits_dropless_experts(args))

@@ -36,7 +36,8 @@ Mixture of Experts (an MoE layer's MLP is DeepSpeed's MoE; every tensor whole on
     decoder.layers.{i}.mlp.deepspeed_moe.gate.wg.weight          the router [experts, h]
     decoder.layers.{i}.mlp.mlp.*, decoder.layers.{i}.mlp.coefficient.*   PR-MoE's residual MLP and its mix
 
-The dropless MoE layer (Megatron-Core's flags; core/transformer/dropless_moe.py), experts whole on each TP rank:
+The dropless MoE layer (Megatron-Core's flags; core/transformer/dropless_moe.py), each expert saved whole (live, with
+--expert-tensor-parallel-size = TP, each TP rank holds a slice of F of every expert it holds):
     decoder.layers.{i}.mlp.experts.{e}.w1 / .w3 / .w2            expert e's gate [ffn, h], up [ffn, h], down
                                                                   [h, ffn] (Mixtral's names); live, a rank's
                                                                   experts are slices along dim 0 of one grouped
@@ -112,6 +113,13 @@ def grouped_expert_slices(live):
     live_parameter_names' list: the dropless layer tags the tensor with them as `init_keys` (its experts' global
     indices)."""
     return {name: list(param.init_keys) for name, param in live if getattr(param, "init_keys", None)}
+
+
+def split_expert_dims(live):
+    """{live canonical name of a grouped experts' tensor split over TP (the dropless layer's expert TP): the dim of
+    F in each of its experts} of live_parameter_names' list."""
+    return {name: param.partition_dim - 1 for name, param in live
+            if getattr(param, "init_keys", None) and getattr(param, "tensor_model_parallel", False)}
 
 
 def live_buffer_names(module, num_layers, pipelined):

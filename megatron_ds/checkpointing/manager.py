@@ -171,7 +171,10 @@ class CheckpointManager:
         hold the experts of one expert-parallel rank, which no load reads)."""
         if not self.model.is_dropless_moe or _expert_coordinates(self.layout.expert)["edp"] != 0:
             return
-        for name, tensors in grouped_expert_files(self.engine.module, self.engine.checkpoint_mp_rank).items():
+        by_file = grouped_expert_files(self.engine.module, self.engine.checkpoint_mp_rank)
+        if self.layout.expert_tensor_parallel and parallel_state.get_tensor_model_parallel_rank() != 0:
+            return  # experts split over TP: gathered whole on every TP rank, written by the first
+        for name, tensors in by_file.items():
             self.writer.save(tensors, os.path.join(tmp_path, name))
 
     def _client_state(self, progress, metadata):
@@ -448,9 +451,10 @@ class CheckpointManager:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         live = layout.live_parameter_names(self.engine.module, self.model.num_layers, self.pipelined)
         grouped = layout.grouped_expert_slices(live)
+        split = dict(split_dims=layout.split_expert_dims(live), tp_size=self.layout.tensor, tp_rank=tp_rank)
         if not resharded:
             state = read_rank_state(path, metadata, tp_rank, pp_rank, with_optimizer=load_optimizer)
-            return stack_expert_slices(state, grouped)
+            return stack_expert_slices(state, grouped, **split)
         names = [expert for name, _ in live for expert in grouped.get(name, [name])]
         buffers = [name for name, _ in layout.live_buffer_names(self.engine.module, self.model.num_layers,
                                                                  self.pipelined)]
@@ -458,7 +462,7 @@ class CheckpointManager:
         state = read_resharded_rank_state(path, metadata, target, list(dict.fromkeys(names)),
                                           self.request.shape["padded_vocab_size"], with_optimizer=load_optimizer,
                                           buffer_names=buffers)
-        return stack_expert_slices(state, grouped)
+        return stack_expert_slices(state, grouped, **split)
 
     def _stage_rng_state(self, path, metadata, resharded):
         """Read this rank's RNG states (restored by restore_rng right before training)."""

@@ -71,18 +71,26 @@ def rank_state_of(full: FullState, tp_size, pp_size, tp_rank, pp_rank, stage_lay
     return RankState(weights, optimizer, full.optimizer_step if optimizer is not None else None)
 
 
-def stack_expert_slices(state: RankState, grouped):
+def stack_expert_slices(state: RankState, grouped, split_dims=None, tp_size=1, tp_rank=0):
     """The state with each grouped experts' tensor's per-expert entries stacked along dim 0 under its live name
     (weights and optimizer states). grouped: {live name: [the canonical names of its slices]}
-    (layout.grouped_expert_slices)."""
+    (layout.grouped_expert_slices); split_dims: {live name: the dim of F in each expert} of the tensors whose
+    experts are split over TP (layout.split_expert_dims): each whole expert's part of tp_rank (of tp_size) is
+    stacked."""
     missing = [expert for slices in grouped.values() for expert in slices if expert not in state.weights]
     if missing:
         raise CheckpointError(f"the checkpoint holds no {', '.join(missing)} (experts this rank's model holds)")
+    split_dims = split_dims or {}
+
+    def part(name, tensor):
+        dim = split_dims.get(name)
+        return tensor if dim is None else layout.split_tensor(tensor, (dim, 1), tp_size, tp_rank)
+
     for name, slices in grouped.items():
-        state.weights[name] = torch.stack([state.weights.pop(expert) for expert in slices])
+        state.weights[name] = torch.stack([part(name, state.weights.pop(expert)) for expert in slices])
         if state.optimizer is not None:
             per_expert = [state.optimizer.pop(expert) for expert in slices]
-            state.optimizer[name] = {key: torch.stack([states[key] for states in per_expert])
+            state.optimizer[name] = {key: torch.stack([part(name, states[key]) for states in per_expert])
                                      for key in OPTIMIZER_KEYS}
     return state
 

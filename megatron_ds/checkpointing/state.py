@@ -18,7 +18,8 @@ from megatron_ds.checkpointing.files import CheckpointError, load_file
 from megatron_ds.checkpointing.foreign import megatron_deepspeed
 from megatron_ds.checkpointing.rank_state import OPTIMIZER_KEYS, FullState, RankState, ZeroPartitions, rank_state_of
 from megatron_ds.core.pipeline_schedules import stage_placement
-from megatron_ds.core.transformer.dropless_moe import dropless_layers, expert_slice_names
+from megatron_ds.core.tensor_parallel.mappings import gather_along_tensor_parallel
+from megatron_ds.core.transformer.dropless_moe import EXPERT_FFN_DIM, dropless_layers, expert_slice_names
 
 
 def _layout(metadata):
@@ -86,6 +87,25 @@ def _expert_shard(metadata, tp_rank):
     return tp_rank if metadata["args"].get("enable_expert_tensor_parallelism") else None
 
 
+def _expert_optimizer_tp_ranks(metadata, tp_rank):
+    """The saved TP ranks whose experts' optimizer states to read for tp_rank: every TP rank of the stage where the
+    dropless layer's experts were split over TP (--expert-tensor-parallel-size; their F slices are joined into
+    whole experts), else _expert_shard's one (or None: the stage's)."""
+    if files.is_dropless_moe(files.saved_model_shape(metadata)) and \
+            (metadata["args"].get("expert_tensor_parallel_size") or 1) > 1:
+        return list(range(_layout(metadata)["tensor_model_parallel_size"]))
+    return [_expert_shard(metadata, tp_rank)]
+
+
+def _joined_expert_slices(slices):
+    """{canonical name: states} of whole experts from each saved TP rank's states of their F slices (one dict per
+    TP rank, in rank order); a single dict as it is."""
+    if len(slices) == 1:
+        return slices[0]
+    return {name: {key: torch.cat([states[name][key] for states in slices], dim=EXPERT_FFN_DIM[name.rsplit(".", 1)[1]])
+                   for key in first} for name, first in slices[0].items()}
+
+
 def _stage_entries(metadata, pp_rank, tp_rank=None):
     """The ranks of a pipeline stage (of one TP rank of it when tp_rank is given)."""
     return [entry for entry in metadata["ranks"]
@@ -116,11 +136,20 @@ def grouped_expert_files(module, mp_rank):
     by_file = {}
     for layer in dropless_layers(module):
         for param in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
+            whole = _whole_experts(param)
             for index, name in enumerate(param.init_keys):
                 file_name = (f"layer_{layer.layer_number - 1}_expert_{layout.expert_index(name)}_mp_rank_"
                              f"{mp_rank:02d}_model_states.pt")
-                by_file.setdefault(file_name, {})[name] = param[index].detach().clone()
+                by_file.setdefault(file_name, {})[name] = whole[index].clone()
     return by_file
+
+
+def _whole_experts(param):
+    """A grouped experts' tensor with each expert whole: split over TP (expert TP), its F slices gathered from
+    the TP ranks (every TP rank takes part)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    return gather_along_tensor_parallel(param.detach(), param.partition_dim)
 
 
 def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_layers, pipelined):
@@ -142,17 +171,21 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     optimizer, step = {}, None
     for group, shapes in enumerate(mp_state["param_shapes"]):
         if any(layout.is_expert_parameter(name) for name in shapes):
-            owners = _expert_owners(metadata, entry["pp"], _expert_shard(metadata, entry["tp"]), shapes, num_layers,
-                                    pipelined)
+            owners_by_tp = [_expert_owners(metadata, entry["pp"], tp, shapes, num_layers, pipelined)
+                            for tp in _expert_optimizer_tp_ranks(metadata, entry["tp"])]
         else:
-            owners = [(data_parallel, lambda local, states: {canonical(local): states})]
-        for ranks, canonical_states in owners:
-            cut = partitions.cut(group, ranks, shapes)
-            if cut is None:
-                return None, None  # saved before the first optimizer step
-            group_states, step = cut
-            for local, states in group_states.items():
-                optimizer.update(canonical_states(local, states))
+            owners_by_tp = [[(data_parallel, lambda local, states: {canonical(local): states})]]
+        slices = []
+        for owners in owners_by_tp:
+            slices.append({})
+            for ranks, canonical_states in owners:
+                cut = partitions.cut(group, ranks, shapes)
+                if cut is None:
+                    return None, None  # saved before the first optimizer step
+                group_states, step = cut
+                for local, states in group_states.items():
+                    slices[-1].update(canonical_states(local, states))
+        optimizer.update(_joined_expert_slices(slices))
     return optimizer, step
 
 

@@ -273,6 +273,12 @@ class ParallelLayout:
              f"EP {ep} over the {stage} ranks of a stage",
              f"--expert-model-parallel-size {ep} does not divide the {stage} ranks of a pipeline stage (world size "
              f"{self.world_size} / PP {pp}): the experts are spread over consecutive runs of them"),
+            (self.expert_tensor_parallel and stage and stage % tp == 0 and (stage // tp) % ep,
+             "expert parallel size does not divide DP (expert TP)",
+             f"EP {ep} over the {stage // tp if stage else None} ranks of a stage of one TP rank",
+             f"--expert-model-parallel-size {ep} does not divide the {stage // tp if stage else None} ranks of a "
+             f"pipeline stage that share a TP rank (world size {self.world_size} / PP {pp} / TP {tp}): with "
+             f"--expert-tensor-parallel-size {tp} the experts are spread over the ranks of one TP rank"),
             (tp > 1 and not self.sequence_parallel and model.seq_length % (tp * u),
              "sequence not divisible by TP (dropless MoE)", f"sequence {model.seq_length} over TP {tp}",
              f"--tensor-model-parallel-size {tp} with the dropless MoE layer: each TP rank routes its share of the "

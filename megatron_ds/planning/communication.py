@@ -41,7 +41,8 @@ The dropless MoE layer (Megatron-Core's flags, its alltoall dispatcher), per MoE
 an all-to-all of the E per-expert counts (int64) and two all-to-alls with uneven splits of the rows, k T x h
 elements out and the experts' outputs back; backward their two conjugates. Routing is taken as uniform: a rank
 receives as many rows as it sends, (EP - 1)/EP of each all-to-all leaving it (DeepSeek-V3 at EP 64: 63/64);
-full recompute repeats the forward's three. TP changes against a dense layer: dropless_layers_tensor_parallel_change.
+full recompute repeats the forward's three. TP changes against a dense layer: dropless_layers_tensor_parallel_change
+(with expert TP it counts the gather of the received rows over TP and the reduce-scatter of the partial outputs).
 """
 import math
 from dataclasses import dataclass
@@ -326,7 +327,8 @@ def dropless_layers_tensor_parallel_change(model: ModelSpec, layout: Layout, sta
     reduce-scatters go. The shared expert is a dense MLP of its own width: its collectives stay. Every backward
     all-reduces the router's gradient (h E: the TP ranks routed other tokens), with SP the shared gate's (h), and no
     longer fc2's bias where no shared expert has one; a balance loss all-reduces its expert counts in every forward
-    (_balance_counts_bytes). A recomputed layer repeats its forward's change."""
+    (_balance_counts_bytes). With expert TP (= TP t) the experts' F slices add _expert_slices_bytes. A recomputed
+    layer repeats its forward's change."""
     if layout.tp == 1 or not model.config.is_dropless_moe:
         return 0.0
     forward, backward = _dropless_tensor_parallel_change(model, layout)
@@ -337,6 +339,28 @@ def dropless_layers_tensor_parallel_change(model: ModelSpec, layout: Layout, sta
 
 def _dropless_tensor_parallel_change(model, layout):
     """(forward, backward) change of one dropless MoE layer's TP bytes per micro-batch against a dense layer's."""
+    forward, backward = _dropless_routing_tensor_parallel_change(model, layout)
+    slices_forward, slices_backward = _expert_slices_bytes(model, layout)
+    return forward + slices_forward, backward + slices_backward
+
+
+def _expert_slices_bytes(model, layout):
+    """(forward, backward) TP bytes of the experts split over TP (expert TP = TP t), one layer and micro-batch, R the
+    rows each rank receives from the all-to-all (k T with uniform routing): forward, an all-gather of the E / EP
+    local experts' counts (int64), one of the rows, t R h elements, and a reduce-scatter of the experts' partial
+    outputs, t R h (uneven all-to-alls, each rank sending its rows or their partial outputs, (t - 1) R h); backward
+    their conjugates. (0, 0) without expert TP."""
+    config, t = model.config, layout.tp
+    if not config.moe_expert_tensor_parallel or t == 1:
+        return 0.0, 0.0
+    gathered = t * dropless_traffic_per_layer(model, layout).payload
+    counts = all_gather_bytes(t, 8 * t * config.num_moe_experts // config.moe_expert_parallel_size)
+    rows = 2 * all_gather_bytes(t, gathered)
+    return counts + rows, rows
+
+
+def _dropless_routing_tensor_parallel_change(model, layout):
+    """_dropless_tensor_parallel_change without the experts' F slices."""
     config, t = model.config, layout.tp
     payload, width = tensor_parallel_traffic_per_layer(model, layout).payload, activation_element_bytes(model)
     shared = bool(config.moe_shared_expert_intermediate_size)

@@ -237,16 +237,22 @@ def dropless_moe_mlp_bytes(model: ModelSpec, layout: Layout, received_rows=None)
       - the MLP's input, w h T (the router's input; under TP without SP the layer's own split copy);
       - the router (_router_bytes) and, with their coefficients, the balance and z-losses (_router_loss_bytes);
       - each row's place and token (int64), 16 N; with EP > 1 the received rows' expert order and its inverse, 16 R;
-      - the experts: each row's input, and its gate and up projections and their SwiGLU product, w (h + 3F) (the
-        layer's SwiGLU keeps its two inputs alone on every device, DeepSpeed's Triton kernel on a GPU);
+      - with expert TP (t = TP) the R rows of every TP rank gathered, G = t R, and their expert order and its
+        inverse, 16 G (else G = R);
+      - the experts: each computed row's input, and its gate and up projections and their SwiGLU product,
+        w (h + 3F / t) x G (the layer's SwiGLU keeps its two inputs alone on every device, DeepSpeed's Triton
+        kernel on a GPU);
       - the combine: each row's output and its fp32 weight, (w h + 4) N;
       - the shared expert and its gate (_shared_expert_bytes)."""
     config, width = model.config, _activation_width(model)
     h, tokens = config.hidden_size, dropless_routed_tokens(model, layout)
     rows = config.moe_router_topk * tokens
     received = dropless_received_rows(model, layout) if received_rows is None else received_rows
-    places = 16 * rows + (16 * received if config.moe_expert_parallel_size > 1 else 0)
-    experts = received * width * (h + 3 * config.moe_ffn_hidden_size)
+    slices = layout.tp if config.moe_expert_tensor_parallel else 1
+    computed = slices * received
+    places = 16 * rows + (16 * received if config.moe_expert_parallel_size > 1 else 0) \
+        + (16 * computed if slices > 1 else 0)
+    experts = computed * width * (h + 3 * config.moe_ffn_hidden_size / slices)
     losses = _router_loss_bytes(config, tokens, layout.micro_batch_size)
     return (width * h * tokens + _router_bytes(config, tokens) + losses + places
             + experts + rows * (width * h + 4) + _shared_expert_bytes(model, layout, width))

@@ -22,8 +22,9 @@ The dropless MoE layer (Megatron-Core's flags, core/transformer/dropless_moe.py;
 its MLP is a router Linear(h, E, no bias), E routed experts of DeepSpeed's GroupedExperts (gate w1 and up w3
 [F, h], down w2 [h, F] each, F = moe_ffn_hidden_size, no biases), and optionally a shared expert (an MLP of its
 own width, split over TP like the dense one) with a sigmoid gate Linear(h, 1, no bias). Each EP rank holds E / EP
-routed experts whole (expert TP 1); router, shared expert and gate are on every EP rank, router and gate whole on
-each TP rank. Its fp32 buffers (the expert bias and two token counts, E values each) are no parameters:
+routed experts, whole (expert TP 1) or each a slice F / t of them on each TP rank (expert TP = TP t); router,
+shared expert and gate are on every EP rank, router and gate whole on each TP rank. Its fp32 buffers (the expert
+bias and two token counts, E values each) are no parameters:
 StageParameters.buffers counts them for memory.py.
 """
 from dataclasses import dataclass
@@ -89,9 +90,10 @@ def moe_mlp_parameters(config, num_experts: int, ep: int = 1, tp: int = 1) -> in
     return h * num_experts + num_experts // ep * one_expert_parameters(config, tp) + residual
 
 
-def dropless_expert_parameters(config) -> int:
-    """One routed expert of the dropless layer: w1 and w3 [F, h], w2 [h, F]."""
-    return 3 * config.hidden_size * config.moe_ffn_hidden_size
+def dropless_expert_parameters(config, tp: int = 1) -> int:
+    """One routed expert of the dropless layer on one rank of TP `tp`: w1 and w3 [F, h], w2 [h, F], with expert TP
+    the rank's slice F / tp of them."""
+    return 3 * config.hidden_size * config.moe_ffn_hidden_size // (tp if config.moe_expert_tensor_parallel else 1)
 
 
 def shared_expert_parameters(config, tp: int = 1) -> int:
@@ -107,7 +109,7 @@ def dropless_moe_parameters(config, ep: int = 1, tp: int = 1) -> int:
     """A dropless MoE layer's MLP on one rank of EP `ep` and TP `tp` (1, 1: all of it): router h E, E / ep routed
     experts, the shared expert and its gate."""
     experts = config.num_moe_experts
-    return (config.hidden_size * experts + experts // ep * dropless_expert_parameters(config)
+    return (config.hidden_size * experts + experts // ep * dropless_expert_parameters(config, tp)
             + shared_expert_parameters(config, tp))
 
 
@@ -129,7 +131,7 @@ def expert_parameters(config, layer_number: int, ep: int = 1, tp: int = 1) -> in
     """The experts of layer `layer_number` one rank of EP `ep` and TP `tp` holds (0 for a dense layer): the
     parameters reduced and ZeRO-partitioned over the expert-data-parallel group instead of DP."""
     if config.dropless_moe_in_layer(layer_number):
-        return config.num_moe_experts // ep * dropless_expert_parameters(config)
+        return config.num_moe_experts // ep * dropless_expert_parameters(config, tp)
     experts = config.experts_in_layer(layer_number)
     return 0 if experts == 1 else experts // ep * one_expert_parameters(config, tp)
 

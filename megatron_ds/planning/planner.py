@@ -78,6 +78,8 @@ def dropless_moe_section(model, layout=None):
                "expert_parallel_size": ep, "ffn_hidden_size": config.moe_ffn_hidden_size,
                "shared_expert_ffn_hidden_size": config.moe_shared_expert_intermediate_size or 0,
                "parameters_per_expert": dropless_expert_parameters(config),
+               "expert_tensor_parallel_size": layout.tp if layout is not None and config.moe_expert_tensor_parallel
+               else 1,
                "buffer_bytes_per_layer": 4 * dropless_buffer_values(config, numbers[0]),
                "forward_flops_per_token": model_flops.dropless_moe_flops_per_token(config)}
     if layout is not None:

@@ -52,7 +52,7 @@ def initialize_groups(args):
     """The model-parallel groups and, for an MoE, the expert groups (every rank creates all of them, in order)."""
     parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel))
     if args.moe or args.dropless_moe:
-        parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.enable_expert_tensor_parallelism)
+        parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.parallel.expert_tensor_parallel)
     if args.moe:
         mend_token_split()
 
@@ -150,6 +150,12 @@ def warn_of_16_bit_on_this_cpu(args):
             print_rank_0(f"WARNING: {text}")
 
 
+def _expert_split(args, config):
+    if not config.moe_expert_tensor_parallel:
+        return ""
+    return f", each split over TP {args.tensor_model_parallel_size} (--expert-tensor-parallel-size)"
+
+
 def _log_dropless_experts(args, config):
     """The layer, its dispatch, and its total and active parameters (the planner's count: the one formula)."""
     layers, ep = sum(config.moe_layer_pattern), config.moe_expert_parallel_size
@@ -161,6 +167,7 @@ def _log_dropless_experts(args, config):
     print_rank_0(f"dropless Mixture of Experts: {config.num_moe_experts} experts of FFN {config.moe_ffn_hidden_size} "
                  f"in {layers} of {config.num_layers} layers, top-{config.moe_router_topk} "
                  f"({config.moe_router_score_function}){shared}; {config.num_moe_experts // ep} experts per rank "
-                 f"(EP {ep}); {'grouped GEMMs' if config.moe_grouped_gemm else 'a GEMM per expert'}; "
+                 f"(EP {ep}){_expert_split(args, config)}; "
+                 f"{'grouped GEMMs' if config.moe_grouped_gemm else 'a GEMM per expert'}; "
                  f"{config.moe_token_dispatcher_type} dispatcher{capacity}; {total_parameters(spec):,} parameters "
                  f"in all, {active_parameters(spec):,} active per token")

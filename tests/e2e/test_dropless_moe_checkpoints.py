@@ -2,8 +2,9 @@
 the expert bias with the model. Saved at iteration 5 of a PP 2 x DP 2 run with EP 2 (the experts' optimizer states
 in ZeRO-1's expert-data-parallel partitions; --async-save): resumed in place, iterations 6-10 and the iteration-10
 checkpoint equal the straight run's bit for bit (the expert bias included); resumed at EP 4 x PP 1 and at TP 2
-(Megatron SP) with the experts whole on each TP rank (expert TP 1), resharded on load, the losses within 1e-5 of
-the in-place resume's."""
+(Megatron SP) with the experts whole on each TP rank (expert TP 1) or split over TP (expert TP 2), resharded on
+load, the losses within 1e-5 of the in-place resume's. Saved at TP 2 with the experts split over TP: each expert
+written whole, the in-place resume bit for bit, resumed at expert TP 1 and at TP 1 within 1e-5."""
 import glob
 import os
 
@@ -78,7 +79,9 @@ def test_a_resume_in_place_continues_the_run_bit_for_bit(saved):
     ["--expert-model-parallel-size", "4"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
      "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
-], ids=["ep4_pp1", "tp2_etp1"])
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
+     "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+], ids=["ep4_pp1", "tp2_etp1", "tp2_etp2"])
 def test_a_checkpoint_resumes_at_other_expert_tensor_and_pipeline_layouts(saved, layout):
     folder, _, resumed = saved
     other = _train([*layout, "--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT)])
@@ -100,5 +103,49 @@ def test_the_conversion_tool_reshapes_a_checkpoint_that_resumes_with_the_same_lo
                     "128", "--expert-model-parallel-size", "2", "--load", str(folder / "tp2")])
     assert f"resuming at iteration {SAVED_AT}" in other, other[-4000:]
     expected, observed = losses(resumed), losses(other)
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-5, abs=0), (iteration, observed, expected)
+
+
+SPLIT_EXPERTS = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
+                 "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def saved_with_split_experts(tmp_path_factory):
+    """TP 2 x DP 2 with the experts split over TP (expert TP 2, EP 2 over the DP ranks of each TP rank), saving
+    at iterations 5 and 10, and its in-place resume from 5."""
+    folder = tmp_path_factory.mktemp("dropless_split_experts")
+    straight = _train([*SPLIT_EXPERTS, "--save", str(folder / "straight"), "--save-interval", str(SAVED_AT)])
+    resumed = _train([*SPLIT_EXPERTS, "--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT)])
+    assert f"resuming at iteration {SAVED_AT}" in resumed, resumed[-4000:]
+    return folder, straight, resumed
+
+
+def test_experts_split_over_tensor_parallel_ranks_are_saved_whole_and_resume_in_place_bit_for_bit(
+        saved_with_split_experts):
+    folder, straight, resumed = saved_with_split_experts
+    expected, observed = losses(straight), losses(resumed)
+    assert sorted(observed) == list(range(SAVED_AT + 1, ITERATIONS + 1)), resumed[-3000:]
+    assert {iteration: expected[iteration] for iteration in observed} == observed
+    experts = {name: tensors for name, tensors in _checkpoint_tensors(folder / "straight" / f"global_step{SAVED_AT}")
+               .items() if "_expert_" in name}
+    assert len(experts) == 4 * 4, sorted(experts)  # 4 layers x 4 experts, each whole in one file
+    shapes = {key.rsplit(".", 1)[1]: tuple(value.shape)
+              for tensors in experts.values() for key, value in tensors.items()}
+    assert shapes == {"w1": (48, 64), "w3": (48, 64), "w2": (64, 48)}, shapes
+
+
+@pytest.mark.parametrize("layout, ranks", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "128",
+      "--expert-model-parallel-size", "2"], 4),
+    (["--expert-model-parallel-size", "2"], 2),
+], ids=["tp2_etp1", "tp1"])
+def test_experts_saved_split_over_tensor_parallel_ranks_resume_whole(saved_with_split_experts, layout, ranks):
+    folder, _, resumed = saved_with_split_experts
+    other = _train([*layout, "--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT)], ranks=ranks)
+    assert f"resuming at iteration {SAVED_AT}" in other, other[-4000:]
+    expected, observed = losses(resumed), losses(other)
+    assert sorted(observed) == list(range(SAVED_AT + 1, ITERATIONS + 1)), other[-3000:]
     for iteration, loss in expected.items():
         assert observed[iteration] == pytest.approx(loss, rel=1e-5, abs=0), (iteration, observed, expected)

@@ -78,6 +78,21 @@ def test_expert_parallelism_across_sequence_parallel_tensor_parallel_ranks_train
                                "--make-vocab-size-divisible-by", "128", "--expert-model-parallel-size", "2"), _run(2))
 
 
+TENSOR_PARALLEL_2 = ("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "128")
+
+
+@pytest.mark.parametrize("ep, sequence_parallel", [(1, True), (2, True), (2, False)],
+                         ids=["ep1_sp", "ep2_sp", "ep2_no_sp"])
+def test_experts_split_over_the_tensor_parallel_ranks_train_the_same_model(ep, sequence_parallel):
+    """Expert TP 2 at TP 2 x DP 2 (Megatron-Core's parallel folding): each TP rank holds half of every expert's F;
+    the expert-parallel group is the DP ranks of one TP rank, the rows they receive gathered over TP and the
+    partial outputs reduce-scattered back. The same model as TP 1 x EP 1 at DP 2."""
+    output = _run(4, *TENSOR_PARALLEL_2, *(["--sequence-parallel"] if sequence_parallel else []),
+                  "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "2")
+    assert f"experts per rank (EP {ep}), each split over TP 2 (--expert-tensor-parallel-size)" in output
+    _assert_same_training(output, _run(2))
+
+
 def test_expert_parallelism_across_ulysses_ranks_trains_the_same_model():
     """Ulysses SP 2: each rank routes half of every sequence; the balance losses' counts are summed over the two
     (as Megatron-Core sums them over CP) and their gradients scaled like the lm loss's."""

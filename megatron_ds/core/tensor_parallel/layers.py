@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from megatron_ds.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from megatron_ds.core.tensor_parallel.mappings import (
-    _gather_along,
     _reduce,
     _reduce_scatter_first_dim,
     copy_to_tensor_model_parallel_region,
+    gather_along_tensor_parallel,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -64,12 +64,12 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     def forward(ctx, input_shard, weight, bias):
         ctx.save_for_backward(input_shard, weight)
         ctx.has_bias = bias is not None
-        return F.linear(_gather_along(input_shard, 0), weight, bias)
+        return F.linear(gather_along_tensor_parallel(input_shard, 0), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         input_shard, weight = ctx.saved_tensors
-        total_input = _gather_along(input_shard, 0)
+        total_input = gather_along_tensor_parallel(input_shard, 0)
         grad_input = _reduce_scatter_first_dim(grad_output.matmul(weight))
         grad_weight = grad_output.reshape(-1, grad_output.size(-1)).t().matmul(
             total_input.reshape(-1, total_input.size(-1)))

@@ -46,7 +46,8 @@ def _split_along(tensor, dim):
     return tensor.chunk(world, dim=dim)[get_tensor_model_parallel_rank()].contiguous()
 
 
-def _gather_along(tensor, dim):
+def gather_along_tensor_parallel(tensor, dim):
+    """The TP ranks' tensors (equal shapes) concatenated along dim, in rank order (no autograd)."""
     world = get_tensor_model_parallel_world_size()
     if world == 1:
         return tensor
@@ -98,13 +99,13 @@ class _ScatterToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along(grad_output, -1)
+        return gather_along_tensor_parallel(grad_output, -1)
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_):
-        return _gather_along(input_, -1)
+        return gather_along_tensor_parallel(input_, -1)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -118,14 +119,14 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along(grad_output, 0)
+        return gather_along_tensor_parallel(grad_output, 0)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, to_model_parallel):
         ctx.to_model_parallel = to_model_parallel
-        return _gather_along(input_, 0)
+        return gather_along_tensor_parallel(input_, 0)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -141,7 +142,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along(grad_output, 0)
+        return gather_along_tensor_parallel(grad_output, 0)
 
 
 def copy_to_tensor_model_parallel_region(input_):

@@ -20,7 +20,7 @@ from megatron_ds.core.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from megatron_ds.core.tensor_parallel.mappings import _gather_along
+from megatron_ds.core.tensor_parallel.mappings import gather_along_tensor_parallel
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
@@ -187,7 +187,7 @@ def _split_for_this_rank(tensor):
 
 
 def _gather_split(shard, shape):
-    return _gather_along(shard, 0)[: torch.Size(shape).numel()].view(shape)
+    return gather_along_tensor_parallel(shard, 0)[: torch.Size(shape).numel()].view(shape)
 
 
 class _CheckpointFunction(torch.autograd.Function):

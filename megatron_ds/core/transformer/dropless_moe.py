@@ -13,8 +13,12 @@ expert-parallel components.
   their routing on every rank of the group, runs this rank's experts on the pairs routed to them, and
   reduce-scatters the weighted sums back to the tokens' ranks.
 - Under TP the layer's tokens are split over the TP ranks (Megatron's sequence parallelism already splits them;
-  without it this layer splits and gathers them), so the experts are whole on their rank (expert TP 1) and the
-  expert-parallel group may span TP and data-parallel ranks.
+  without it this layer splits and gathers them). Expert TP 1: the experts are whole on their rank and the
+  expert-parallel group may span TP and data-parallel ranks. Expert TP = TP (Megatron-Core's parallel folding,
+  ETP x EP x EDP over the TP x DP ranks): each TP rank holds a slice of F of the same experts (w1 and w3 split
+  along their rows, w2 along its columns), the expert-parallel group is made of ranks of one TP rank; after the
+  all-to-all the received rows are gathered over the TP group, the experts' slices compute partial outputs, and
+  these are reduce-scattered back to the rows' TP ranks before the all-to-all back.
 - Shared experts: a dense MLP beside the routed experts, its output optionally scaled by a sigmoid gate
   (Qwen2-MoE's), added.
 - The balance losses as Megatron-Core defines them (aux_loss: Switch Transformer's over the micro-batch;
@@ -110,12 +114,13 @@ class AllToAllDispatcher:
     """Sends each (token, expert) row to the rank holding the expert and brings the expert's output back.
     group None: expert parallelism 1, every expert here. drops: whether pairs may be dropped (a capacity)."""
 
-    def __init__(self, num_experts, group, drops=False):
+    def __init__(self, num_experts, group, drops=False, tensor_group=None):
         self.group = group
         self.num_experts = num_experts
         self.ranks = _group_size(group)
         self.local_experts = num_experts // self.ranks
         self.drops = drops
+        self.tensor_group = tensor_group  # expert TP: the ranks holding the other F slices of this rank's experts
 
     def combine(self, tokens, weights, destinations, experts):
         """tokens [T, h], weights and destinations [T, k] (a destination outside the experts: a dropped pair) ->
@@ -134,6 +139,8 @@ class AllToAllDispatcher:
         the next is made (the forward, recomputed in backward under full recompute, would hold six at once)."""
         if self.uniform_routing:
             counts = uniform_counts(token_of_row.shape[0], self.num_experts, token_of_row.device)
+        if self.tensor_group is not None:
+            experts = self._on_expert_slices(experts)
         if self.ranks == 1:
             return experts(tokens[token_of_row], counts)
         counts_by_rank = counts.view(self.ranks, self.local_experts)
@@ -148,6 +155,62 @@ class AllToAllDispatcher:
         computed = experts(received[order], received_counts.sum(0))
         del received
         return _AllToAll.apply(computed[torch.argsort(order)], send_splits, receive_splits, self.group)
+
+    def _on_expert_slices(self, experts):
+        """experts(rows sorted by local expert, counts) on this rank's F slices: the rows of every rank of the
+        expert-TP group gathered (each rank's sorted by local expert), the partial outputs summed back to the
+        ranks whose rows they are."""
+        def compute(rows, counts):
+            counts_by_rank = _all_gathered(counts.unsqueeze(0), self.tensor_group)  # [expert-TP rank, local expert]
+            if self.uniform_routing:
+                counts_by_rank.copy_(counts.expand_as(counts_by_rank))
+            sizes = counts_by_rank.sum(1).tolist()
+            gathered = _GatherRowsFromGroup.apply(rows, sizes, self.tensor_group)
+            order = _expert_major_order(counts_by_rank.cpu()).to(rows.device)
+            computed = experts(gathered[order], counts_by_rank.sum(0))
+            del gathered
+            return _SumRowsToTheirRank.apply(computed[torch.argsort(order)], sizes, self.tensor_group)
+        return compute
+
+
+class _GatherRowsFromGroup(torch.autograd.Function):
+    """Every rank's rows (rank r's sizes[r] of them) concatenated in rank order; backward: the gradients of this
+    rank's rows, summed over the group."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _rows_gathered(rows, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _rows_summed_to_their_rank(grad, ctx.sizes, ctx.group), None, None
+
+
+class _SumRowsToTheirRank(torch.autograd.Function):
+    """rows: every rank's sizes[r] rows in rank order -> this rank's rows summed over the group; backward: the
+    gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _rows_summed_to_their_rank(rows, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _rows_gathered(grad, ctx.sizes, ctx.group), None, None
+
+
+def _rows_gathered(rows, sizes, group):
+    # an all-to-all with uneven splits, each rank sending its rows to every rank (no padding to the longest)
+    copies = rows.repeat(len(sizes), *[1] * (rows.dim() - 1))
+    return _exchange(copies, sizes, [rows.shape[0]] * len(sizes), group)
+
+
+def _rows_summed_to_their_rank(rows, sizes, group):
+    mine = sizes[dist.get_rank(group)]
+    received = _exchange(rows, [mine] * len(sizes), sizes, group)
+    return received.view(len(sizes), mine, *rows.shape[1:]).sum(0)
 
 
 def uniform_counts(rows, experts, device):
@@ -308,8 +371,12 @@ class DroplessMoE(torch.nn.Module):
         self.layer_number = layer_number
         self.num_experts = config.num_moe_experts
         self.router = Router(config)
-        self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
-            self.num_experts, expert_group, drops=config.moe_expert_capacity_factor is not None)
+        drops = config.moe_expert_capacity_factor is not None
+        if config.moe_expert_tensor_parallel:  # only the alltoall dispatcher splits experts (arguments/checks.py)
+            self.dispatcher = AllToAllDispatcher(self.num_experts, expert_group, drops,
+                                                 parallel_state.get_tensor_model_parallel_group())
+        else:
+            self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](self.num_experts, expert_group, drops)
         self.experts = _grouped_experts(config, self.dispatcher.local_experts)
         expert_rank = dist.get_rank(expert_group) if expert_group is not None else 0
         _name_experts(self.experts, f"{name or f'decoder.layers.{layer_number - 1}.mlp'}.experts",
@@ -512,16 +579,28 @@ if EXPERT_ACTIVATION not in EXPERT_ACTIVATIONS:
                                gate_fn=F.silu)
 
 
+def expert_tensor_parallel_size(config):
+    """The ranks splitting each expert's F: TP with expert tensor parallelism, else 1."""
+    return parallel_state.get_tensor_model_parallel_world_size() if config.moe_expert_tensor_parallel else 1
+
+
 def _grouped_experts(config, local_experts):
-    experts = GroupedExperts(config.hidden_size, config.moe_ffn_hidden_size, local_experts,
+    ffn = config.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
+    experts = GroupedExperts(config.hidden_size, ffn, local_experts,
                              use_grouped_mm=config.moe_grouped_gemm, disable_triton_grouped_mm=True,
                              activation=EXPERT_ACTIVATION)
     return experts.to(config.params_dtype)
 
 
+# where F is in one expert's tensor: w1 (gate) and w3 (up) [F, h], w2 (down) [h, F]
+EXPERT_FFN_DIM = {"w1": 0, "w3": 0, "w2": 1}
+
+
 def _name_experts(experts, prefix, first_expert, config):
     """Each expert's slice of w1 (gate), w3 (up) and w2 (down) drawn by its global index, so every expert-parallel
-    size starts from the same model; the parameters tagged for DeepSpeed's expert-data-parallel reduction."""
+    size starts from the same model (with expert TP each TP rank keeps its part of F of the whole expert, as a
+    dense TP layer keeps its part of the whole weight); the parameters tagged for DeepSpeed's expert-data-parallel
+    reduction."""
     group_name = parallel_state.expert_group_name(config.moe_expert_parallel_size)
     local = experts.num_experts
     for name, std in (("w1", config.init_method_std), ("w3", config.init_method_std),
@@ -530,7 +609,12 @@ def _name_experts(experts, prefix, first_expert, config):
         set_init_method(param, init_method_normal(std))
         param.init_keys = expert_slice_names(f"{prefix}.{name}", first_expert, local)
         param.allreduce, param.group_name = False, group_name
-        param.model_parallel = True  # other experts (or other tokens' gradients) on each TP rank
+        # other experts, other F slices or other tokens' gradients on each TP rank: DeepSpeed's gradient norm
+        # counts them on every TP rank
+        param.model_parallel = True
+        if config.moe_expert_tensor_parallel:
+            param.tensor_model_parallel, param.partition_stride = True, 1
+            param.partition_dim = EXPERT_FFN_DIM[name] + 1  # after the experts' dim
 
 
 def expert_slice_names(grouped_name, first_expert, count):

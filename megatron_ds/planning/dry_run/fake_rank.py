@@ -150,9 +150,18 @@ def allocated_bytes(engine):
             "optimizer": sum(others.values())}
 
 
-def groups_by_axis(grid, args, rank):
-    """This rank's groups, ours (with MoE the expert and expert-data groups too) and (PP > 1) DeepSpeed's
-    pipeline grid's."""
+def tied_ranks(engine):
+    """The ranks of DeepSpeed's group that sums this rank's tied embedding's gradients across pipeline stages
+    (None: no such group, the embeddings untied or PP 1)."""
+    for comm in getattr(engine.module, "tied_comms", {}).values():
+        if len(comm["ranks"]) > 1:
+            return comm["ranks"]
+    return None
+
+
+def groups_by_axis(grid, args, rank, tied=None):
+    """This rank's groups, ours (with MoE the expert and expert-data groups too; `tied`: DeepSpeed's tied
+    embedding's, where there is one) and (PP > 1) DeepSpeed's pipeline grid's."""
     ours = {"tensor": parallel_state.get_tensor_model_parallel_ranks(),
             "data": parallel_state.get_data_parallel_ranks(),
             "pipeline": parallel_state.get_pipeline_model_parallel_ranks(),
@@ -160,8 +169,10 @@ def groups_by_axis(grid, args, rank):
             "sequence-data": parallel_state.get_sequence_data_parallel_ranks()}
     if args.moe or args.dropless_moe:
         for axis, groups in parallel_state.expert_groups_by_axis(args.moe_expert_parallel_size,
-                                                     args.enable_expert_tensor_parallelism).items():
+                                                                 args.parallel.expert_tensor_parallel).items():
             ours[axis] = next(ranks for ranks in groups if rank in ranks)
+    if tied is not None:
+        ours["tied"] = tied
     theirs = None if grid is None else {"data": list(grid.dp_group), "pipeline": list(grid.pp_group),
                                         "tensor": list(grid.slice_group)}
     return {"ours": {axis: [int(rank) for rank in ranks] for axis, ranks in ours.items()}, "deepspeed": theirs}
@@ -176,7 +187,8 @@ def run_rank(rank, world_size, args):
         deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
         engine, _ = initialize.start_up(args, building_model=lambda: FakeTensorMode(allow_non_fake_inputs=True))
     parameters = {id(p): p.numel() for p in engine.module.parameters()}
-    record = {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank),
+    record = {**_placement(rank, calls), "groups": groups_by_axis(getattr(engine, "grid", None), args, rank,
+                                                                  tied_ranks(engine)),
               "layers": sum(isinstance(module, TransformerLayer) and module.layer_number <= args.num_layers
                             for module in engine.module.modules()),  # an MTP module's layer is not one of them
               "parameters": sum(parameters.values()), "bytes": allocated_bytes(engine)}

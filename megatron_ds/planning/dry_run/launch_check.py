@@ -192,9 +192,9 @@ def membership_problems(records):
             if rank not in members:
                 problems.append(f"rank {rank}'s {axis} group {members} does not hold it")
             for member in members:
-                if member in records and records[member]["groups"]["ours"][axis] != members:
+                if member in records and records[member]["groups"]["ours"].get(axis) != members:
                     problems.append(f"rank {rank}'s {axis} group is {members}, rank {member}'s is "
-                                    f"{records[member]['groups']['ours'][axis]}")
+                                    f"{records[member]['groups']['ours'].get(axis)}")
             if "new_groups" in record and len(members) > 1 and \
                     not any(call is not None and sorted(call) == sorted(members) for call in record["new_groups"]):
                 problems.append(f"rank {rank}'s {axis} group {members} was never created")

@@ -112,7 +112,7 @@ def _sequence_difference(group, first, ours, member, theirs):
     return None
 
 
-def _axis(entry, groups, pipeline):
+def _axis(entry, groups):
     """The axis of one recorded op on a rank with `groups` (its record's groups by axis, ours)."""
     if entry["op"] in POINT_TO_POINT:
         return "pipeline"
@@ -122,7 +122,7 @@ def _axis(entry, groups, pipeline):
     for axis, name in (("expert", "expert"), ("sequence", "ulysses")):
         if entry["op"].startswith("alltoall") and groups.get(axis) == ranks:
             return name
-    if entry["op"] == "allreduce" and len(ranks) == 2 and ranks == [pipeline[0], pipeline[-1]]:
+    if entry["op"] == "allreduce" and ranks == groups.get("tied"):
         return "tied"   # DeepSpeed's tie group (at PP 2 the pipeline group's ranks too)
     for axis, name in (("tensor", "tensor"), ("sequence-data", "data"), ("sequence", "ulysses"),
                        ("expert", "expert"), ("expert-data", "data"), ("pipeline", "pipeline collectives")):
@@ -136,7 +136,7 @@ def recorded_traffic(record):
     groups = record["groups"]["ours"]
     traffic = collections.defaultdict(float)
     for entry in record["step"]["ops"]:
-        traffic[_axis(entry, groups, groups["pipeline"])] += entry["sent"]
+        traffic[_axis(entry, groups)] += entry["sent"]
     return dict(traffic)
 
 

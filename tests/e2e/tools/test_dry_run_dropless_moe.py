@@ -56,3 +56,15 @@ def iteration_worked_by_hand(first):
     experts = layers * 4 * 3 * 128 * 192
     assert _count(first, "allreduce", [0, 2], 4 * experts) == 1
     assert _count(first, "allreduce", [0, 2], 4 * (first["parameters"] - experts)) == 1
+
+
+def test_experts_split_over_tensor_parallel_ranks_step_as_planned(tmp_path):
+    """The same world with expert TP 2: each rank's expert slices (F / 2) as planned, and the rows gathered over TP
+    and the partial outputs reduce-scattered back (uneven all-to-alls over the TP pair) on the planner's TP axis."""
+    result = subprocess.run([sys.executable, "tools/dry_run.py", *FLAGS, "--expert-tensor-parallel-size", "2",
+                             "--jobs", "2", "--step", "--json", str(tmp_path / "dry.json")], cwd=REPO,
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert_succeeded(result, tail=None)
+    assert "traffic and memory as planned, memory within the device" in result.stdout
+    first = json.loads((tmp_path / "dry.json").read_text())["ranks"]["0"]
+    assert first["groups"]["ours"]["expert"] == [0, 2] and first["groups"]["ours"]["expert-data"] == [0]

@@ -59,7 +59,30 @@ def test_the_two_families_are_not_mixed_and_unbuilt_parts_are_refused_together()
             "--expert-tensor-parallel-size are Megatron-Core's MoE flags (the dropless layer) and --topk "
             "Megatron-DeepSpeed's (DeepSpeed-MoE)") in error
     assert "--moe-pad-expert-input-to-capacity is not built" in error
-    assert "--expert-tensor-parallel-size 2: the dropless layer keeps each expert whole" in error
+    assert ("--expert-tensor-parallel-size 2: the dropless layer splits its experts over 1 rank (whole experts) or "
+            "over the TP ranks (--tensor-model-parallel-size 1)") in error
+
+
+TENSOR_PARALLEL_2 = ("--num-experts", "4", "--moe-grouped-gemm", "--tensor-model-parallel-size", "2",
+                     "--sequence-parallel")
+
+
+def test_experts_split_over_the_tensor_parallel_ranks_reach_the_layout_and_the_layer():
+    args = _args(*TENSOR_PARALLEL_2, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+                 world=4)
+    assert args.parallel.expert_tensor_parallel and args.model.moe_expert_tensor_parallel
+    assert args.expert_tensor_parallel_size == 2 and args.parallel.expert_data_parallel == 1
+    whole = _args(*TENSOR_PARALLEL_2, world=4)
+    assert whole.expert_tensor_parallel_size == 1 and not whole.model.moe_expert_tensor_parallel
+
+
+def test_what_split_experts_do_not_build_is_refused_together():
+    error = _errors(*TENSOR_PARALLEL_2, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "4",
+                    "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "33", world=4)
+    assert "--expert-tensor-parallel-size 2 with --moe-token-dispatcher-type allgather" in error
+    assert "each expert's FFN size 33 (--moe-ffn-hidden-size) must be divisible by it" in error
+    assert ("--expert-model-parallel-size 4 does not divide the 2 ranks of a pipeline stage that share a TP rank"
+            in error)
 
 
 def test_the_dispatcher_and_the_capacity_reach_the_layer_with_megatron_cores_defaults():

@@ -20,6 +20,7 @@ from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.dropless_moe import AllToAllDispatcher, DroplessMoE
 from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import plan_cli as cli
+from megatron_ds.planning.communication import _expert_slices_bytes
 from megatron_ds.planning.dry_run.fake_rank import moves_in_place_skipped
 from megatron_ds.planning.memory import dropless_moe_mlp_bytes
 from megatron_ds.planning.meta import check_against_formula
@@ -306,3 +307,31 @@ def test_search_keeps_dropless_layouts_training_builds(capsys):
     assert search["ranked"] and all((row["tp"] * row["ulysses"] * row["dp"]) % 2 == 0 for row in search["ranked"])
     assert [reason for reason, _ in layout_errors(dropless_model(ep=2), Layout(1, 4, 2, 2, 16))] == [
         "a pipeline stage without MoE layers"]
+
+
+# ---------------------------------------------------------------- experts split over TP (expert TP = TP)
+
+
+def test_deepseek_v3_layer_with_experts_split_over_tp_8_by_hand():
+    """TP 8 with SP, expert TP 8, EP 64 over the 128 DP ranks of each TP rank (1,024 devices): each rank holds 4
+    experts' slices F / 8 = 256 (44,040,192 / 8 = 5,505,024 parameters each), reduced over DP / EP = 2 ranks. T =
+    4096 / 8 = 512 tokens routed, N = R = 8 x 512 = 4,096 rows received (uniform); gathered over the 8 TP ranks G =
+    32,768 rows, each keeping its order and inverse (16 G) and the experts' input, gate, up and product on the F / 8
+    slice, w (h + 3 x 256), in place of the whole experts' w (h + 3 x 2048) per received row. TP traffic per layer
+    and micro-batch: forward the 4 local counts of every TP rank (int64) all-gathered, 7/8 x 8 x 4 x 8 = 224 bytes,
+    the rows gathered and the partial outputs reduce-scattered, each rank sending 7 x 4,096 rows of 7168 bf16;
+    backward their conjugates."""
+    split = deepseek_v3_layer_model()
+    split = dataclasses.replace(split, config=dataclasses.replace(split.config, moe_expert_tensor_parallel=True))
+    layout = Layout(tp=8, pp=1, dp=128, micro_batch_size=1, global_batch_size=128, sequence_parallel=True)
+    whole_stage, split_stage = (stage_parameters(model, 8, 1)[0] for model in (deepseek_v3_layer_model(), split))
+    assert whole_stage.experts == 4 * 44_040_192 and split_stage.experts == 4 * 5_505_024
+    assert split_stage.total - whole_stage.total == split_stage.experts - whole_stage.experts
+    assert make_plan(split, layout, Cluster(device_spec("h100-80gb"), 1024, 8))["dropless_moe"][
+        "expert_data_parallel_size"] == 2
+    h, w, received, gathered = 7168, 2, 4096, 32768
+    change = dropless_moe_mlp_bytes(split, layout) - dropless_moe_mlp_bytes(deepseek_v3_layer_model(), layout)
+    assert change == 16 * gathered + gathered * w * (h + 3 * 256) - received * w * (h + 3 * 2048)
+    rows = 7 * received * h * w
+    assert _expert_slices_bytes(split, layout) == (224 + 2 * rows, 2 * rows) == (822_083_808, 822_083_584)
+    assert _expert_slices_bytes(deepseek_v3_layer_model(), layout) == (0.0, 0.0)
