@@ -165,49 +165,38 @@ class AllToAllDispatcher:
             if self.uniform_routing:
                 counts_by_rank.copy_(counts.expand_as(counts_by_rank))
             sizes = counts_by_rank.sum(1).tolist()
-            gathered = _GatherRowsFromGroup.apply(rows, sizes, self.tensor_group)
+            gathered = _RowsOverGroup.apply(rows, sizes, self.tensor_group, _rows_gathered, _rows_summed_to_their_rank)
             order = _expert_major_order(counts_by_rank.cpu()).to(rows.device)
             computed = experts(gathered[order], counts_by_rank.sum(0))
             del gathered
-            return _SumRowsToTheirRank.apply(computed[torch.argsort(order)], sizes, self.tensor_group)
+            return _RowsOverGroup.apply(computed[torch.argsort(order)], sizes, self.tensor_group,
+                                        _rows_summed_to_their_rank, _rows_gathered)
         return compute
 
 
-class _GatherRowsFromGroup(torch.autograd.Function):
-    """Every rank's rows (rank r's sizes[r] of them) concatenated in rank order; backward: the gradients of this
-    rank's rows, summed over the group."""
+class _RowsOverGroup(torch.autograd.Function):
+    """apply(rows, sizes, group, op, conjugate): op(rows, sizes, group) forward, conjugate(grad, sizes, group)
+    backward; the pair _rows_gathered and _rows_summed_to_their_rank, each the other's conjugate."""
 
     @staticmethod
-    def forward(ctx, rows, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _rows_gathered(rows, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _rows_summed_to_their_rank(grad, ctx.sizes, ctx.group), None, None
-
-
-class _SumRowsToTheirRank(torch.autograd.Function):
-    """rows: every rank's sizes[r] rows in rank order -> this rank's rows summed over the group; backward: the
-    gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, rows, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _rows_summed_to_their_rank(rows, sizes, group)
+    def forward(ctx, rows, sizes, group, op, conjugate):
+        ctx.sizes, ctx.group, ctx.conjugate = sizes, group, conjugate
+        return op(rows, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _rows_gathered(grad, ctx.sizes, ctx.group), None, None
+        return ctx.conjugate(grad, ctx.sizes, ctx.group), None, None, None, None
 
 
 def _rows_gathered(rows, sizes, group):
+    """Every rank's rows (rank r's sizes[r] of them) concatenated in rank order."""
     # an all-to-all with uneven splits, each rank sending its rows to every rank (no padding to the longest)
     copies = rows.repeat(len(sizes), *[1] * (rows.dim() - 1))
     return _exchange(copies, sizes, [rows.shape[0]] * len(sizes), group)
 
 
 def _rows_summed_to_their_rank(rows, sizes, group):
+    """rows: every rank's sizes[r] rows in rank order -> this rank's rows, summed over the group."""
     mine = sizes[dist.get_rank(group)]
     received = _exchange(rows, [mine] * len(sizes), sizes, group)
     return received.view(len(sizes), mine, *rows.shape[1:]).sum(0)
