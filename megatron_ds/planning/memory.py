@@ -56,8 +56,9 @@ fp32 temporaries of one chunk of tokens (min(s b, chunk rows) x V / t, 64 MiB ea
 needs none, so an upper bound there); all of them / U with Ulysses. Full recompute (Megatron's methods):
 "uniform" with N layers per chunk keeps one input per chunk and needs one chunk's whole activations while it
 runs backward; "block" recomputes only the first N layers of each stage and keeps the others' whole activations.
-Every stage also needs one layer's backward working set (_backward_working_set_bytes) and, under DeepSpeed's
-PipelineEngine, the buffers it keeps for sending and receiving (_pipeline_buffer_bytes).
+Every stage also needs one layer's backward working set (_backward_working_set_bytes) and the buffers its
+pipeline engine keeps for sending and receiving (_pipeline_buffer_bytes: DeepSpeed's PipelineEngine for 1F1B and
+ZB-H1, DualPipeVEngine for DualPipeV and the interleaved schedule).
 Knowledge distillation (--kd, teacher_bytes): the frozen teacher's share of the stage in the run's dtype (no
 gradients or optimizer states), its forward kept for nothing (run without autograd); its hidden states travel
 beside the student's, w s b h_t per message kept as the student's are; the last stage holds its logits
