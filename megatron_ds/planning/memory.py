@@ -391,10 +391,15 @@ def _saved_layer_input_bytes(model, layout):
     return _activation_width(model) * tokens * layout.micro_batch_size * model.config.hidden_size
 
 
-def _layer_activations_per_micro_batch(model, layout, num_layers, first_layer=1):
+def _stage_layer_kinds(config, num_layers, first_layer):
+    """_layer_kind of each of the stage's `num_layers` layers from `first_layer` (global, 1-based), in order."""
+    return [_layer_kind(config, n) for n in range(first_layer, first_layer + num_layers)]
+
+
+def _layer_activations_per_micro_batch(model, layout, kinds):
     """(bytes kept per micro-batch in flight, bytes of the one chunk being recomputed in backward) of the stage's
-    `num_layers` layers from `first_layer` (global, 1-based; MoE layers among them)."""
-    kinds = [_layer_kind(model.config, n) for n in range(first_layer, first_layer + num_layers)]
+    layers, of the kinds `kinds` in order (_stage_layer_kinds; MoE layers among them)."""
+    num_layers = len(kinds)
     if layout.recompute != "full":
         per_layer = {e: _kind_activation_bytes(model, layout, layout.recompute, e) for e in set(kinds)}
         return sum(per_layer[e] for e in kinds), 0.0
@@ -458,24 +463,20 @@ def _backward_working_set_bytes(model, layout, kinds):
     _layer_kind gives them): a dense MLP's fc1 output gradient (2F wide with SwiGLU, / t), a dropless MoE layer's
     rows' gradient (k h per routed token: its combine's backward makes that alone)."""
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
-    hidden = 2 * layout.tokens_per_rank(s) * config.hidden_size
+    hidden = 2 * layout.tokens_per_rank(s) * config.hidden_size * b
     fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    widest = 0.0
-    for _, dropless in kinds:
-        if dropless:
-            widest = max(widest, dropless_routed_tokens(model, layout) / b * config.moe_router_topk
-                         * config.hidden_size)
-        else:
-            widest = max(widest, layout.tokens_per_rank(s, split_over_tp=False) * fc1_width / layout.tp)
-    return _activation_width(model) * b * (widest + hidden)
+    fc1 = layout.tokens_per_rank(s, split_over_tp=False) * b * fc1_width / layout.tp
+    rows = dropless_routed_tokens(model, layout) * config.moe_router_topk * config.hidden_size
+    widest = max((rows if dropless else fc1 for _, dropless in kinds), default=fc1)
+    return _activation_width(model) * (widest + hidden)
 
 
 def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int,
                            first_layer: int = 1) -> float:
     in_flight = in_flight_micro_batches(layout, stage)
-    kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, num_layers, first_layer)
-    kinds = {_layer_kind(model.config, n) for n in range(first_layer, first_layer + num_layers)} or {(1, False)}
-    total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout, kinds)
+    kinds = _stage_layer_kinds(model.config, num_layers, first_layer)
+    kept, recompute_working_set = _layer_activations_per_micro_batch(model, layout, kinds)
+    total = (in_flight * kept + recompute_working_set + _backward_working_set_bytes(model, layout, set(kinds))
              + _pipeline_buffer_bytes(model, layout, stage, in_flight))
     if stage == 0:
         total += in_flight * _first_stage_extra_bytes(model, layout)

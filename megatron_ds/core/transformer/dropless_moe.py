@@ -126,7 +126,8 @@ class AllToAllDispatcher:
         """tokens [T, h], weights and destinations [T, k] (a destination outside the experts: a dropped pair) ->
         [T, h]: each token's expert outputs, weighted and summed."""
         return weighted_expert_sums(tokens, weights, destinations, self.num_experts,
-                                    lambda *rows_and_counts: self.run(*rows_and_counts, experts),
+                                    lambda tokens, token_of_row, counts: self.run(tokens, token_of_row, counts,
+                                                                                  experts),
                                     every_pair=not self.drops)
 
     # tools/dry_run.py sets this: its fake tensors hold no counts, so each rank's rows are taken as routed
