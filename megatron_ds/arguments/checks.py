@@ -40,7 +40,8 @@ def size_errors(args):
     """Sizes and counts that must be positive (checked first: the other checks divide by them)."""
     return _positive_errors(
         args, required=("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                        "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                        "ds_sequence_parallel_size", "make_vocab_size_divisible_by",
                         "log_interval", "straggler_minmax_count", "straggler_threshold", "straggler_intervals"),
         optional=("num_key_value_heads", "max_position_embeddings", "ffn_hidden_size", "kv_channels",
                   "micro_batch_size", "global_batch_size", "vocab_size", "train_iters", "train_samples",
@@ -57,6 +58,7 @@ def parallel_layout(args, zero_stage=None) -> ParallelLayout:
     """The flags' parallel degrees (zero_stage: once reconciled with the DeepSpeed JSON)."""
     return ParallelLayout(world_size=args.world_size, tensor=args.tensor_model_parallel_size,
                           pipeline=args.pipeline_model_parallel_size, ulysses=args.ds_sequence_parallel_size,
+                          context=args.context_parallel_size,
                           expert=args.moe_expert_parallel_size,
                           expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism)
                           or splits_dropless_experts(args),
@@ -176,13 +178,18 @@ def activation_memory_errors(args):
 
 
 def ulysses_errors(args):
-    """DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): what its split cannot carry yet, refused by name (how
-    the tokens and heads split is the layout's rule)."""
-    sp = args.ds_sequence_parallel_size
-    if sp == 1 or not args.reset_attention_mask:
-        return []
-    return [f"--ds-sequence-parallel-size {sp} with --reset-attention-mask: not built (each rank would need the "
-            f"document boundaries of the whole sequence)"]
+    """DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1) and context parallelism: what their split cannot carry
+    yet, refused by name (how the tokens and heads split is the layout's rule)."""
+    sp, cp = args.ds_sequence_parallel_size, args.context_parallel_size
+    errors = []
+    if sp > 1 and args.reset_attention_mask:
+        errors.append(f"--ds-sequence-parallel-size {sp} with --reset-attention-mask: not built (each rank would need "
+                      f"the document boundaries of the whole sequence)")
+    if cp > 1 and args.reset_attention_mask:
+        errors.append(f"--context-parallel-size {cp} with --reset-attention-mask: not built (the ring's blocks are "
+                      f"causal, with no document mask between them; each rank would need the document boundaries "
+                      f"of the whole sequence)")
+    return errors
 
 
 def schedule_errors(args):
@@ -424,6 +431,7 @@ def distillation_errors(args):
                       f"teacher is not built in megatron_ds; distil from a dense teacher")
     unbuilt = [(max(args.num_experts) > 1, f"--num-experts {' '.join(map(str, args.num_experts))} (an MoE student)"),
                (args.ds_sequence_parallel_size > 1, f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size}"),
+               (args.context_parallel_size > 1, f"--context-parallel-size {args.context_parallel_size}"),
                (args.pipeline_model_parallel_size > 1 and args.pipeline_schedule not in KD_SCHEDULES,
                 f"--pipeline-schedule {args.pipeline_schedule} (built: {', '.join(KD_SCHEDULES)})")]
     errors += [f"--kd with {what}: not built in megatron_ds" for asked, what in unbuilt if asked]

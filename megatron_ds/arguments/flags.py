@@ -273,6 +273,18 @@ def _add_parallel_args(parser):
                        "over the TP ranks")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="context parallelism: the ranks splitting each sample's sequence (2 chunks each, for "
+                            "causal load balance), attention exchanging keys and values per --cp-comm-type")
+    group.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                       choices=["p2p", "allgather", "all_gather", "a2a", "a2a+p2p"],
+                       help="p2p: ring attention, key/value blocks passed round the CP ranks while one computes; "
+                            "allgather (or all_gather): keys and values gathered at once; a2a: DeepSpeed-Ulysses "
+                            "(as --ds-sequence-parallel-size); a2a+p2p: Ulysses inside a ring, sized by "
+                            "--hierarchical-context-parallel-sizes. One type for every layer")
+    group.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+                       help="a2a+p2p: a b with a x b = --context-parallel-size (a adjacent ranks in Ulysses' "
+                            "all-to-all, b of those groups in a ring)")
     group.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                        help="the pipeline schedule (default 1f1b, DeepSpeed's): zbh1 (zero bubble, weight gradients "
                             "deferred), interleaved (Megatron's virtual stages), dualpipev (DeepSeek's V shape)")

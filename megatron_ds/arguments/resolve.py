@@ -9,11 +9,12 @@ function named here, and the checks in `checks.py` only read:
                               heads, FFN width, tokenizer type, LR schedule lengths, whether it is an MoE
      pipeline_schedule_values the pipeline schedule and its chunks per rank, from --pipeline-schedule or its
                               Megatron spellings (--enable-zbh1-*, --num-*-virtual-*)
+     context_parallel_values  the ring's CP degree and comm type; a2a (and a2a+p2p's inner level) as Ulysses
   3. flag checks              layout, model, activation memory, optimization, checkpoint,
                               Megatron-DeepSpeed values and features not built here (+ data files*)
   4. tokenizer_values         vocabulary size and eod id (the tokenizer is built once to read them)
-  5. layout_values            data-parallel size = world / (TP x Ulysses SP x PP), from the ParallelLayout
-                              (core/parallel_layout.py; when TP x SP x PP divides the world)
+  5. layout_values            data-parallel size = world / (TP x Ulysses SP x CP x PP), from the ParallelLayout
+                              (core/parallel_layout.py; when TP x SP x CP x PP divides the world)
   6. reconcile_with_deepspeed_config (engine/ds_config.py)
                               batch sizes, precision, ZeRO stage, clipping: flags reconciled with the JSON
   7. numerics_values          parameter dtype, vocabulary padded for TP
@@ -43,6 +44,7 @@ from megatron_ds.core.transformer import TransformerConfig
 from megatron_ds.core.transformer.fused_ops import fusion_errors
 from megatron_ds.core.transformer.transformer_config import (
     MLA_FIELDS,
+    RING_COMM_TYPES,
     ROPE_SCALING_FIELDS,
     default_ffn_hidden_size,
     moe_layer_pattern,
@@ -86,6 +88,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     vars(args).update(model_defaults(args), **load_values(args))
     errors += _apply(args, profile_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
+    errors += _apply(args, context_parallel_values(args))
     errors += flag_errors(args, on_this_host)
     errors += _apply(args, tokenizer_values(args))
     if checks.parallel_layout(args).divides_world:
@@ -230,6 +233,53 @@ def pipeline_schedule_values(args):
     return {"pipeline_schedule": schedule, "virtual_pipeline_stages": chunks}, errors
 
 
+def context_parallel_values(args):
+    """({context_parallel_size, cp_comm_type, ds_sequence_parallel_size}, errors): Megatron-LM's context-parallel
+    flags as this engine runs them. p2p (the ring) and allgather keep CP; a2a is DeepSpeed-Ulysses, so CP N with
+    a2a becomes --ds-sequence-parallel-size N; a2a+p2p with --hierarchical-context-parallel-sizes a b is Ulysses a
+    inside a ring of b. Afterwards context_parallel_size is the ring's degree and cp_comm_type one string."""
+    cp, ulysses, hierarchical = (args.context_parallel_size, args.ds_sequence_parallel_size,
+                                 args.hierarchical_context_parallel_sizes)
+    kinds = list(dict.fromkeys(COMM_TYPE_SPELLINGS.get(kind, kind) for kind in args.cp_comm_type))
+    kind, errors = kinds[0], []
+    if len(kinds) > 1:
+        errors.append(f"--cp-comm-type {' '.join(args.cp_comm_type)}: a communication type per layer is not built "
+                      f"in megatron_ds; give one for every layer")
+    if hierarchical is not None and kind != "a2a+p2p":
+        errors.append(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hierarchical))} is for "
+                      f"--cp-comm-type a2a+p2p (got {kind})")
+    if kind in ("a2a", "a2a+p2p") and cp > 1 and ulysses > 1:
+        errors.append(f"--cp-comm-type {kind} with --context-parallel-size {cp} and --ds-sequence-parallel-size "
+                      f"{ulysses}: both ask for DeepSpeed-Ulysses (a2a is Ulysses here); give one of them")
+    if errors or cp == 1:
+        return {"cp_comm_type": ring_comm_type(kind)}, errors
+    if kind == "a2a":
+        return {"context_parallel_size": 1, "cp_comm_type": "p2p", "ds_sequence_parallel_size": cp}, []
+    if kind == "a2a+p2p":
+        return _hierarchical_values(cp, hierarchical)
+    return {"cp_comm_type": kind}, []
+
+
+COMM_TYPE_SPELLINGS = {"all_gather": "allgather"}
+
+
+def ring_comm_type(cp_comm_type):
+    """The ring's exchange ("p2p" or "allgather") of resolved arguments (one string) or of flags as parsed (a
+    list: a tool building the model from a checkpoint's flags without resolving them)."""
+    kind = cp_comm_type if isinstance(cp_comm_type, str) else cp_comm_type[0]
+    kind = COMM_TYPE_SPELLINGS.get(kind, kind)
+    return kind if kind in RING_COMM_TYPES else "p2p"
+
+
+def _hierarchical_values(cp, sizes):
+    if sizes is None or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        given = " ".join(map(str, sizes)) if sizes else "nothing"
+        return {}, [f"--cp-comm-type a2a+p2p with --context-parallel-size {cp} needs "
+                    f"--hierarchical-context-parallel-sizes a b with a x b = {cp} (a: Ulysses' all-to-all inside, "
+                    f"b: the ring across), got {given}"]
+    return {"context_parallel_size": sizes[1], "cp_comm_type": "p2p", "ds_sequence_parallel_size": sizes[0]}, []
+
+
 def _virtual_stages(args):
     """(v, errors) of Megatron's interleaving flags (None when neither is given)."""
     layers_per_stage, given = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
@@ -371,7 +421,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         bias=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, cp_comm_type=ring_comm_type(args.cp_comm_type),
         init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,

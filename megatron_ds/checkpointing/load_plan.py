@@ -124,9 +124,10 @@ def needs_resharding(request: LoadRequest, metadata):
 
 
 def same_deepspeed_layout(request: LoadRequest, metadata):
-    saved = {"expert_parallel_size": 1, "sequence_parallel_size": 1, **metadata["layout"]}
+    saved = {"expert_parallel_size": 1, "sequence_parallel_size": 1, "context_parallel_size": 1,
+             **metadata["layout"]}
     keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
-            "sequence_parallel_size")
+            "sequence_parallel_size", "context_parallel_size")
     # DeepSpeed's load knows only its own MoE layers: the dropless layer's experts are read per rank, by expert
     return (metadata["format"] == files.FORMAT_DEEPSPEED and not needs_resharding(request, metadata)
             and not files.is_dropless_moe(request.shape)

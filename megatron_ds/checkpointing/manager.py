@@ -51,7 +51,7 @@ from megatron_ds.launch.runtime import device, print_rank_0
 def _coordinates():
     return {"rank": dist.get_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
             "pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank(),
-            "sp": parallel_state.get_sequence_parallel_rank()}
+            "sp": parallel_state.get_sequence_parallel_rank(), "cp": parallel_state.get_context_parallel_rank()}
 
 
 def _expert_coordinates(expert_parallel_size):
@@ -287,7 +287,7 @@ class CheckpointManager:
         layout = self.layout
         return {"tensor_model_parallel_size": layout.tensor, "pipeline_model_parallel_size": layout.pipeline,
                 "data_parallel_size": layout.data_parallel, "world_size": layout.world_size,
-                "sequence_parallel_size": layout.ulysses,
+                "sequence_parallel_size": layout.ulysses, "context_parallel_size": layout.context,
                 "zero_stage": layout.zero_stage, "precision": str(self.model.params_dtype).replace("torch.", ""),
                 "engine": "pipeline" if self.pipelined else "plain", "stage_placement": layout.stage_placement,
                 "stage_layers": list(layout.stage_layers(self.model.num_layers)),
@@ -474,15 +474,18 @@ class CheckpointManager:
         me = _coordinates()
         saved_dp = metadata["layout"]["data_parallel_size"]
         saved_sp = metadata["layout"].get("sequence_parallel_size", 1)
-        # data- and sequence-parallel ranks draw the same numbers (same seed per pipeline stage), so another DP or
-        # SP size maps over
+        saved_cp = metadata["layout"].get("context_parallel_size", 1)
+        # data-, sequence- and context-parallel ranks draw the same numbers (same seed per pipeline stage), so
+        # another DP, SP or CP size maps over
         candidates = [entry for entry in metadata["ranks"] if entry["tp"] == me["tp"] and entry["pp"] == me["pp"]
-                      and entry["dp"] == me["dp"] % saved_dp and entry.get("sp", 0) == me["sp"] % saved_sp]
+                      and entry["dp"] == me["dp"] % saved_dp and entry.get("sp", 0) == me["sp"] % saved_sp
+                      and entry.get("cp", 0) == me["cp"] % saved_cp]
         if not candidates:
             return "not found for this rank: seeded from --seed"
         self.rng_state_to_restore = megatron_deepspeed.rng_state(path, candidates[0]) if foreign_format else \
             files.load_file(os.path.join(path, files.rng_file_name(candidates[0]["rank"])))
-        same = (candidates[0]["dp"], candidates[0].get("sp", 0)) == (me["dp"], me["sp"])
+        same = (candidates[0]["dp"], candidates[0].get("sp", 0), candidates[0].get("cp", 0)) == (
+            me["dp"], me["sp"], me["cp"])
         return "restored" if same else "restored (mapped across data- and sequence-parallel ranks)"
 
 

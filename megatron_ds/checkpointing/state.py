@@ -165,8 +165,8 @@ def _read_deepspeed_optimizer(path, metadata, entry, mp_state, weights, num_laye
     if lay["zero_stage"] > 2:
         raise CheckpointError("reading ZeRO-3 optimizer states is not supported; save with ZeRO stage 0, 1 or 2")
     partitions = ZeroPartitions(path, lay)
-    # DeepSpeed's data-parallel ranks (its ZeRO partitions) are the sequence-data-parallel ones: SP x DP
-    replicas = lay["data_parallel_size"] * lay.get("sequence_parallel_size", 1)
+    # DeepSpeed's data-parallel ranks (its ZeRO partitions) are the sequence-data-parallel ones: SP x CP x DP
+    replicas = lay["data_parallel_size"] * lay.get("sequence_parallel_size", 1) * lay.get("context_parallel_size", 1)
     data_parallel = [(dp, entry["mp_rank"]) for dp in range(replicas)]
     optimizer, step = {}, None
     for group, shapes in enumerate(mp_state["param_shapes"]):

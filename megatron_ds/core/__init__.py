@@ -1,7 +1,8 @@
 """The library, as megatron.core is Megatron-LM's: it imports nothing else of megatron_ds.
 
     parallel_layout.py         ParallelLayout: the parallel degrees of a run and every rule they obey
-    parallel_state.py          TP / SP / PP / DP (and expert) process groups on DeepSpeed's topology
+    parallel_state.py          TP / SP / CP / PP / DP (and expert) process groups on DeepSpeed's topology
+    sequence_split.py          which tokens of a sample each rank holds under Ulysses SP and context parallelism
     pipeline_schedules.py      the pipeline schedules as each rank's order of work, and their simulation
     pipeline_split.py          which layers each pipeline stage holds: even, or Megatron-LM's uneven split
     batch_schedule.py          Megatron's batch-size ramp-up (--rampup-batch-size)

@@ -1,10 +1,12 @@
 """The parallel degrees of a run and every rule they must obey, in one place.
 
-`ParallelLayout` holds TP, DeepSpeed-Ulysses SP, PP, EP, the virtual stages and the world size; the data-parallel
-size and the other group sizes are derived from them here and nowhere else. `problems(model)` lists each rule
-the layout breaks for a model (`ModelShape`). pretrain.py's argument checks and the planner both ask it; a
-`LayoutProblem` carries the planner's short reason and detail and the launcher's message naming the flags.
-Ranks are TP fastest, then Ulysses SP, then DP, then PP (core/parallel_state.py builds the groups from it).
+`ParallelLayout` holds TP, DeepSpeed-Ulysses SP, context parallelism (CP: the ring), PP, EP, the virtual stages and
+the world size; the data-parallel size and the other group sizes are derived from them here and nowhere else.
+`problems(model)` lists each rule the layout breaks for a model (`ModelShape`). pretrain.py's argument checks and the
+planner both ask it; a `LayoutProblem` carries the planner's short reason and detail and the launcher's message naming
+the flags.
+Ranks are TP fastest, then Ulysses SP, then CP, then DP, then PP (core/parallel_state.py builds the groups from it):
+Ulysses' all-to-alls stay inside a node, the ring goes across.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -72,12 +74,14 @@ def micro_batches_per_step(global_batch_size, micro_batch_size, data_parallel_si
 @dataclass(frozen=True)
 class ParallelLayout:
     """One run's parallel degrees. sequence_parallel is Megatron's (tokens outside attention split over TP);
-    ulysses is DeepSpeed-Ulysses (--ds-sequence-parallel-size: ranks splitting a sample). zero_stage None: not
-    known yet (pretrain.py learns it from the DeepSpeed JSON after the first checks)."""
+    ulysses is DeepSpeed-Ulysses (--ds-sequence-parallel-size, or --cp-comm-type a2a's CP) and context the ring's
+    CP degree (--context-parallel-size with p2p or allgather): together the ranks splitting a sample. zero_stage
+    None: not known yet (pretrain.py learns it from the DeepSpeed JSON after the first checks)."""
     world_size: int
     tensor: int = 1
     pipeline: int = 1
     ulysses: int = 1
+    context: int = 1
     expert: int = 1
     expert_tensor_parallel: bool = False
     sequence_parallel: bool = False
@@ -87,9 +91,15 @@ class ParallelLayout:
     split: PipelineSplit = PipelineSplit()   # which layers each stage holds (Megatron-LM's uneven split flags)
 
     @property
+    def sequence_split(self) -> int:
+        """Ranks splitting each sample's tokens: Ulysses SP x CP."""
+        return self.ulysses * self.context
+
+    @property
     def model_parallel_size(self) -> int:
-        """Ranks of one model replica: TP x Ulysses SP x PP (the Ulysses ranks of a replica read the same samples)."""
-        return self.tensor * self.ulysses * self.pipeline
+        """Ranks of one model replica: TP x Ulysses SP x CP x PP (the sequence-split ranks of a replica read the same
+        samples)."""
+        return self.tensor * self.sequence_split * self.pipeline
 
     @property
     def divides_world(self) -> bool:
@@ -97,7 +107,7 @@ class ParallelLayout:
 
     @property
     def data_parallel(self) -> int:
-        """Model replicas: world / (TP x Ulysses SP x PP)."""
+        """Model replicas: world / (TP x Ulysses SP x CP x PP)."""
         if not self.divides_world:
             raise ValueError(f"{self.describe_model_parallel()} = {self.model_parallel_size} does not divide the "
                              f"world size {self.world_size}")
@@ -105,9 +115,9 @@ class ParallelLayout:
 
     @property
     def sequence_data_parallel(self) -> int:
-        """Ranks holding the same weights of a stage, Ulysses SP x DP: DeepSpeed reduces their gradients and ZeRO
+        """Ranks holding the same weights of a stage, Ulysses SP x CP x DP: DeepSpeed reduces their gradients and ZeRO
         shards their states over them."""
-        return self.ulysses * self.data_parallel
+        return self.sequence_split * self.data_parallel
 
     @property
     def stage_ranks(self) -> Optional[int]:
@@ -154,9 +164,10 @@ class ParallelLayout:
         return True
 
     def describe_model_parallel(self) -> str:
-        """"TP t x PP p", with "x Ulysses SP u" after TP when u > 1."""
+        """"TP t x PP p", with "x Ulysses SP u" and "x CP c" after TP when above 1."""
         ulysses = f" x Ulysses SP {self.ulysses}" if self.ulysses > 1 else ""
-        return f"TP {self.tensor}{ulysses} x PP {self.pipeline}"
+        context = f" x CP {self.context}" if self.context > 1 else ""
+        return f"TP {self.tensor}{ulysses}{context} x PP {self.pipeline}"
 
     def problems(self, model: ModelShape, batch: Optional[Tuple[int, int]] = None) -> List[LayoutProblem]:
         """Every rule the layout breaks for the model; with batch = (micro batch, global batch) the batch
@@ -171,9 +182,10 @@ class ParallelLayout:
 
     def _division_problems(self, model):
         tp, pp, sp, world, v = self.tensor, self.pipeline, self.ulysses, self.world_size, self.virtual_stages
-        sizes = f"--tensor-model-parallel-size {tp} x " + (f"--ds-sequence-parallel-size {sp} x " if sp > 1 else "")
+        sizes = (f"--tensor-model-parallel-size {tp} x " + (f"--ds-sequence-parallel-size {sp} x " if sp > 1 else "")
+                 + (f"--context-parallel-size {self.context} x " if self.context > 1 else ""))
         rules = [
-            (world % self.model_parallel_size, "TP x Ulysses SP x PP does not divide the world size",
+            (world % self.model_parallel_size, "TP x Ulysses SP x CP x PP does not divide the world size",
              f"{self.describe_model_parallel()} over {world} ranks",
              f"{sizes}--pipeline-model-parallel-size {pp} = {self.model_parallel_size} does not divide the world "
              f"size {world} (the number of launched ranks)"),
@@ -224,7 +236,22 @@ class ParallelLayout:
              f"{flag}: the {heads // tp} attention heads of a TP rank (--num-attention-heads {heads} / "
              f"--tensor-model-parallel-size {tp}) do not split over SP {u}"),
         ]
-        return _broken(rules)
+        return _broken(rules) + self._context_problems(model)
+
+    def _context_problems(self, model):
+        """CP cuts the sequence into 2 x CP chunks (each rank: a head and a tail chunk), each split over Ulysses SP
+        (and TP with Megatron SP)."""
+        c, seq = self.context, model.seq_length
+        within = self.ulysses * (self.tensor if self.sequence_parallel else 1)
+        parts = "".join([f" x SP {self.ulysses}" if self.ulysses > 1 else "",
+                         f" x --tensor-model-parallel-size {self.tensor} (--sequence-parallel)"
+                         if self.sequence_parallel and self.tensor > 1 else ""])
+        return _broken([
+            (c > 1 and seq % (2 * c * within), "sequence not divisible by 2 x CP",
+             f"sequence {seq} over 2 x CP {c}" + (f" x {within}" if within > 1 else ""),
+             f"--context-parallel-size {c}: --seq-length {seq} is not divisible by 2 x CP {c}{parts} (each CP rank "
+             f"holds two chunks of the sequence, chunk i and 2 CP - 1 - i, for causal load balance)"),
+        ])
 
     def _expert_problems(self, model):
         if not model.is_moe or self.expert < 1 or min(model.num_experts) < 1:
@@ -238,6 +265,10 @@ class ParallelLayout:
                                            f"sequence alone (pretrain.py refuses it)",
              f"--ds-sequence-parallel-size {u} with --num-experts above 1: not built (the MoE layers would route "
              f"each rank's slice on its own)"),
+            (self.context > 1, "DeepSpeed-MoE with CP", f"CP {self.context}: DeepSpeed-MoE's capacity is per rank's "
+                                                        f"tokens (the dropless layer carries CP)",
+             f"--context-parallel-size {self.context} with DeepSpeed-MoE (--num-experts with Megatron-DeepSpeed's MoE "
+             f"flags): not built; the dropless layer (--moe-router-topk and Megatron-Core's flags) carries CP"),
             (not self.expert_tensor_parallel and stage and stage % ep,
              "expert parallel size does not divide TP x DP",
              f"EP {ep} over TP {tp} x DP {self._data_or_none()} (expert-parallel groups are runs of a stage's ranks)",
@@ -279,11 +310,12 @@ class ParallelLayout:
              f"--expert-model-parallel-size {ep} does not divide the {stage // tp if stage else None} ranks of a "
              f"pipeline stage that share a TP rank (world size {self.world_size} / PP {pp} / TP {tp}): with "
              f"--expert-tensor-parallel-size {tp} the experts are spread over the ranks of one TP rank"),
-            (tp > 1 and not self.sequence_parallel and model.seq_length % (tp * u),
+            (tp > 1 and not self.sequence_parallel and model.seq_length % (tp * self.sequence_split),
              "sequence not divisible by TP (dropless MoE)", f"sequence {model.seq_length} over TP {tp}",
              f"--tensor-model-parallel-size {tp} with the dropless MoE layer: each TP rank routes its share of the "
              f"sequence, and --seq-length {model.seq_length} is not divisible by TP {tp}"
-             + (f" x --ds-sequence-parallel-size {u}" if u > 1 else "")),
+             + (f" x --ds-sequence-parallel-size {u}" if u > 1 else "")
+             + (f" x --context-parallel-size {self.context}" if self.context > 1 else "")),
             (pp > 1 and empty, "a pipeline stage without MoE layers",
              f"PP {pp}: stage(s) {', '.join(map(str, empty))} without an MoE layer",
              f"--pipeline-model-parallel-size {pp} with --moe-layer-freq: pipeline stage(s) "

@@ -1,11 +1,13 @@
-"""Process groups for tensor (TP), DeepSpeed-Ulysses sequence (SP), pipeline (PP) and data (DP) parallelism.
+"""Process groups for tensor (TP), DeepSpeed-Ulysses sequence (SP), context (CP: the ring), pipeline (PP) and data
+(DP) parallelism.
 
-One topology object is the single source of truth for rank placement: axes pipe, data, seq, model (TP
-fastest, then SP, then DP, then PP slowest). DeepSpeed's pipeline grid is handed the same placement with
-SP and DP folded into its data axis (`deepspeed_topology`: DeepSpeed's data-parallel ranks are our
+One topology object is the single source of truth for rank placement: axes pipe, data, context, seq, model (TP
+fastest, then SP, then CP, then DP, then PP slowest). DeepSpeed's pipeline grid is handed the same placement with
+SP, CP and DP folded into its data axis (`deepspeed_topology`: DeepSpeed's data-parallel ranks are our
 sequence-data-parallel ranks, over which the gradients of the replicated weights are reduced), so
 Megatron's groups and DeepSpeed's grid are the same groups; `assert_matches_deepspeed_grid` checks that at
-start-up. Without Ulysses (SP 1) the sequence-data-parallel group is the data-parallel group.
+start-up. Without Ulysses and CP the sequence-data-parallel group is the data-parallel group. The
+sequence-split group (SP x CP) holds the ranks that split one sample's tokens.
 """
 import contextlib
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, Proce
 from megatron_ds.core import deepspeed_internals
 from megatron_ds.core.parallel_layout import ParallelLayout
 
-AXES = ("pipe", "data", "seq", "model")
+AXES = ("pipe", "data", "context", "seq", "model")
 
 
 @dataclass
@@ -28,11 +30,15 @@ class _ParallelGroups:
     data_ranks: List[int]
     sequence_ranks: List[int]
     sequence_data_ranks: List[int]
+    context_ranks: List[int]
+    sequence_split_ranks: List[int]
     tensor_group: object
     pipeline_group: object
     data_group: object
     sequence_group: object
     sequence_data_group: object
+    context_group: object
+    sequence_split_group: object
 
 
 _GROUPS: Optional[_ParallelGroups] = None
@@ -51,58 +57,75 @@ def _new_groups(rank_lists):
 
 
 def sequence_data_parallel_lists(topology):
-    """The ranks that differ only in their data and sequence coordinates, in rank order (DeepSpeed's
+    """The ranks that differ only in their data, context and sequence coordinates, in rank order (DeepSpeed's
     data-parallel groups under deepspeed_topology)."""
     return _folded_topology(topology).get_axis_comm_lists("data")
 
 
+def sequence_split_lists(topology):
+    """The ranks that differ only in their context and sequence coordinates (those splitting one sample), in rank
+    order: Ulysses fastest, so rank r of a group is CP rank r // SP, Ulysses rank r % SP."""
+    lists = {}
+    for rank in range(topology.world_size()):
+        coord = topology.get_coord(rank)
+        lists.setdefault((coord.pipe, coord.data, coord.model), []).append(rank)
+    return list(lists.values())
+
+
 def build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, world_size,
-                   sequence_parallel_size=1):
-    """The (pipe, data, seq, model) topology for a world; raises ValueError when the sizes do not divide it."""
+                   sequence_parallel_size=1, context_parallel_size=1):
+    """The (pipe, data, context, seq, model) topology for a world; raises ValueError when the sizes do not divide
+    it."""
     return topology_of(ParallelLayout(world_size, tensor=tensor_model_parallel_size,
-                                      pipeline=pipeline_model_parallel_size, ulysses=sequence_parallel_size))
+                                      pipeline=pipeline_model_parallel_size, ulysses=sequence_parallel_size,
+                                      context=context_parallel_size))
 
 
 def topology_of(layout: ParallelLayout) -> ProcessTopology:
-    """The (pipe, data, seq, model) topology of a layout; raises ValueError when its sizes do not divide the world."""
-    if min(layout.tensor, layout.pipeline, layout.ulysses) < 1 or not layout.divides_world:
+    """The (pipe, data, context, seq, model) topology of a layout; raises ValueError when its sizes do not divide the
+    world."""
+    if min(layout.tensor, layout.pipeline, layout.ulysses, layout.context) < 1 or not layout.divides_world:
         raise ValueError(
             f"tensor_model_parallel_size ({layout.tensor}) x sequence_parallel_size ({layout.ulysses}) x "
-            f"pipeline_model_parallel_size ({layout.pipeline}) = {layout.model_parallel_size} must be positive and "
-            f"divide the world size ({layout.world_size})")
-    return ProcessTopology(axes=list(AXES), dims=[layout.pipeline, layout.data_parallel, layout.ulysses,
-                                                  layout.tensor])
+            f"context_parallel_size ({layout.context}) x pipeline_model_parallel_size ({layout.pipeline}) = "
+            f"{layout.model_parallel_size} must be positive and divide the world size ({layout.world_size})")
+    return ProcessTopology(axes=list(AXES), dims=[layout.pipeline, layout.data_parallel, layout.context,
+                                                  layout.ulysses, layout.tensor])
 
 
 def deepspeed_topology():
-    """The topology DeepSpeed's PipelineModule gets: ours with SP folded into the data axis (seq sits between data
-    and model, so every rank keeps its number)."""
+    """The topology DeepSpeed's PipelineModule gets: ours with CP and SP folded into the data axis (they sit between
+    data and model, so every rank keeps its number)."""
     return _folded_topology(get_topology())
 
 
 def _folded_topology(topology):
-    return PipeModelDataParallelTopology(num_pp=topology.get_dim("pipe"), num_mp=topology.get_dim("model"),
-                                         num_dp=topology.get_dim("data") * topology.get_dim("seq"))
+    return PipeModelDataParallelTopology(
+        num_pp=topology.get_dim("pipe"), num_mp=topology.get_dim("model"),
+        num_dp=topology.get_dim("data") * topology.get_dim("context") * topology.get_dim("seq"))
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              topology: Optional[ProcessTopology] = None, sequence_parallel_size: int = 1):
-    """Create the TP, SP, PP, DP and sequence-data-parallel groups for this rank. torch.distributed must be
-    initialized."""
+                              topology: Optional[ProcessTopology] = None, sequence_parallel_size: int = 1,
+                              context_parallel_size: int = 1):
+    """Create the TP, SP, CP, PP, DP, sequence-data-parallel and sequence-split groups for this rank.
+    torch.distributed must be initialized."""
     global _GROUPS
     if _GROUPS is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     if topology is None:
         topology = build_topology(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(),
-                                  sequence_parallel_size)
+                                  sequence_parallel_size, context_parallel_size)
     tensor_ranks, tensor_group = _new_groups(topology.get_axis_comm_lists("model"))
     data_ranks, data_group = _new_groups(topology.get_axis_comm_lists("data"))
     pipeline_ranks, pipeline_group = _new_groups(topology.get_axis_comm_lists("pipe"))
     sequence_ranks, sequence_group = _new_groups(topology.get_axis_comm_lists("seq"))
     sequence_data_ranks, sequence_data_group = _new_groups(sequence_data_parallel_lists(topology))
+    context_ranks, context_group = _new_groups(topology.get_axis_comm_lists("context"))
+    split_ranks, split_group = _new_groups(sequence_split_lists(topology))
     _GROUPS = _ParallelGroups(topology, tensor_ranks, pipeline_ranks, data_ranks, sequence_ranks,
-                              sequence_data_ranks, tensor_group, pipeline_group, data_group, sequence_group,
-                              sequence_data_group)
+                              sequence_data_ranks, context_ranks, split_ranks, tensor_group, pipeline_group,
+                              data_group, sequence_group, sequence_data_group, context_group, split_group)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -199,8 +222,34 @@ def get_sequence_parallel_rank() -> int:
     return _groups().sequence_ranks.index(dist.get_rank()) if _GROUPS is not None and _SIMULATED is None else 0
 
 
+def get_context_parallel_group():
+    """The ring's ranks (CP): those holding the other chunks of this rank's part of a sample."""
+    return _groups().context_group
+
+
+def get_context_parallel_ranks() -> List[int]:
+    return list(_groups().context_ranks)
+
+
+def get_context_parallel_world_size() -> int:
+    return len(_groups().context_ranks) if _GROUPS is not None and _SIMULATED is None else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _groups().context_ranks.index(dist.get_rank()) if _GROUPS is not None and _SIMULATED is None else 0
+
+
+def get_sequence_split_group():
+    """The ranks splitting one sample's tokens: Ulysses SP x CP."""
+    return _groups().sequence_split_group
+
+
+def get_sequence_split_world_size() -> int:
+    return len(_groups().sequence_split_ranks) if _GROUPS is not None and _SIMULATED is None else 1
+
+
 def get_sequence_data_parallel_group():
-    """The ranks holding the same weights: SP x DP (DeepSpeed's data-parallel group)."""
+    """The ranks holding the same weights: SP x CP x DP (DeepSpeed's data-parallel group)."""
     return _groups().sequence_data_group
 
 
@@ -225,15 +274,18 @@ def is_pipeline_last_stage() -> bool:
 
 
 def all_groups_by_axis():
-    """{'tensor': [...], 'data': [...], 'pipeline': [...]} (with Ulysses also 'sequence' and
-    'sequence-data'): every group's ranks, for start-up logs."""
+    """{'tensor': [...], 'data': [...], 'pipeline': [...]} (with Ulysses also 'sequence', with CP 'context', with
+    either 'sequence-data'): every group's ranks, for start-up logs."""
     topology = get_topology()
     groups = {"tensor": topology.get_axis_comm_lists("model"),
               "data": topology.get_axis_comm_lists("data"),
               "pipeline": topology.get_axis_comm_lists("pipe")}
     if topology.get_dim("seq") > 1:
-        groups.update({"sequence": topology.get_axis_comm_lists("seq"),
-                       "sequence-data": sequence_data_parallel_lists(topology)})
+        groups["sequence"] = topology.get_axis_comm_lists("seq")
+    if topology.get_dim("context") > 1:
+        groups["context"] = topology.get_axis_comm_lists("context")
+    if topology.get_dim("seq") * topology.get_dim("context") > 1:
+        groups["sequence-data"] = sequence_data_parallel_lists(topology)
     return groups
 
 
@@ -250,7 +302,7 @@ def assert_matches_deepspeed_grid(grid):
 
 def assert_matches_deepspeed_engine(engine):
     """DeepSpeed's plain engine (PP 1) took its groups from our mpu: its data-parallel world must be our
-    sequence-data-parallel group (SP x DP) and its model-parallel world our TP group."""
+    sequence-data-parallel group (SP x CP x DP) and its model-parallel world our TP group."""
     ours = (get_sequence_data_parallel_world_size(), get_tensor_model_parallel_world_size())
     theirs = (engine.dp_world_size, engine.mp_world_size)
     if theirs != ours:

@@ -8,7 +8,7 @@ stage (inputs) and the last (labels) do.
 import numpy as np
 import torch.distributed as dist
 
-from megatron_ds.core import parallel_state
+from megatron_ds.core import parallel_state, sequence_split
 from megatron_ds.core.models.gpt import pack_model_inputs
 from megatron_ds.data.blended_dataset import BlendedDataset, blended_samples_per_dataset, parse_data_path
 from megatron_ds.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, get_ltor_masks_and_position_ids,
@@ -181,29 +181,23 @@ def build_datasets(data):
 
 
 def model_batch(tokens, data, device):
-    """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes. With Ulysses each
-    sequence-parallel rank keeps its slice of the tokens, labels, loss mask and (global) position ids."""
+    """tokens [b, s + 1] -> (model inputs, labels) in the form the pipeline engine takes. With Ulysses or context
+    parallelism each rank keeps its part of the tokens, labels, loss mask and (global) position ids
+    (core/sequence_split.py)."""
     tokens = tokens.to(device, non_blocking=True)  # from the loader's pinned memory: no wait for the copy
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    sliced = parallel_state.get_sequence_parallel_world_size() > 1
+    sliced = sequence_split.is_split()
     if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss or sliced):
         return input_ids, labels
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         input_ids, data.eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss,
         with_attention_mask=data.reset_attention_mask)
-    if sliced:  # (--reset-attention-mask is refused with Ulysses)
-        input_ids, labels, loss_mask, position_ids = (_sequence_slice(t) for t in
+    if sliced:  # (--reset-attention-mask is refused with Ulysses and CP)
+        input_ids, labels, loss_mask, position_ids = (sequence_split.local_part(t) for t in
                                                       (input_ids, labels, loss_mask, position_ids))
     inputs = pack_model_inputs(input_ids, position_ids if data.reset_position_ids or sliced else None,
                                attention_mask if data.reset_attention_mask else None)
     return inputs, ((labels, loss_mask) if data.eod_mask_loss else labels)
-
-
-def _sequence_slice(tensor):
-    """This Ulysses rank's contiguous slice of a [b, s] tensor."""
-    ranks, rank = parallel_state.get_sequence_parallel_world_size(), parallel_state.get_sequence_parallel_rank()
-    length = tensor.size(1) // ranks
-    return tensor[:, rank * length:(rank + 1) * length].contiguous()
 
 
 def batch_iterator(dataset, data, consumed_samples, device, curriculum=None, replicas_over=0):

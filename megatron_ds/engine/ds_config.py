@@ -213,7 +213,8 @@ def _curriculum(args, config, path, errors):
     """The enabled legacy curriculum block (validated), or None."""
     block = curriculum.enabled_block(config)
     if block is not None:
-        divisor = (args.tensor_model_parallel_size if args.sequence_parallel else 1) * args.ds_sequence_parallel_size
+        divisor = ((args.tensor_model_parallel_size if args.sequence_parallel else 1) * args.ds_sequence_parallel_size
+                   * (2 * args.context_parallel_size if args.context_parallel_size > 1 else 1))
         errors += curriculum.curriculum_errors(block, path, args.seq_length, divisor)
     return block
 
@@ -280,11 +281,11 @@ def _fp16_block(args, user_block):
     return block
 
 
-def deepspeed_train_batch_size(ulysses, global_batch_size):
+def deepspeed_train_batch_size(sequence_split, global_batch_size):
     """DeepSpeed's train_batch_size for a global batch: its data-parallel ranks are the sequence-data-parallel
-    ones (engine/mpu.py), so it counts each Ulysses rank's slice (of `ulysses`) of a micro-batch as a micro-batch
-    of its own."""
-    return global_batch_size * ulysses
+    ones (engine/mpu.py), so it counts each Ulysses or CP rank's part (of `sequence_split` = SP x CP) of a
+    micro-batch as a micro-batch of its own."""
+    return global_batch_size * sequence_split
 
 
 def build_deepspeed_config(args):
@@ -292,7 +293,8 @@ def build_deepspeed_config(args):
     config = {key: value for key, value in copy.deepcopy(args.user_deepspeed_config).items()
               if key not in _BLOCKS_KEPT_FROM_DEEPSPEED}
     accumulation = micro_batches_per_step(args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
-    batch = deepspeed_train_batch_size(args.ds_sequence_parallel_size, args.global_batch_size)
+    batch = deepspeed_train_batch_size(args.ds_sequence_parallel_size * args.context_parallel_size,
+                                       args.global_batch_size)
     config.update({"train_batch_size": batch,
                    "train_micro_batch_size_per_gpu": args.micro_batch_size,
                    "gradient_accumulation_steps": accumulation,

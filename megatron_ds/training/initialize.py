@@ -77,7 +77,8 @@ def _log_placement(args):
 
 
 def log_startup(args, config, engine, peak, peak_source):
-    sequence = f"SP {args.ds_sequence_parallel_size} x " if args.ds_sequence_parallel_size > 1 else ""
+    sequence = (f"SP {args.ds_sequence_parallel_size} x " if args.ds_sequence_parallel_size > 1 else "") + (
+        f"CP {args.context_parallel_size} ({args.cp_comm_type}) x " if args.context_parallel_size > 1 else "")
     print_rank_0(f"world size {args.world_size} = TP {args.tensor_model_parallel_size} x {sequence}PP "
                  f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; global batch "
                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {args.data_parallel_size} x "

@@ -172,7 +172,7 @@ class _IterationBatch:
 def begin_iteration(parallel, engine, plan):
     """Hand the plan to DeepSpeed's engine (the ramp-up changes its batch: more micro-batches of the same size)
     and to the LR scheduler (its step counts the plan's samples and tokens)."""
-    batch = deepspeed_train_batch_size(parallel.ulysses, plan.global_batch_size)
+    batch = deepspeed_train_batch_size(parallel.sequence_split, plan.global_batch_size)
     if batch != engine.train_batch_size():
         engine.set_train_batch_size(batch)
     engine.lr_scheduler.begin_iteration(plan)

@@ -4,7 +4,9 @@ per call from the current generator, and the element's index says so. So for a g
 pattern does not depend on --fusion-backend, activation recompute (which restores the generator and TP RNG
 tracker states) replays it, and a kernel can make the mask where it uses it, from the seed alone.
 
-A tensor's element index is (row, column) of the tensor viewed as [numel / last dim, last dim]. `bernoulli_`
+A tensor's element index is (row, column) of the tensor viewed as [numel / last dim, last dim]; a caller may
+number the rows itself (`rows`: a rank holding parts of a sequence numbers its activations' rows by their global
+positions, so that the mask does not depend on how the sequence is split: core/sequence_split.py). `bernoulli_`
 drew one random number per element instead, which cost ~100 ms of a CPU iteration that hashes in a few ms
 compiled; in plain PyTorch (`dropout_keep_mask`, its rows' hashes computed once) the hash of a [512, 4, 640] bf16
 tensor takes 0.8x the time of one bernoulli_ over it on one CPU thread.
@@ -31,11 +33,12 @@ def element_rows_and_columns(x):
     return (x.numel() // columns if columns else 0), columns
 
 
-def element_mixes(x, seed):
+def element_mixes(x, seed, rows=None):
     """(row_hashes, column_mixes) of x's elements, the per-row and per-column halves of their hashes: computed
-    outside a compiled graph and passed in (counter_hash.py says why)."""
-    rows, columns = element_rows_and_columns(x)
-    return row_hashes(seed, torch.arange(rows, device=x.device)), column_mixes(torch.arange(columns, device=x.device))
+    outside a compiled graph and passed in (counter_hash.py says why). rows: the rows' numbers (default 0, 1, ...)."""
+    count, columns = element_rows_and_columns(x)
+    rows = torch.arange(count, device=x.device) if rows is None else rows
+    return row_hashes(seed, rows), column_mixes(torch.arange(columns, device=x.device))
 
 
 def tensor_keep_mask(x, mixes, threshold: int):
@@ -45,16 +48,17 @@ def tensor_keep_mask(x, mixes, threshold: int):
     return keep_from_mixes(row_hash, column_mix, threshold).view(x.shape)
 
 
-def dropout_keep_mask(x, p: float):
+def dropout_keep_mask(x, p: float, rows=None):
     """Bool keep-mask shaped like x (True = keep, probability 1 - p), from a seed drawn from the current
-    device's generator. Hashed hash_chunk_elements() at a time: plain PyTorch's hash holds two int32 temporaries per
-    element it hashes, 8 bytes against the mask's 1 (for the local attention's s x s scores, more than the scores)."""
+    device's generator (rows: the rows' numbers, default 0, 1, ...). Hashed hash_chunk_elements() at a time: plain
+    PyTorch's hash holds two int32 temporaries per element it hashes, 8 bytes against the mask's 1 (for the local
+    attention's s x s scores, more than the scores)."""
     threshold, seed = drop_threshold(p), draw_seed(x.device)
-    rows, columns = element_rows_and_columns(x)
-    keep = torch.empty((rows, columns), dtype=torch.bool, device=x.device)
+    count, columns = element_rows_and_columns(x)
+    keep = torch.empty((count, columns), dtype=torch.bool, device=x.device)
     step = max(1, hash_chunk_elements(x.device) // max(columns, 1))
-    row_hash, column_mix = element_mixes(x, seed)
-    for start in range(0, rows, step):
+    row_hash, column_mix = element_mixes(x, seed, rows)
+    for start in range(0, count, step):
         keep[start:start + step] = keep_from_mixes(row_hash[start:start + step], column_mix, threshold)
     return keep.view(x.shape)
 
@@ -74,9 +78,9 @@ class _MaskedScale(torch.autograd.Function):
         return grad_output * keep * ctx.scale, None, None
 
 
-def dropout(x, p: float, training: bool):
-    """Inverted dropout with the keep-mask of dropout_keep_mask; the identity (no random draw) when not
-    training or p == 0."""
+def dropout(x, p: float, training: bool, rows=None):
+    """Inverted dropout with the keep-mask of dropout_keep_mask (rows: the rows' numbers, default 0, 1, ...); the
+    identity (no random draw) when not training or p == 0."""
     if not training or p == 0.0:
         return x
-    return _MaskedScale.apply(x, dropout_keep_mask(x, p), 1.0 / (1.0 - p))
+    return _MaskedScale.apply(x, dropout_keep_mask(x, p, rows), 1.0 / (1.0 - p))

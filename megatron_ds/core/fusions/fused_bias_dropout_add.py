@@ -7,7 +7,8 @@ backend, and activation recompute and the TP RNG tracker replay it. The referenc
 per element) for backward; the compiled path makes it inside its graph from the seed's row hashes and column
 mixes, computed before it; the Triton kernels make it in registers in forward and again in backward, and keep only
 the seed.
-Not training, or p == 0: residual + x + bias, no mask and no draw.
+Not training, or p == 0: residual + x + bias, no mask and no draw. `rows` numbers the rows of x (viewed as
+[numel / last dim, last dim]) for the mask where the caller numbers them (dropout.py), in every backend.
 """
 import torch
 
@@ -34,11 +35,11 @@ def _dropout_args(x, p, training):
     return None, 0, 1.0
 
 
-def bias_dropout_add_reference(x, bias, residual, p: float, training: bool):
+def bias_dropout_add_reference(x, bias, residual, p: float, training: bool, rows=None):
     """residual + dropout(x + bias) with the model's one dropout mask."""
     if bias is not None:
         x = x + bias.to(x.dtype)
-    return residual + dropout(x, p, training)
+    return residual + dropout(x, p, training, rows)
 
 
 def _bda_input_grad(grad_output, mixes, threshold: int, scale: float, x_dtype: torch.dtype, with_bias: bool):
@@ -53,22 +54,23 @@ class _CompiledBiasDropoutAdd(torch.autograd.Function):
     CPU, inductor writing the hashed mask out as bool costs 4x the fused forward that uses it in place."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, seed, threshold, scale):
-        ctx.save_for_backward(seed)
+    def forward(ctx, x, bias, residual, seed, threshold, scale, rows):
+        ctx.save_for_backward(seed, rows)
         ctx.threshold, ctx.scale, ctx.x_dtype = threshold, scale, x.dtype
         ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
-        return compiled(_bda_math)(x, bias, residual, element_mixes(x, seed), threshold, scale)
+        return compiled(_bda_math)(x, bias, residual, element_mixes(x, seed, rows), threshold, scale)
 
     @staticmethod
     def backward(ctx, grad_output):
-        (seed,) = ctx.saved_tensors
+        seed, rows = ctx.saved_tensors
         with_bias = ctx.bias_dtype is not None
-        dx, db = compiled(_bda_input_grad)(grad_output, element_mixes(grad_output, seed), ctx.threshold, ctx.scale,
-                                           ctx.x_dtype, with_bias)
-        return dx, db.to(ctx.bias_dtype) if with_bias else None, grad_output.to(ctx.residual_dtype), None, None, None
+        dx, db = compiled(_bda_input_grad)(grad_output, element_mixes(grad_output, seed, rows), ctx.threshold,
+                                           ctx.scale, ctx.x_dtype, with_bias)
+        return (dx, db.to(ctx.bias_dtype) if with_bias else None, grad_output.to(ctx.residual_dtype), None, None,
+                None, None)
 
 
-def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
+def bias_dropout_add_compile(x, bias, residual, p: float, training: bool, rows=None):
     """torch.compile of the reference math, the mask hashed inside the compiled graphs (forward and backward);
     without dropout and bias, residual + x."""
     seed, threshold, scale = _dropout_args(x, p, training)
@@ -78,12 +80,12 @@ def bias_dropout_add_compile(x, bias, residual, p: float, training: bool):
         return bias_dropout_add_reference(x, bias, residual, p, training)
     if seed is None:
         return compiled(_bda_math)(x, bias, residual, None, 0, 1.0)
-    return _CompiledBiasDropoutAdd.apply(x, bias, residual, seed, threshold, scale)
+    return _CompiledBiasDropoutAdd.apply(x, bias, residual, seed, threshold, scale, rows)
 
 
 @kernel
-def _bda_forward(X, B, R, SEED, OUT, rows, n, threshold, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bda_forward(X, B, R, SEED, ROWS, OUT, rows, n, threshold, scale, HAS_BIAS: tl.constexpr,
+                 HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (r < rows)[:, None] & (c < n)[None, :]
@@ -92,14 +94,17 @@ def _bda_forward(X, B, R, SEED, OUT, rows, n, threshold, scale, HAS_BIAS: tl.con
     if HAS_BIAS:
         y += tl.load(B + c, mask=c < n, other=0.0).to(tl.float32)[None, :]
     if HAS_MASK:
-        y = tl.where(keep_tile(SEED, r, c, threshold), y * scale, 0.0)
+        numbers = r
+        if HAS_ROWS:  # the caller's numbers of the rows
+            numbers = tl.load(ROWS + r, mask=r < rows, other=0).to(tl.int64)
+        y = tl.where(keep_tile(SEED, numbers, c, threshold), y * scale, 0.0)
     y += tl.load(R + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=inside)
 
 
 @kernel
-def _bda_backward(DY, SEED, DX, DB_PARTIAL, rows, n, threshold, scale, HAS_BIAS: tl.constexpr,
-                  HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bda_backward(DY, SEED, ROWS, DX, DB_PARTIAL, rows, n, threshold, scale, HAS_BIAS: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx = dy * keep * scale, the mask hashed again from the seed; program (i, j) also sums its rows' dx into a
     db partial for column block j."""
     pid_m = tl.program_id(0)
@@ -113,7 +118,10 @@ def _bda_backward(DY, SEED, DX, DB_PARTIAL, rows, n, threshold, scale, HAS_BIAS:
         offsets = r[:, None] * n + c[None, :]
         dx = tl.load(DY + offsets, mask=inside, other=0.0).to(tl.float32)
         if HAS_MASK:
-            dx = tl.where(keep_tile(SEED, r, c, threshold), dx * scale, 0.0)
+            numbers = r
+            if HAS_ROWS:
+                numbers = tl.load(ROWS + r, mask=r < rows, other=0).to(tl.int64)
+            dx = tl.where(keep_tile(SEED, numbers, c, threshold), dx * scale, 0.0)
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=inside)
         if HAS_BIAS:
             db += tl.sum(tl.where(inside, dx, 0.0), axis=0)
@@ -123,7 +131,7 @@ def _bda_backward(DY, SEED, DX, DB_PARTIAL, rows, n, threshold, scale, HAS_BIAS:
 
 class _BiasDropoutAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, residual, seed, threshold, scale):
+    def forward(ctx, x, bias, residual, seed, threshold, scale, row_numbers):
         check_device(x, bias, residual, seed, op="bias_dropout_add")
         if residual.shape != x.shape:
             raise ValueError(f"bias_dropout_add: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
@@ -135,16 +143,17 @@ class _BiasDropoutAdd(torch.autograd.Function):
         if x2d.numel():
             _bda_forward[(cdiv(rows, block_m), cdiv(n, block_n))](
                 x2d, bias if bias is not None else x2d, residual.reshape(rows, n).contiguous(),
-                seed if seed is not None else x2d, out, rows, n, threshold, float(scale),
-                HAS_BIAS=bias is not None, HAS_MASK=seed is not None, BLOCK_M=block_m, BLOCK_N=block_n)
-        ctx.save_for_backward(seed)
+                seed if seed is not None else x2d, row_numbers if row_numbers is not None else x2d, out, rows, n,
+                threshold, float(scale), HAS_BIAS=bias is not None, HAS_MASK=seed is not None,
+                HAS_ROWS=row_numbers is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+        ctx.save_for_backward(seed, row_numbers)
         ctx.threshold, ctx.scale, ctx.shape, ctx.x_dtype = threshold, float(scale), x.shape, x.dtype
         ctx.bias_dtype, ctx.residual_dtype = getattr(bias, "dtype", None), residual.dtype
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        (seed,) = ctx.saved_tensors
+        seed, row_numbers = ctx.saved_tensors
         n = ctx.shape[-1]
         dy = grad_output.reshape(-1, n).contiguous()
         rows = dy.size(0)
@@ -155,15 +164,16 @@ class _BiasDropoutAdd(torch.autograd.Function):
         db_partial = torch.zeros(programs, n, dtype=torch.float32, device=dy.device) if has_bias else dx
         if dy.numel():
             _bda_backward[(programs, cdiv(n, block_n))](
-                dy, seed if seed is not None else dy, dx, db_partial, rows, n, ctx.threshold, ctx.scale,
-                HAS_BIAS=has_bias, HAS_MASK=seed is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+                dy, seed if seed is not None else dy, row_numbers if row_numbers is not None else dy, dx, db_partial,
+                rows, n, ctx.threshold, ctx.scale, HAS_BIAS=has_bias, HAS_MASK=seed is not None,
+                HAS_ROWS=row_numbers is not None, BLOCK_M=block_m, BLOCK_N=block_n)
         db = db_partial.sum(0).to(ctx.bias_dtype) if has_bias else None
-        return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None, None
+        return dx.view(ctx.shape), db, grad_output.to(ctx.residual_dtype), None, None, None, None
 
 
-def bias_dropout_add_triton(x, bias, residual, p: float, training: bool):
-    """Triton kernels, forward and backward; the mask is hashed in both, only the seed is saved."""
-    return _BiasDropoutAdd.apply(x, bias, residual, *_dropout_args(x, p, training))
+def bias_dropout_add_triton(x, bias, residual, p: float, training: bool, rows=None):
+    """Triton kernels, forward and backward; the mask is hashed in both, only the seed (and rows) is saved."""
+    return _BiasDropoutAdd.apply(x, bias, residual, *_dropout_args(x, p, training), rows)
 
 
 OPS = (FusedOp("bias_dropout_add",

@@ -3,7 +3,7 @@
     transformer_config.py  TransformerConfig: the one validated description of a transformer's shape and numerics
     transformer_layer.py   the pre-norm layer on sequence-first tensors, with recompute
     attention.py           self-attention: QKV column-parallel, core attention, Ulysses
-    ring_attention.py      ring attention (context parallelism, p2p): K/V blocks around the ring, causal load balance
+    ring_attention.py      context-parallel attention: K/V blocks round the ring (p2p) or gathered, causal load balance
     multi_latent_attention.py  multi-latent attention (DeepSeek-V3's): queries, keys and values through low-rank latents
     multi_token_prediction.py  multi-token prediction (DeepSeek-V3's): modules after the last layer, their loss
     mlp.py                 the MLP: GeLU or SwiGLU, column- then row-parallel

@@ -3,7 +3,10 @@ rank's heads, output projection row-parallel. Grouped-query attention when num_q
 --add-qkv-bias puts a bias on the QKV projection alone; --qk-layernorm normalises each query and key head over
 its channels (Megatron-Core's q_layernorm / k_layernorm, Qwen3's q_norm / k_norm) before RoPE.
 With DeepSpeed-Ulysses (--ds-sequence-parallel-size) the core attention sees the whole sequence for 1/SP of
-the TP rank's heads, through DeepSpeed's DistributedAttention. The flash backend, and the sdpa backend where
+the TP rank's heads, through DeepSpeed's DistributedAttention. With context parallelism (--context-parallel-size)
+it sees this rank's two chunks of the sequence (or, with Ulysses, of the CP rank's part), and the keys and values
+of the rest come round the CP ring (ring_attention.py; --cp-comm-type allgather: gathered at once); RoPE turns
+every token by its global position (core/sequence_split.py). The flash backend, and the sdpa backend where
 --fusion-backend compiles the flash_attention op (`auto` on a CPU, for a wide enough model), run causal
 attention through that op: blocked, with a hashed dropout mask drawn as one seed per call; batches with a
 document mask (--reset-attention-mask) go through sdpa."""
@@ -19,13 +22,17 @@ from megatron_ds.core.fusions.counter_hash import draw_seed
 from megatron_ds.core.fusions.dropout import dropout
 from megatron_ds.core.fusions.flash_attention import flash_attention_footprint
 from megatron_ds.core.parallel_state import (
+    get_context_parallel_group,
+    get_context_parallel_world_size,
     get_sequence_parallel_group,
-    get_sequence_parallel_rank,
     get_sequence_parallel_world_size,
+    get_sequence_split_world_size,
     get_tensor_model_parallel_world_size,
 )
+from megatron_ds.core.sequence_split import local_positions
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
+from megatron_ds.core.transformer import ring_attention as ring
 from megatron_ds.core.transformer.fused_ops import op_implementation, runs_flash_attention
 from megatron_ds.core.transformer.norms import build_norm
 from megatron_ds.core.transformer.rotary import RotaryEmbedding, apply_rotary
@@ -139,7 +146,7 @@ class AttentionHeads(torch.nn.Module):
         # DeepSpeed-Ulysses: each rank holds a slice of the sequence; DeepSpeed's DistributedAttention swaps it for
         # a slice of the heads (key and value already expanded to every head, so any GQA ratio splits)
         self.ulysses = None
-        self.sequence_rank = get_sequence_parallel_rank()  # RoPE offsets this rank's tokens by its slices before
+        self.context_group = get_context_parallel_group() if get_context_parallel_world_size() > 1 else None
         if get_sequence_parallel_world_size() > 1:
             self.ulysses = DistributedAttention(self._attention_of_heads, get_sequence_parallel_group(),
                                                 scatter_idx=2, gather_idx=0)
@@ -148,9 +155,12 @@ class AttentionHeads(torch.nn.Module):
         self.rotary_pos_emb = op_implementation(config, "rotary_pos_emb")
 
     def rotary_angles(self, seq_len, device):
-        """cos, sin for this rank's seq_len tokens, each at its place in the whole sequence (Ulysses: after the
-        slices of the ranks before)."""
-        return self.rotary(seq_len, device, offset=self.sequence_rank * seq_len)
+        """cos, sin for this rank's seq_len tokens, each at its place in the whole sequence (Ulysses and CP: the
+        positions core/sequence_split.py gives this rank)."""
+        split = get_sequence_split_world_size()
+        if split == 1:
+            return self.rotary(seq_len, device)
+        return self.rotary(seq_len, device, positions=local_positions(seq_len * split, device))
 
     def attend(self, query, key, value, attention_mask):
         """Core attention of [s, b, heads, d] query and key and [s, b, heads, dv] value: [s, b, heads, dv]."""
@@ -175,10 +185,22 @@ class AttentionHeads(torch.nn.Module):
             return flash_attention_footprint(query, key, value,
                                              copies=self.flash_attention is not None and attention_mask is None)
         with get_cuda_rng_tracker().fork():
+            if self.context_group is not None:
+                return self._context_parallel_attention(query, key, value)
             if self.flash_attention is not None and attention_mask is None:
                 return self._flash_attention(query, key, value)
             return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,
                                        self.training, self.softmax, scale=self.softmax_scale)
+
+    def _context_parallel_attention(self, query, key, value):
+        """Causal attention of this rank's queries over the whole sequence, the other CP ranks' keys and values
+        brought round the ring (or gathered); dropout keyed by global positions, as the flash op's mask of the
+        whole sequence."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        seed = draw_seed(query.device) if dropout_p else None
+        attend = ring.all_gather_attention if self.config.cp_comm_type == "allgather" else ring.ring_attention
+        return attend(query, key, value, self.context_group, causal=True, softmax_scale=self.softmax_scale,
+                      dropout_p=dropout_p, seed=seed)
 
     def _flash_attention(self, query, key, value):
         dropout_p = self.config.attention_dropout if self.training else 0.0
@@ -243,11 +265,11 @@ class SelfAttention(AttentionHeads):
         the flash op does; so does sdpa, causal, where the kernel it picks takes them (sdpa_takes_grouped_heads:
         a CPU's flash kernel; on CUDA flash attention or cuDNN, asked at the call, which repeats the heads itself
         where the pick refuses them; the dry run's fake tensors stand for an sm80+ GPU's, decided here by dtype and
-        head dim, as the planner's memory model does). Ulysses' all-to-all and masked batches take every head
-        expanded."""
+        head dim, as the planner's memory model does); so does the CP ring, which sends them unexpanded. Ulysses'
+        all-to-all and masked batches take every head expanded."""
         if self.ulysses is not None or attention_mask is not None:
             return False
-        if self.flash_attention is not None:
+        if self.context_group is not None or self.flash_attention is not None:
             return True
         if self.config.attention_backend != "sdpa" or self.heads_per_group == 1:
             return False

@@ -380,7 +380,7 @@ class DroplessMoE(torch.nn.Module):
                 mark_sequence_parallel_parameter(self.shared_gate.weight)
         self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
         self.counts_groups = token_split_groups()
-        self.ulysses = parallel_state.get_sequence_parallel_world_size()
+        self.sequence_split = parallel_state.get_sequence_split_world_size()
         if self.tensor_parallel > 1:  # the router sees this rank's share of the tokens
             mark_sequence_parallel_parameter(self.router.gate.weight)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
@@ -442,9 +442,9 @@ class DroplessMoE(torch.nn.Module):
         loss = loss + z_loss(self.config, logits) / _ranks(self.counts_groups)  # this rank's share of the mean
         self.auxiliary_losses.append(loss.detach())
         if self.training and torch.is_grad_enabled() and loss.requires_grad:
-            # DeepSpeed averages gradients over the Ulysses ranks too, whose losses here are shares of the sample's
-            # (the lm loss is scaled by SP for the same reason: core/models/gpt/gpt_model.py)
-            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale * self.ulysses)
+            # DeepSpeed averages gradients over the Ulysses and CP ranks too, whose losses here are shares of the
+            # sample's (the lm loss is scaled by SP x CP for the same reason: core/models/gpt/gpt_model.py)
+            return AuxiliaryLossGradient.apply(routed, loss, self.auxiliary_gradient_scale * self.sequence_split)
         return routed
 
     def _global_counts(self, logits, chosen, groups):
@@ -470,12 +470,12 @@ class DroplessMoE(torch.nn.Module):
 
 def token_split_groups():
     """The groups whose ranks split a micro-batch's tokens with this one (TP, where the layer routes its share;
-    Ulysses SP): the balance losses' counts are summed over them, as Megatron-Core sums them over TP x CP."""
+    Ulysses SP x CP): the balance losses' counts are summed over them, as Megatron-Core sums them over TP x CP."""
     groups = []
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         groups.append(parallel_state.get_tensor_model_parallel_group())
-    if parallel_state.get_sequence_parallel_world_size() > 1:
-        groups.append(parallel_state.get_sequence_parallel_group())
+    if parallel_state.get_sequence_split_world_size() > 1:
+        groups.append(parallel_state.get_sequence_split_group())
     return groups
 
 

@@ -4,13 +4,12 @@ module k - 1's hidden states h at position i and the embedding of token i + k, n
 [norm(embedding); norm(h)] (2h -> h, Megatron-Core's order and eh_proj) and runs one transformer layer and a final
 norm; the shared output head then gives its logits. The embedding and the head are the main model's.
 
-Sequence-first tensors as the layers take them: [s, b, h], [s/t, b, h] with Megatron SP. With Ulysses each rank
-holds a slice of the sequence, so the tokens ahead of its last positions come from the next slices
-(tokens_ahead gathers the integer tokens over the Ulysses group: b x s integers, no gradient)."""
+Sequence-first tensors as the layers take them: [s, b, h], [s/t, b, h] with Megatron SP. With Ulysses or context
+parallelism each rank holds a part of the sequence, so the tokens ahead of its positions may lie in other ranks'
+parts (tokens_ahead gathers the integer tokens over the sequence-split group: b x s integers, no gradient)."""
 import torch
-import torch.distributed as dist
 
-from megatron_ds.core.parallel_state import get_sequence_parallel_group, get_sequence_parallel_world_size
+from megatron_ds.core import sequence_split
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_ds.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -22,25 +21,14 @@ from megatron_ds.core.transformer.transformer_layer import TransformerLayer
 
 
 def tokens_ahead(tokens, shift):
-    """[b, s] -> [b, s]: at position i the value at i + shift, 0 past the end of the sequence; with Ulysses
-    `tokens` is this rank's slice of it and so is the result."""
+    """[b, s] -> [b, s]: at position i the value at i + shift, 0 past the end of the sequence; with Ulysses or CP
+    `tokens` is this rank's part of it and so is the result."""
     if shift == 0:
         return tokens
-    ranks = get_sequence_parallel_world_size()
-    whole = tokens if ranks == 1 else _gathered_over_ulysses(tokens, ranks)
+    whole = sequence_split.whole_sequence(tokens)
     ahead = torch.zeros_like(whole)
     ahead[:, :whole.size(1) - shift] = whole[:, shift:]
-    if ranks == 1:
-        return ahead
-    width = tokens.size(1)
-    rank = dist.get_rank(get_sequence_parallel_group())
-    return ahead[:, rank * width:(rank + 1) * width].contiguous()
-
-
-def _gathered_over_ulysses(tokens, ranks):
-    pieces = [torch.empty_like(tokens) for _ in range(ranks)]
-    dist.all_gather(pieces, tokens.contiguous(), group=get_sequence_parallel_group())
-    return torch.cat(pieces, dim=1)
+    return sequence_split.local_part(ahead) if sequence_split.is_split() else ahead
 
 
 class MultiTokenPredictionLayer(torch.nn.Module):

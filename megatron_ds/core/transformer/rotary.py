@@ -116,10 +116,12 @@ class RotaryEmbedding(torch.nn.Module):
     def from_config(cls, config):
         return cls(config.rotary_dim, config.rotary_base, rope_scaling_of(config))
 
-    def forward(self, seq_len, device, offset=0):
-        """cos, sin of shape [s, 1, 1, rotary_dim] for positions offset .. offset + seq_len - 1 (YaRN: times its
-        attention factor)."""
-        positions = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
+    def forward(self, seq_len, device, offset=0, positions=None):
+        """cos, sin of shape [s, 1, 1, rotary_dim] for positions offset .. offset + seq_len - 1, or for the given
+        positions (a LongTensor of seq_len: a rank's tokens under context parallelism); YaRN: times its attention
+        factor."""
+        positions = (torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32) if positions is None
+                     else positions.to(device=device, dtype=torch.float32))
         freqs = torch.outer(positions, self.inv_freq.to(device))
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         if self.attention_factor == 1.0:

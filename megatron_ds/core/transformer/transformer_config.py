@@ -19,6 +19,7 @@ ROPE_SCALING_FIELDS = ("rope_type", *YARN_DEFAULTS, "use_rope_scaling", *LLAMA3_
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim")
 ATTENTION_BACKENDS = ("sdpa", "local", "flash")
+RING_COMM_TYPES = ("p2p", "allgather")           # how the CP ranks exchange keys and values (a2a: Ulysses)
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -74,6 +75,7 @@ class TransformerConfig:
     use_rope_scaling: bool = False              # LLaMA-3.1's scaling, by rope_scaling_factor
     rope_scaling_factor: float = LLAMA3_SCALING_DEFAULTS["rope_scaling_factor"]
     attention_backend: str = "sdpa"
+    cp_comm_type: str = "p2p"                   # context parallelism: "p2p" (the ring) or "allgather"
     init_method_std: float = 0.02
     init_seed: int = 1234                       # full-model initialization seed (same for every layout)
     params_dtype: torch.dtype = torch.float32
@@ -152,6 +154,7 @@ class TransformerConfig:
         self._check_choice("normalization", NORMALIZATIONS)
         self._check_choice("position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
+        self._check_choice("cp_comm_type", RING_COMM_TYPES)
         self._check_choice("fusion_backend", FUSION_BACKENDS)
         self._check_mla()
         self._check_rotary()

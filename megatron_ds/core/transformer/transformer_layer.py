@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 from megatron_ds.core import parallel_state
+from megatron_ds.core.sequence_split import dropout_rows
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
 from megatron_ds.core.transformer.dropless_moe import DroplessMoE
@@ -65,12 +66,17 @@ class TransformerLayer(torch.nn.Module):
     def _attention_block(self, hidden_states, attention_mask):
         out, bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
         with self._replicated_region_rng():
-            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training)
+            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training,
+                                         self._dropout_rows(hidden_states))
+
+    def _dropout_rows(self, hidden_states):
+        return dropout_rows(hidden_states, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
     def _mlp_block(self, hidden_states):
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         with self._replicated_region_rng():
-            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training)
+            return self.bias_dropout_add(out, bias, hidden_states, self.config.hidden_dropout, self.training,
+                                         self._dropout_rows(hidden_states))
 
 
 def assign_recompute_chunks(layers, config):

@@ -110,3 +110,19 @@ def test_load_defaults_to_save_so_a_restarted_launch_resumes():
     assert (given.load, given.load_from_save) == ("/ckpt/base", False)
     neither = parse_args(TINY_MODEL, world_size=1).checkpointing
     assert (neither.load, neither.load_from_save) == (None, False)
+
+
+@pytest.mark.parametrize("flags, world, ulysses, context, comm", [
+    (["--context-parallel-size", "4"], 4, 1, 4, "p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], 4, 1, 4, "allgather"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], 4, 4, 1, "p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     8, 2, 2, "p2p"),
+    (["--context-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 8, 2, 2, "p2p"),
+], ids=["p2p", "all_gather-spelling", "a2a-is-ulysses", "a2a+p2p", "ulysses-and-ring"])
+def test_context_parallel_flags_resolve_to_ulysses_and_the_ring(flags, world, ulysses, context, comm):
+    args = parse_args(TINY_MODEL + flags + ["--global-batch-size", "8"], world_size=world)
+    assert (args.parallel.ulysses, args.parallel.context, args.model.cp_comm_type) == (ulysses, context, comm)
+    assert args.data_parallel_size == world // (ulysses * context)
+    # DeepSpeed's data-parallel ranks are SP x CP x DP: each counts its part of a micro-batch as one
+    assert args.effective_deepspeed_config["train_batch_size"] == 8 * ulysses * context

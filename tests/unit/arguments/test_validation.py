@@ -84,6 +84,34 @@ CASES = dict([
          "--pipeline-model-parallel-size", "2", world=4,
          expect=["--tensor-model-parallel-size 2 x --ds-sequence-parallel-size 2 x --pipeline-model-parallel-size 2 "
                  "= 8 does not divide the world size 4"]),
+    case("context-parallel", "--context-parallel-size", "4", "--seq-length", "36", "--max-position-embeddings", "36",
+         "--reset-attention-mask", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         world=8, expect=["--context-parallel-size 4: --seq-length 36 is not divisible by 2 x CP 4 (each CP rank holds "
+                          "two chunks of the sequence",
+                          "--tensor-model-parallel-size 2 x --context-parallel-size 4 x --pipeline-model-parallel-size "
+                          "2 = 16 does not divide the world size 8",
+                          "--context-parallel-size 4 with --reset-attention-mask: not built"]),
+    case("context-parallel-with-ulysses-and-sp", "--context-parallel-size", "2", "--ds-sequence-parallel-size", "2",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "24",
+         "--max-position-embeddings", "24", world=8,
+         expect=["--context-parallel-size 2: --seq-length 24 is not divisible by 2 x CP 2 x SP 2 x "
+                 "--tensor-model-parallel-size 2 (--sequence-parallel)"]),
+    case("a2a-p2p-without-sizes", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", world=4,
+         expect=["--cp-comm-type a2a+p2p with --context-parallel-size 4 needs --hierarchical-context-parallel-sizes "
+                 "a b with a x b = 4 (a: Ulysses' all-to-all inside, b: the ring across), got nothing"]),
+    case("a2a-p2p-wrong-sizes", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+         "--hierarchical-context-parallel-sizes", "2", "3", world=4,
+         expect=["needs --hierarchical-context-parallel-sizes a b with a x b = 4 (a: Ulysses' all-to-all inside, b: "
+                 "the ring across), got 2 3"]),
+    case("cp-comm-types", "--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a",
+         "--hierarchical-context-parallel-sizes", "2", "1", world=2,
+         expect=["--cp-comm-type p2p a2a: a communication type per layer is not built in megatron_ds",
+                 "--hierarchical-context-parallel-sizes 2 1 is for --cp-comm-type a2a+p2p (got p2p)"]),
+    case("a2a-and-ulysses", "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--ds-sequence-parallel-size",
+         "2", world=4, expect=["--cp-comm-type a2a with --context-parallel-size 2 and --ds-sequence-parallel-size 2: "
+                               "both ask for DeepSpeed-Ulysses"]),
+    case("context-parallel-deepspeed-moe", "--context-parallel-size", "2", "--num-experts", "2", world=2,
+         expect=["--context-parallel-size 2 with DeepSpeed-MoE"]),
     case("moe-stage-without-experts", "--num-experts", "4", "--pipeline-model-parallel-size", "4",
          "--num-layers", "4", world=4,
          expect=["--pipeline-model-parallel-size 4 with --expert-interval 2: pipeline stage(s) 0, 2 (1 of "

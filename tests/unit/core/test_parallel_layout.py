@@ -26,7 +26,7 @@ def test_problems_name_the_flags_and_the_planner_reasons():
     shape = ModelShape(num_layers=3, num_attention_heads=6, num_query_groups=6, ffn_hidden_size=30, seq_length=33)
     problems = ParallelLayout(world_size=12, tensor=4, pipeline=2, sequence_parallel=True).problems(shape)
     assert [problem.reason for problem in problems] == [
-        "TP x Ulysses SP x PP does not divide the world size", "heads not divisible by TP",
+        "TP x Ulysses SP x CP x PP does not divide the world size", "heads not divisible by TP",
         "kv heads not divisible by TP", "FFN not divisible by TP", "layers not divisible by PP",
         "sequence not divisible by TP (SP)"]
     assert problems[0].message == ("--tensor-model-parallel-size 4 x --pipeline-model-parallel-size 2 = 8 does not "

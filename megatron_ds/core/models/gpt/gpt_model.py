@@ -13,7 +13,8 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.core.fusions import cross_entropy_reference
 from megatron_ds.core.fusions.dropout import dropout
-from megatron_ds.core.parallel_state import get_sequence_parallel_group, get_sequence_parallel_world_size
+from megatron_ds.core.parallel_state import get_sequence_split_group, get_sequence_split_world_size
+from megatron_ds.core.sequence_split import dropout_rows
 from megatron_ds.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -62,10 +63,13 @@ class LanguageModelEmbedding(torch.nn.Module):
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()
         if not self.config.sequence_parallel:
-            return dropout(embeddings, self.config.hidden_dropout, self.training)
+            return dropout(embeddings, self.config.hidden_dropout, self.training, self._dropout_rows(embeddings))
         embeddings = scatter_to_sequence_parallel_region(embeddings)  # [s/t, b, h] from here on
         with get_cuda_rng_tracker().fork():
-            return dropout(embeddings, self.config.hidden_dropout, self.training)
+            return dropout(embeddings, self.config.hidden_dropout, self.training, self._dropout_rows(embeddings))
+
+    def _dropout_rows(self, embeddings):
+        return dropout_rows(embeddings, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
 
 # Pipeline stages exchange one object: the hidden states [s, b, h], or a tuple of them with, in this order, a rider
@@ -203,9 +207,9 @@ def tied_output_logits(embedding: LanguageModelEmbedding, hidden_states):
 def language_model_loss(logits, labels, cross_entropy=cross_entropy_reference):
     """Mean token loss. labels: [b, s] token ids, or a (labels, loss_mask) pair; cross_entropy is a
     core.fusions cross_entropy (vocab-parallel).
-    DeepSpeed-Ulysses: this rank has 1/SP of the tokens and DeepSpeed averages over the SP ranks, so the loss
-    here is SP x this slice's share of the sample loss (a plain mean when every slice counts the same tokens;
-    with a loss mask, its tokens summed over the SP ranks)."""
+    DeepSpeed-Ulysses and context parallelism: this rank has 1/(SP x CP) of the tokens and DeepSpeed averages over
+    those ranks, so the loss here is SP x CP x this part's share of the sample loss (a plain mean when every part
+    counts the same tokens; with a loss mask, its tokens summed over the sequence-split ranks)."""
     loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
@@ -217,12 +221,12 @@ def language_model_loss(logits, labels, cross_entropy=cross_entropy_reference):
 
 
 def _tokens_per_slice(counted):
-    """The loss mask's token count (at least 1), over the whole sequence divided by the Ulysses ranks."""
-    ranks = get_sequence_parallel_world_size()
+    """The loss mask's token count (at least 1), over the whole sequence divided by the sequence-split ranks."""
+    ranks = get_sequence_split_world_size()
     if ranks == 1:
         return counted.clamp(min=1.0)
     total = counted.detach().clone()
-    dist.all_reduce(total, group=get_sequence_parallel_group())
+    dist.all_reduce(total, group=get_sequence_split_group())
     return total.clamp(min=1.0) / ranks
 
 

@@ -1,30 +1,49 @@
-"""Ring attention (context parallelism, p2p) against plain single-process attention: the load-balanced layout and
-its inverse, the visible part of each key/value block against the global causal mask, one block's math, and the
-ring itself at CP 1, 2 and 4 on gloo processes (forward and the gradients of q, k and v, gathered back to the
-sequence's order; fp32 and fp64; causal and not; multi-head, grouped-query with key/value heads sent unexpanded,
-multi-query with a wider value head)."""
+"""Context parallel attention (ring_attention, p2p, and all_gather_attention) against plain single-process
+attention: the load-balanced layout and its inverse, the visible part of each key/value block and the all-gather's
+parts against the global causal mask, one block's math and torch's flash kernels against it, and both variants at
+CP 1, 2 and 4 on gloo processes (forward and the gradients of q, k and v, gathered back to the sequence's order;
+fp64 with the plain-math blocks, fp32 with the kernels; causal and not; multi-head, grouped-query with key/value
+heads sent unexpanded, multi-query with a wider value head); with dropout, the mask of the flash op on the whole
+sequence at the same seed (against flash_attention_reference, and in fp64 against the dense attention with that
+op's keep mask)."""
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ds.core.fusions import counter_hash
+from megatron_ds.core.fusions.flash_attention import flash_attention_reference
 from megatron_ds.core.transformer import ring_attention as ring
 from tests.support.distributed import run_distributed
 
 BATCH, SEQ, HEAD_DIM, SCALE = 2, 32, 8, 0.3
 HEADS = [(4, 4, HEAD_DIM), (4, 2, HEAD_DIM), (4, 1, 12)]  # (query heads, key/value heads, value head dim)
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+DROPOUT_P, SEED = 0.1, torch.tensor(20240611)
+# the flash op computes its softmax in fp32 whatever the inputs' dtype
+FLASH_TOLERANCE = 2e-6
 
 
-def reference_attention(query, key, value, scale, causal):
-    """softmax(Q K^T scale + causal mask) V on whole sequences, key/value heads repeated for their query heads."""
+def flash_keep_mask(b, heads, s, seed, p):
+    """The flash op's keep mask [b, heads, s, s] of a whole sequence: row (batch x heads + head) x s + query."""
+    rows = torch.arange(b * heads * s)
+    return counter_hash.keep_mask(seed, rows, torch.arange(s), counter_hash.drop_threshold(p)).view(b, heads, s, s)
+
+
+def reference_attention(query, key, value, scale, causal, dropout_p=0.0, seed=None):
+    """softmax(Q K^T scale + causal mask) V on whole sequences, key/value heads repeated for their query heads;
+    with dropout, the probabilities masked by flash_keep_mask and the kept ones scaled by 1 / (1 - p)."""
     per_group = query.size(1) // key.size(1)
     key, value = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        keep = flash_keep_mask(query.size(0), query.size(1), query.size(2), seed, dropout_p)
+        probs = torch.where(keep, probs / (1 - dropout_p), 0.0)
+    return torch.matmul(probs, value)
 
 
 def _inputs(heads, groups, value_dim, dtype, seq=SEQ):
@@ -34,10 +53,11 @@ def _inputs(heads, groups, value_dim, dtype, seq=SEQ):
     return [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
-def _reference_results(query, key, value, grad_out, causal):
-    """Output and input gradients of the reference, in fp64."""
-    leaves = [t.double().requires_grad_() for t in (query, key, value)]
-    out = reference_attention(*leaves, SCALE, causal)
+def _reference_results(query, key, value, grad_out, causal, dropout_p=0.0, attention=None):
+    """Output and input gradients of the reference, in fp64 (attention: reference_attention's arguments after
+    the scale)."""
+    leaves = [t.double().detach().requires_grad_() for t in (query, key, value)]
+    out = reference_attention(*leaves, SCALE, causal, dropout_p, SEED) if attention is None else attention(*leaves)
     out.backward(grad_out.double())
     return [out.detach(), *(t.grad for t in leaves)]
 
@@ -90,6 +110,21 @@ def test_visible_parts_are_the_global_causal_mask(cp_size):
         assert torch.equal(observed, expected), (rank, owner)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_gathered_parts_cover_the_global_mask_once(cp_size, causal):
+    seq = 4 * cp_size
+    local = seq // cp_size
+    for rank in range(cp_size):
+        query_positions = ring.context_parallel_positions(seq, cp_size, rank)
+        expected = query_positions[:, None] >= torch.arange(seq)[None, :] if causal else torch.ones(local, seq)
+        covered = torch.zeros(local, seq, dtype=torch.int64)
+        for part in ring.gathered_parts(rank, cp_size, local, causal):
+            block = covered[part.queries, part.keys]
+            covered[part.queries, part.keys] += torch.ones_like(block).tril() if part.causal else 1
+        assert torch.equal(covered, expected.long()), rank
+
+
 # --- one block, and blocks merged by their log-sum-exp ------------------------------------------------------------
 
 
@@ -117,24 +152,55 @@ def test_blocks_merged_by_log_sum_exp_equal_whole_attention(heads, groups, value
     torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
 
     expected.backward(grad_out)
-    delta = (grad_out * out).sum(-1)
-    dq, dk, dv = ring.attention_block_backward(query, key, value, grad_out, lse, delta, SCALE, causal=True)
+    dq, dk, dv = ring.attention_block_backward(query, key, value, out, grad_out, lse, SCALE, causal=True)
     dq_later, dk_earlier, dv_earlier = ring.attention_block_backward(
-        query[:, :, later], earlier_key, earlier_value, grad_out[:, :, later], lse[:, :, later],
-        delta[:, :, later], SCALE, causal=False)
+        query[:, :, later], earlier_key, earlier_value, out[:, :, later], grad_out[:, :, later], lse[:, :, later],
+        SCALE, causal=False)
     dq[:, :, later] += dq_later
     torch.testing.assert_close(dq, leaves[0].grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([dk_earlier, dk], 2), leaves[1].grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([dv_earlier, dv], 2), leaves[2].grad, rtol=1e-12, atol=1e-12)
 
 
+KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", list(KERNEL_TOLERANCE), ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2), (4, 1)])
+def test_kernel_block_is_the_math_block(heads, groups, causal, dtype):
+    """torch's flash kernels (the CPU's) against the plain math on the same inputs: a block's output and
+    log-sum-exp, and its gradients given another output and log-sum-exp (as a merged one is), in fp32 or
+    bf16; fp64, dropout and a wider value head stay with the math."""
+    query, key, value, grad_out = (t.to(dtype) for t in _inputs(heads, groups, HEAD_DIM, torch.float64, seq=16))
+    assert ring.kernel_serves(query, value)
+    dropout = ring.HashedDropout(0.1, SEED, 16).block(query, torch.arange(16), torch.arange(16))
+    for fallback in ((query.double(), value.double(), None), (query, value[..., :4], None), (query, value, dropout)):
+        assert not ring.kernel_serves(*fallback)
+    tolerance = KERNEL_TOLERANCE[dtype]
+    kernel, math = (block(query, key, value, SCALE, causal) for block in (ring.kernel_block, ring.math_block))
+    for got, want in zip(kernel, math):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    out, lse = math[0] * 0.7 + 0.1, math[1] + 0.5  # as if another block had been merged
+    kernel, math = (backward(query, key, value, out, grad_out, lse, SCALE, causal)
+                    for backward in (ring.kernel_block_backward, ring.math_block_backward))
+    for got, want in zip(kernel, math):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 # --- bad input, named before any process group --------------------------------------------------------------------
 
 
-def test_dropout_is_refused_by_name():
+@pytest.mark.parametrize("dropout_p, seed, message", [
+    (0.1, None, "dropout_p 0.1 needs a seed"),
+    (1.0, SEED, r"dropout probability must be in \[0, 1\), got 1.0"),
+])
+def test_bad_dropout_is_named(dropout_p, seed, message):
     query, key, value, _ = _inputs(4, 2, HEAD_DIM, torch.float32, seq=4)
-    with pytest.raises(NotImplementedError, match="dropout_p must be 0, got 0.1"):
-        ring.ring_attention(query, key, value, dropout_p=0.1)
+    with pytest.raises(ValueError, match=message):
+        ring.ring_attention(query, key, value, dropout_p=dropout_p, seed=seed)
 
 
 @pytest.mark.parametrize("key_shape, message", [
@@ -155,7 +221,9 @@ def test_causal_needs_an_even_local_length():
         ring.ring_attention(query, key, value)
 
 
-# --- the ring on real processes -----------------------------------------------------------------------------------
+# --- the ring and the all-gather on real processes ----------------------------------------------------------------
+
+VARIANTS = ["ring_attention", "all_gather_attention"]
 
 
 class _RecordedExchange(ring._RingExchange):
@@ -166,22 +234,46 @@ class _RecordedExchange(ring._RingExchange):
         super().__init__(tensors, group)
 
 
-def _ring_matches_reference(causal):
-    ring._RingExchange = _RecordedExchange  # this forked process only
+_gathered_shapes = []
+
+
+def _recorded_gather(tensor, group=None, dim=0, gather=ring.gather_from_context_parallel):
+    _gathered_shapes.append(tuple(tensor.shape))
+    return gather(tensor, group, dim)
+
+
+def _record_communication():
+    """The ring's sends and the all-gather's gathers recorded (in this forked process only)."""
+    ring._RingExchange = _RecordedExchange
+    ring.gather_from_context_parallel = _recorded_gather
+    _RecordedExchange.shapes.clear()
+    _gathered_shapes.clear()
+
+
+def _run_variant(variant, local, grad_out, **arguments):
+    """The variant's output and the gradients of its inputs, gathered back into the whole sequence."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    out = getattr(ring, variant)(*local, softmax_scale=SCALE, **arguments)
+    out.backward(ring.split_for_context_parallel(grad_out, cp, rank, dim=2))
+    return out, [ring.gather_from_context_parallel(t, dim=2) for t in (out.detach(), *(t.grad for t in local))]
+
+
+def _matches_reference(variant, causal):
     cp, rank = dist.get_world_size(), dist.get_rank()
     for dtype, (heads, groups, value_dim) in itertools.product(TOLERANCE, HEADS):
         query, key, value, grad_out = _inputs(heads, groups, value_dim, dtype)
         local = [ring.split_for_context_parallel(t, cp, rank, dim=2).requires_grad_() for t in (query, key, value)]
-        _RecordedExchange.shapes.clear()
-        out = ring.ring_attention(*local, causal=causal, softmax_scale=SCALE)
-        sent_blocks = list(_RecordedExchange.shapes)
-        out.backward(ring.split_for_context_parallel(grad_out, cp, rank, dim=2))
+        _record_communication()
+        out, observed = _run_variant(variant, local, grad_out, causal=causal)
         assert out.dtype == dtype and all(t.grad.dtype == dtype for t in local)
+        # fp32 blocks run torch's flash kernels where the value head is the query's
+        assert ring.kernel_serves(local[0], local[2]) == (dtype == torch.float32 and value_dim == HEAD_DIM)
 
         unexpanded = [(BATCH, groups, SEQ // cp, HEAD_DIM), (BATCH, groups, SEQ // cp, value_dim)]
-        assert sent_blocks == [unexpanded] * (cp - 1), sent_blocks
-        observed = [ring.gather_from_context_parallel(t, dim=2)
-                    for t in (out.detach(), *(t.grad for t in local))]
+        if variant == "ring_attention":  # the forward's sends (the backward's are their gradients)
+            assert _RecordedExchange.shapes[:cp - 1] == [unexpanded] * (cp - 1), _RecordedExchange.shapes
+        else:  # forward and backward each gather the keys and values, and only those
+            assert _gathered_shapes[:4] == unexpanded * 2 and not _RecordedExchange.shapes, _gathered_shapes
         expected = _reference_results(query, key, value, grad_out, causal)
         for name, got, want in zip(("output", "dq", "dk", "dv"), observed, expected):
             torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype],
@@ -190,5 +282,31 @@ def _ring_matches_reference(causal):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_ring_attention_matches_single_process_attention(cp, causal):
-    run_distributed(_ring_matches_reference, cp, causal, timeout=120)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_context_parallel_attention_matches_single_process_attention(variant, cp, causal):
+    run_distributed(_matches_reference, cp, variant, causal, timeout=120)
+
+
+def _dropout_matches_flash_op(variant):
+    """Dropout: the flash op's mask of the whole sequence, against flash_attention_reference (its softmax in
+    fp32) and, causal and not, against the dense fp64 attention with that mask."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    flash = lambda q, k, v: flash_attention_reference(q, k, v, DROPOUT_P, SEED, scale=SCALE)  # noqa: E731
+    for causal, (heads, groups, value_dim) in itertools.product((True, False), HEADS):
+        query, key, value, grad_out = _inputs(heads, groups, value_dim, torch.float64)
+        local = [ring.split_for_context_parallel(t, cp, rank, dim=2).requires_grad_() for t in (query, key, value)]
+        _, observed = _run_variant(variant, local, grad_out, causal=causal, dropout_p=DROPOUT_P, seed=SEED)
+        references = [(_reference_results(query, key, value, grad_out, causal, DROPOUT_P), TOLERANCE[torch.float64])]
+        if causal:
+            references.append((_reference_results(query, key, value, grad_out, causal, attention=flash),
+                               FLASH_TOLERANCE))
+        for expected, tolerance in references:
+            for name, got, want in zip(("output", "dq", "dk", "dv"), observed, expected):
+                torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance,
+                                           msg=lambda text: f"{name} causal {causal} heads {heads}/{groups}: {text}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dropout_is_the_flash_ops_on_the_whole_sequence(variant, cp):
+    run_distributed(_dropout_matches_flash_op, cp, variant, timeout=120)
