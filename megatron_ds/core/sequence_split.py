@@ -5,12 +5,43 @@ balance: transformer/ring_attention.py); the Ulysses ranks of a CP rank then hol
 which Ulysses' all-to-all joins back into it. Without CP a rank's tokens are one contiguous slice, as Ulysses
 alone always had them. Every token-wise input (tokens, labels, loss mask, position ids) is cut the same way, by
 `local_positions`, and RoPE and the dropout masks key on those global positions.
+
+    load_balanced_chunks(sequence_length, cp_size, cp_rank) -> the two slices of the sequence a CP rank holds
+    context_parallel_positions(sequence_length, cp_size, cp_rank) -> their positions, in the rank's order
+    positions_of(...) / local_positions(sequence_length) -> a rank's positions with Ulysses inside CP
+    local_part(tensor) / whole_sequence(tensor) -> a rank's tokens of a sample / the sample from every rank's
+    dropout_rows(hidden_states, p, training) -> the dropout masks' row numbers by global position
 """
 import torch
 import torch.distributed as dist
 
 from megatron_ds.core import parallel_state
-from megatron_ds.core.transformer.ring_attention import context_parallel_positions
+
+
+def load_balanced_chunks(sequence_length, cp_size, cp_rank):
+    """The two slices of the sequence that CP rank cp_rank holds: chunks cp_rank and 2 cp_size - 1 - cp_rank of
+    2 cp_size equal chunks."""
+    _check_layout(sequence_length, cp_size, cp_rank)
+    chunk = sequence_length // (2 * cp_size)
+    last = 2 * cp_size - 1 - cp_rank
+    return slice(cp_rank * chunk, (cp_rank + 1) * chunk), slice(last * chunk, (last + 1) * chunk)
+
+
+def _check_layout(sequence_length, cp_size, cp_rank):
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be at least 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
+    if sequence_length % (2 * cp_size):
+        raise ValueError(f"sequence_length {sequence_length} is not divisible by 2 x cp_size = {2 * cp_size} "
+                         "(context parallelism cuts the sequence into 2 chunks per rank)")
+
+
+def context_parallel_positions(sequence_length, cp_size, cp_rank):
+    """The global positions [s / cp_size] of the tokens CP rank cp_rank holds, in the order it holds them (for
+    position embeddings and masks)."""
+    return torch.cat([torch.arange(part.start, part.stop)
+                      for part in load_balanced_chunks(sequence_length, cp_size, cp_rank)])
 
 
 def positions_of(sequence_length, context_size=1, context_rank=0, ulysses_size=1, ulysses_rank=0, device=None):

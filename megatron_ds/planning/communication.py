@@ -21,9 +21,16 @@ query head, from the sequence split to the head split, and the context back) and
 backward, each of this rank's s/U x b x (a/t) x d elements (d = kv_channels), of which (U - 1)/U leaves the
 rank: per direction 4 (U - 1)/U x s/U b (a d / t) x bytes. Full recompute repeats the forward's 4 for each
 recomputed layer; selective recompute reruns only the core attention, between the all-to-alls.
-DP, per iteration: the gradient all-reduce over the data-parallel group (U x DP ranks with Ulysses: the weights
-are replicated on a sample's U ranks, which DeepSpeed counts as data-parallel), 2 (dp-1)/dp x gradient bytes
-(fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
+CP (context parallelism, core/transformer/ring_attention.py), per transformer layer and micro-batch, K the bytes of
+one key/value block (this rank's s/CP tokens of the key and value heads the ring carries: GQA's g/t unexpanded, or
+a/(tU) expanded ones with Ulysses): the ring (p2p) sends K to the next rank CP - 1 times in forward, and in
+backward K again CP - 1 times and the block's dK and dV (fp32, 2K with 16-bit activations) CP times (a full turn
+home); allgather all-gathers K in forward and again in backward, (CP - 1) K sent, and reduce-scatters dK and dV,
+(CP - 1) x the fp32 block. Selective recompute reruns the core attention, ring included, for every layer; full
+recompute each recomputed layer's forward.
+DP, per iteration: the gradient all-reduce over the data-parallel group (U x CP x DP ranks with Ulysses and CP: the
+weights are replicated on a sample's U x CP ranks, which DeepSpeed counts as data-parallel), 2 (dp-1)/dp x gradient
+bytes (fp32 with bf16: DeepSpeed's BF16_Optimizer reduces its fp32 accumulation buffer), then with ZeRO-1 the
 updated 16-bit weights are all-gathered ((dp-1)/dp x weight bytes). ZeRO-2 and 3 reduce-scatter the gradients
 after every micro-batch, m (dp-1)/dp x gradient bytes; ZeRO-3 all-gathers the weights for every micro-batch's
 forward and backward (and recomputed forward): 2m (3m) x (dp-1)/dp x weight bytes, instead of once. With tied
@@ -185,8 +192,64 @@ def ulysses_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: 
     return layers_bytes_per_micro_batch(ulysses_traffic_per_layer(model, layout), layout, num_layers)
 
 
+@dataclass(frozen=True)
+class ContextTraffic:
+    """One transformer layer, one micro-batch: bytes one device sends over its CP group (the module docstring)."""
+    exchange: str              # "p2p" (the ring) or "allgather"
+    block: float               # K: one key/value block of this rank's s/CP tokens
+    gradient_block: float      # its dK and dV, in fp32
+    forward: float
+    backward: float
+    recompute: float           # per rerun of the core attention (selective: every layer; full: recomputed ones)
+
+
+def context_block_bytes(model: ModelSpec, layout: Layout) -> float:
+    """One key/value block as the ring carries it: b x s/CP tokens x the key/value heads of the rank (GQA's g/t,
+    never expanded; with Ulysses a/(tU), expanded before its all-to-all) x (key + value head dims) x bytes."""
+    config = model.config
+    key_dim, value_dim = context_head_dims(config)
+    heads = (config.num_attention_heads / layout.ulysses if layout.ulysses > 1 or config.multi_latent_attention
+             else config.num_query_groups) / layout.tp
+    tokens = layout.micro_batch_size * model.seq_length / layout.context
+    return tokens * heads * (key_dim + value_dim) * activation_element_bytes(model)
+
+
+def context_head_dims(config):
+    """(key head dim, value head dim) of core attention: d and d, multi-latent attention's qk + r and v."""
+    if config.multi_latent_attention:
+        return config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    return config.kv_channels, config.kv_channels
+
+
+RING_GRADIENT_BYTES = 4    # dK and dV accumulate and travel in fp32 (ring_attention.compute_dtype)
+
+
+def context_traffic_per_layer(model: ModelSpec, layout: Layout) -> ContextTraffic:
+    cp, block = layout.context, context_block_bytes(model, layout)
+    gradient_block = block * RING_GRADIENT_BYTES / activation_element_bytes(model)
+    forward = (cp - 1) * block
+    gradients = (cp if layout.cp_comm_type == "p2p" else cp - 1) * gradient_block
+    recompute = forward if layout.recompute in ("selective", "full") else 0.0
+    return ContextTraffic(layout.cp_comm_type, block, gradient_block, forward, forward + gradients, recompute)
+
+
+def context_recomputed_layers(layout: Layout, num_layers: int) -> int:
+    """Layers whose core attention (the ring with it) runs forward twice: every layer under selective recompute
+    (it checkpoints the core attention), the recomputed ones under full."""
+    return num_layers if layout.recompute == "selective" else layout.recomputed_layers(num_layers)
+
+
+def context_bytes_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int) -> float:
+    """CP bytes one device of a stage with `num_layers` layers sends per micro-batch."""
+    if layout.context == 1:
+        return 0.0
+    traffic = context_traffic_per_layer(model, layout)
+    return num_layers * (traffic.forward + traffic.backward) + \
+        context_recomputed_layers(layout, num_layers) * traffic.recompute
+
+
 def pipeline_payload_per_micro_batch(model: ModelSpec, layout: Layout) -> float:
-    """Bytes of one activation (= one activation gradient) crossing a stage boundary, per TP and Ulysses rank."""
+    """Bytes of one activation (= one activation gradient) crossing a stage boundary, per TP, Ulysses and CP rank."""
     tokens = layout.tokens_per_rank(model.seq_length)
     return tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
 
@@ -241,7 +304,7 @@ def gradient_reduction_element_bytes(model: ModelSpec, layout: Layout) -> int:
 
 
 def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, expert_parameters: int = 0) -> dict:
-    """Bytes one device sends per iteration for the gradient reduction and ZeRO's weight all-gathers over U x DP
+    """Bytes one device sends per iteration for the gradient reduction and ZeRO's weight all-gathers over U x CP x DP
     ranks, as DeepSpeed runs them: ZeRO-0 and 1 all-reduce the gradients once, at the end of the accumulation;
     ZeRO-2 and 3 reduce-scatter them after every micro-batch's backward into this rank's partition (DeepSpeed's
     reduce_ready_partitions_and_remove_grads). ZeRO-1 and 2 all-gather the updated 16-bit weights once; ZeRO-3
@@ -264,7 +327,7 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, parameters: int, exp
 
 def largest_stage_data_parallel_traffic(model: ModelSpec, layout: Layout, stages) -> dict:
     """data_parallel_traffic of the stage with the most parameters per device (the reduction that takes
-    longest); {} when no rank shares its weights (U x DP = 1, and no TP ranks hold the same experts)."""
+    longest); {} when no rank shares its weights (U x CP x DP = 1, and no TP ranks hold the same experts)."""
     if layout.sequence_data_parallel == 1 and expert_data_parallel_size(model, layout) == 1:
         return {}
     largest = max(stages, key=lambda stage: stage.total)
@@ -389,7 +452,7 @@ def _balance_counts_bytes(config, layout):
 def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> dict:
     """Bytes one device of `stage` (a StageParameters) sends per micro-batch on each axis: 'tensor' (its layers'
     collectives, the gathers of messages split over TP, the embedding's and the head's), 'pipeline', 'ulysses',
-    'expert'."""
+    'context', 'expert'."""
     return {"tensor": tensor_parallel_bytes_per_micro_batch(model, layout, stage.num_layers)
             + pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage)
             + embedding_and_head_bytes_per_micro_batch(model, layout, stage.stage)
@@ -397,6 +460,7 @@ def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> di
             + dropless_layers_tensor_parallel_change(model, layout, stage),
             "pipeline": pipeline_bytes_per_micro_batch(model, layout, stage.stage),
             "ulysses": ulysses_bytes_per_micro_batch(model, layout, stage.num_layers),
+            "context": context_bytes_per_micro_batch(model, layout, stage.num_layers),
             "expert": expert_parallel_bytes_per_micro_batch(model, layout, stage.num_layers, stage.first_layer)
             + (mtp_expert_bytes_per_micro_batch(model, layout) if stage.mtp else 0.0)}
 
@@ -543,6 +607,8 @@ class Links:
     expert_spans_nodes: bool = False
     ulysses: float = 0.0               # Ulysses all-to-alls over the sequence-parallel group
     ulysses_spans_nodes: bool = False
+    context: float = 0.0               # CP's ring (or all-gathers) over the context-parallel group
+    context_spans_nodes: bool = False
 
 
 def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
@@ -551,9 +617,10 @@ def _fits_in_node(consecutive_ranks: int, gpus_per_node: int) -> bool:
 
 
 def links(layout: Layout, cluster: Cluster, ep: int = 1) -> Links:
-    """Ranks are TP fastest, then Ulysses, then DP, then PP: a TP group is tp consecutive ranks, a Ulysses
-    group every tp-th of tp x U consecutive ranks, a stage's gradient-reduction (U x DP) groups span
-    tp x U x dp consecutive ranks, a pipeline spans the whole replica; an expert-parallel group is ep
+    """Ranks are TP fastest, then Ulysses, then CP, then DP, then PP: a TP group is tp consecutive ranks, a Ulysses
+    group every tp-th of tp x U consecutive ranks, a CP ring every (tp x U)-th of tp x U x CP (its slowest hop sets
+    its pace), a stage's gradient-reduction (U x CP x DP) groups span tp x U x CP x dp consecutive ranks, a
+    pipeline spans the whole replica; an expert-parallel group is ep
     consecutive ranks of a stage (parallel_state.expert_parallel_rank_lists; an expert-data-parallel group
     spans the stage: the data link). A group that crosses a node runs at the inter-node bandwidth (its slowest
     hop)."""
@@ -563,10 +630,11 @@ def links(layout: Layout, cluster: Cluster, ep: int = 1) -> Links:
     pipeline_spans = layout.pp > 1 and not _fits_in_node(layout.world_size, g)
     expert_spans = ep > 1 and not _fits_in_node(ep, g)
     ulysses_spans = layout.ulysses > 1 and not _fits_in_node(layout.tp * layout.ulysses, g)
+    context_spans = layout.context > 1 and not _fits_in_node(layout.tp * layout.sequence_split, g)
 
     def bandwidth(spans):
         return (device.inter_node_gbs if spans else device.intra_node_gbs) * 1e9
 
     return Links(bandwidth(tensor_spans), bandwidth(pipeline_spans), bandwidth(data_spans),
                  tensor_spans, pipeline_spans, data_spans, bandwidth(expert_spans), expert_spans,
-                 bandwidth(ulysses_spans), ulysses_spans)
+                 bandwidth(ulysses_spans), ulysses_spans, bandwidth(context_spans), context_spans)

@@ -57,8 +57,9 @@ def _teacher_spec(args, config):
 
 
 def layout_from_args(args) -> Layout:
-    """pretrain.py's layout: --ds-sequence-parallel-size is Ulysses, --sequence-parallel Megatron's SP; DP is
-    what the world leaves (world / (TP x Ulysses x PP), as resolved)."""
+    """pretrain.py's layout: --ds-sequence-parallel-size is Ulysses, --context-parallel-size the ring (CP, with
+    --cp-comm-type as resolved: a2a already turned into Ulysses), --sequence-parallel Megatron's SP; DP is what the
+    world leaves (world / (TP x Ulysses x CP x PP), as resolved)."""
     return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, sequence_parallel=bool(args.sequence_parallel),
@@ -67,7 +68,8 @@ def layout_from_args(args) -> Layout:
                   recompute_num_layers=args.recompute_num_layers or DEFAULT_RECOMPUTE_NUM_LAYERS,
                   distribute_saved_activations=args.distribute_saved_activations,
                   ulysses=args.ds_sequence_parallel_size, pipeline_schedule=args.pipeline_schedule,
-                  virtual_stages=args.virtual_pipeline_stages, split=split_from_flags(vars(args)))
+                  virtual_stages=args.virtual_pipeline_stages, split=split_from_flags(vars(args)),
+                  context=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
 
 
 def predicted_stage_memory(args, config, stage=0):

@@ -65,7 +65,9 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
     that holds for the experts (whole on each rank, but each TP rank gets 1/t of the dispatched tokens from
     DeepSpeed), not for the router and residual MLP every TP rank runs whole. Each Ulysses rank runs those of
     its s/U tokens: the attention scores of its a/(tU) heads over the whole s cost as much as s/U tokens' share
-    of a/t heads (4 s a d / t per token), so the FLOPs per rank are the micro-batch's / (t U)."""
+    of a/t heads (4 s a d / t per token), so the FLOPs per rank are the micro-batch's / (t U). CP's ranks split
+    the attention evenly too (each holds chunks i and 2 CP - 1 - i: as many visible (query, key) pairs as any
+    other), so with CP they are the micro-batch's / (t U CP)."""
     per_token = forward_flops_per_token(model, layout.tp)
     flops = 3 * per_token.layers(first_layer, num_layers) + recompute_flops_per_token(model, layout, num_layers,
                                                                                        first_layer)

@@ -8,9 +8,10 @@ Model states, bytes per parameter (Adam):
 - fp16: 2 + 2 + 12/dp (DeepSpeed's ZeRO-1 optimizer: fp32 master, m, v sharded).
 - fp32: 4 + 4 + 12/dp with ZeRO-1 (DeepSpeed's ZeRO optimizer keeps an fp32 copy of its partition even when
   the weights are fp32, plus m and v); ZeRO-0: 4 + 4 + 8 (torch AdamW: m and v only).
-ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only). With DeepSpeed-Ulysses (U ranks per sample)
-every "dp" here is U x DP: the weights are replicated on a sample's U ranks, which DeepSpeed counts as
-data-parallel, so the gradient reduction and the ZeRO partitions span them (Layout.sequence_data_parallel).
+ZeRO-2 also shards the gradients, ZeRO-3 the weights (PP = 1 only). With DeepSpeed-Ulysses and context parallelism
+(U x CP ranks per sample) every "dp" here is U x CP x DP: the weights are replicated on a sample's U x CP ranks,
+which DeepSpeed counts as data-parallel, so the gradient reduction and the ZeRO partitions span them
+(Layout.sequence_data_parallel).
 Mixture of Experts: a device holds E / EP experts of each MoE layer (parameters.py); their states are sharded
 over the expert-data-parallel group (TP x DP / EP ranks hold the same experts; DeepSpeed's MoE groups),
 everything else over DP: per device, non-expert x sharded(dp) + experts x sharded(tp x dp / ep). ZeRO-3 does not
@@ -46,7 +47,11 @@ s b h 34/t with it, plus the kernel's term; full recompute keeps the layer input
 the sequence split for a head split (a/(tU) heads over the whole s, as many elements as s/U tokens of a/t heads),
 so every per-token term above takes s/U tokens, the local scores included (a/(tU) heads x s x s). The
 all-to-alls keep nothing for backward (DeepSpeed's _SeqAllToAll saves no tensor). tools/activation_memory.py
-measures these counts on real TP and Ulysses ranks.
+measures these counts on real TP and Ulysses ranks. Context parallelism (CP): a rank holds s/(U CP) tokens, so
+every per-token term takes s/(U CP); its attention (core/transformer/ring_attention.py, whatever the backend) takes
+GQA's k and v as views (without Ulysses: the QKV output whole beside RoPE's rotated q and k, as sdpa_grouped) and
+keeps, beyond them, the fp32 log-sum-exp and the fp32 merged output, 4a (1 + d) per token; its backward working
+set: context_backward_working_set_bytes.
 A 1F1B stage i of p holds min(p - i, m) micro-batches in flight. Added terms: the first stage keeps the
 embedding-dropout mask (s b h bytes, / t with SP; with hidden dropout only) per micro-batch in flight; the last
 stage keeps the final norm and head inputs (2w s b h, / t with SP) for its one micro-batch, and its cross entropy
@@ -75,7 +80,12 @@ from megatron_ds.core.pipeline_schedules import chunks_per_rank, messages_split_
 from megatron_ds.core.transformer.attention import gpu_sdpa_takes_grouped_heads
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.planning import pipeline
-from megatron_ds.planning.communication import dropless_routed_tokens, expert_capacity
+from megatron_ds.planning.communication import (
+    context_head_dims,
+    context_traffic_per_layer,
+    dropless_routed_tokens,
+    expert_capacity,
+)
 from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_size
 from megatron_ds.planning.parameters import StageParameters, teacher_parameters, total_parameters
 
@@ -167,7 +177,7 @@ def _split_attention_bytes_per_token(config, layout, s, recompute, width, device
     """Inside the TP region, before the split over t: q, k, v, the projection's input (attention's output) and
     the attention kernel's own."""
     heads_width = config.num_attention_heads * config.kv_channels
-    kernel = attention_kernel(config, device)
+    kernel = "ring" if layout.context > 1 else attention_kernel(config, device)
     attention = 0.0 if recompute == "selective" else attention_term(config, s, kernel, width)
     if config.multi_latent_attention:
         return _mla_query_key_value_bytes_per_token(config, kernel, recompute, width) + attention
@@ -314,7 +324,7 @@ def _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width):
     it, kept as given) or copies, 3ad."""
     a, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     q_is_view = layout.ulysses == 1 and (g == a or g == layout.tp)
-    if kernel == "sdpa_grouped" and layout.ulysses == 1:  # k and v views: the QKV output whole
+    if kernel in ("sdpa_grouped", "ring") and layout.ulysses == 1:  # k and v views: the QKV output whole
         if config.position_embedding_type == "rope":
             return width * (a + 2 * g) * d + width * (a + g) * d  # beside RoPE's rotated q and k
         return width * (a + 2 * g) * d + (0 if q_is_view else width * a * d)
@@ -328,10 +338,13 @@ def _qkv_saved_bytes_per_token(config, layout, kernel, recompute, width):
 def attention_term(config, s, kernel, width=2):
     """What core attention keeps beyond q, k, v and its output, per token before the split over t: the local
     path's softmax output (and with attention dropout its 1-byte mask and output) over s keys per head; a
-    flash kernel's fp32 log-sum-exp per head."""
+    flash kernel's fp32 log-sum-exp per head; CP's ring (or all-gather) that and its merged output, fp32, beside
+    the 16-bit copy it returns."""
     a = config.num_attention_heads
     if kernel == "local":
         return a * s * (2 * width + 1 if config.attention_dropout > 0 else width)
+    if kernel == "ring":
+        return 4 * a * (1 + context_head_dims(config)[1])
     return 4 * a
 
 
@@ -461,14 +474,30 @@ def _backward_working_set_bytes(model, layout, kinds):
     """The gradients alive while a layer of the stage runs its MLP's backward, beside everything kept: two of the
     hidden state's (the one arriving and the one being made) and the largest of its layers' kinds (`kinds`, as
     _layer_kind gives them): a dense MLP's fc1 output gradient (2F wide with SwiGLU, / t), a dropless MoE layer's
-    rows' gradient (k h per routed token: its combine's backward makes that alone)."""
-    config, s, b = model.config, model.seq_length, layout.micro_batch_size
+    rows' gradient (k h per routed token: its combine's backward makes that alone); or, where larger, CP's attention
+    backward (context_backward_working_set_bytes)."""
+    config, s, b, width = model.config, model.seq_length, layout.micro_batch_size, _activation_width(model)
     hidden = 2 * layout.tokens_per_rank(s) * config.hidden_size * b
     fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
     fc1 = layout.tokens_per_rank(s, split_over_tp=False) * b * fc1_width / layout.tp
     rows = dropless_routed_tokens(model, layout) * config.moe_router_topk * config.hidden_size
     widest = max((rows if dropless else fc1 for _, dropless in kinds), default=fc1)
-    return _activation_width(model) * (widest + hidden)
+    return max(width * widest, context_backward_working_set_bytes(model, layout)) + width * hidden
+
+
+def context_backward_working_set_bytes(model: ModelSpec, layout: Layout) -> float:
+    """CP's attention backward, beside everything kept: dQ of the rank's queries in fp32 and the key/value blocks
+    with their fp32 dK and dV (K the bytes of one block, G of its gradients): the ring holds the block in hand and
+    the one in flight, and the gradients being added to and those in flight, 2 (K + G); allgather the whole
+    sequence's, CP (K + G). 0 without CP."""
+    if layout.context == 1:
+        return 0.0
+    config = model.config
+    queries = 4 * layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size \
+        * config.num_attention_heads * context_head_dims(config)[0] / layout.tp
+    traffic = context_traffic_per_layer(model, layout)
+    blocks = 2 if layout.cp_comm_type == "p2p" else layout.context
+    return queries + blocks * (traffic.block + traffic.gradient_block)
 
 
 def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, num_layers: int,

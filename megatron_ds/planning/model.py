@@ -48,8 +48,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the model: TP x Ulysses SP x PP x DP, batch split and the memory-saving choices.
-    Ranks are TP fastest, then Ulysses, then DP, then PP (core/parallel_state.py)."""
+    """One way to run the model: TP x Ulysses SP x CP x PP x DP, batch split and the memory-saving choices.
+    Ranks are TP fastest, then Ulysses, then CP, then DP, then PP (core/parallel_state.py)."""
     tp: int
     pp: int
     dp: int
@@ -65,22 +65,29 @@ class Layout:
     pipeline_schedule: str = "1f1b"    # core/pipeline_schedules.py
     virtual_stages: int = 1            # model stages per pipeline rank: interleaved's v, dualpipev's 2
     split: PipelineSplit = PipelineSplit()  # the layers of each stage (Megatron-LM's uneven split flags)
+    context: int = 1                   # context parallelism (--context-parallel-size): the ring's degree
+    cp_comm_type: str = "p2p"          # the ring ("p2p") or key/value all-gathered at once ("allgather")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.ulysses * self.pp * self.dp
+        return self.tp * self.sequence_split * self.pp * self.dp
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks splitting each sample's tokens: Ulysses SP x CP."""
+        return self.ulysses * self.context
 
     @property
     def sequence_data_parallel(self) -> int:
-        """Ranks holding the same weights of a stage, U x DP: DeepSpeed reduces their gradients and ZeRO shards
-        their states over them (parallel_state's sequence-data-parallel group; DP without Ulysses)."""
-        return self.ulysses * self.dp
+        """Ranks holding the same weights of a stage, U x CP x DP: DeepSpeed reduces their gradients and ZeRO shards
+        their states over them (parallel_state's sequence-data-parallel group; DP without Ulysses and CP)."""
+        return self.sequence_split * self.dp
 
     def tokens_per_rank(self, seq_length: int, split_over_tp: Optional[bool] = None) -> float:
-        """Tokens of a sample one rank holds outside attention: s / U, and / t again where Megatron's SP splits
-        them (split_over_tp, by default the layout's --sequence-parallel)."""
+        """Tokens of a sample one rank holds outside attention: s / (U x CP), and / t again where Megatron's SP
+        splits them (split_over_tp, by default the layout's --sequence-parallel)."""
         split_over_tp = self.sequence_parallel if split_over_tp is None else split_over_tp
-        return seq_length / (self.ulysses * (self.tp if split_over_tp else 1))
+        return seq_length / (self.sequence_split * (self.tp if split_over_tp else 1))
 
     @property
     def num_micro_batches(self) -> int:
@@ -101,9 +108,12 @@ class Layout:
         return "full" + method + (", saved inputs split over TP" if self.distribute_saved_activations else "")
 
     def describe_sizes(self) -> str:
-        """"TP t x PP p x DP d", with "x Ulysses SP U" after TP when U > 1."""
-        sizes = ParallelLayout(self.world_size, tensor=self.tp, pipeline=self.pp, ulysses=self.ulysses)
-        return f"{sizes.describe_model_parallel()} x DP {self.dp}"
+        """"TP t x PP p x DP d", with "x Ulysses SP U" and "x CP c" (its exchange beside it unless the ring's)
+        after TP when above 1."""
+        sizes = ParallelLayout(self.world_size, tensor=self.tp, pipeline=self.pp, ulysses=self.ulysses,
+                               context=self.context)
+        exchange = f" ({self.cp_comm_type})" if self.context > 1 and self.cp_comm_type != "p2p" else ""
+        return f"{sizes.describe_model_parallel()}{exchange} x DP {self.dp}"
 
     def describe(self) -> str:
         return (f"{self.describe_sizes()}, micro batch {self.micro_batch_size} x "
@@ -135,7 +145,7 @@ def parallel_layout(model: ModelSpec, layout: Layout) -> ParallelLayout:
     """The layout's parallel degrees, with the model's expert parallelism (the rules and group sizes live there)."""
     config = model.config
     return ParallelLayout(world_size=layout.world_size, tensor=layout.tp, pipeline=layout.pp, ulysses=layout.ulysses,
-                          expert=config.moe_expert_parallel_size,
+                          context=layout.context, expert=config.moe_expert_parallel_size,
                           expert_tensor_parallel=config.moe_expert_tensor_parallel,
                           sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage,
                           pipeline_schedule=layout.pipeline_schedule, virtual_stages=layout.virtual_stages,
@@ -163,7 +173,7 @@ def expert_data_parallel_size(model: ModelSpec, layout: Layout) -> int:
 
 def layout_errors(model: ModelSpec, layout: Layout, world_size: Optional[int] = None) -> List[tuple]:
     """(reason, detail) for each rule the layout breaks (core/parallel_layout.py, the rules pretrain.py checks),
-    before any memory or time estimate; with world_size, TP x U x PP x DP must make it."""
+    before any memory or time estimate; with world_size, TP x U x CP x PP x DP must make it."""
     problems = parallel_layout(model, layout).problems(
         model_shape(model), batch=(layout.micro_batch_size, layout.global_batch_size))
     errors = [(problem.reason, problem.detail) for problem in problems]

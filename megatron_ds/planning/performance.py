@@ -6,7 +6,8 @@ The model (assumptions also printed with every plan and listed in docs/planning.
 - nothing overlaps: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the data-parallel
   reduction and the optimizer step all add to the compute time (Megatron's TP collectives and DeepSpeed's
   Ulysses all-to-alls sit on the critical path; DeepSpeed's pipeline engine sends/receives blockingly and
-  reduces gradients after the last micro-batch);
+  reduces gradients after the last micro-batch); but CP's ring: each hop travels while a block computes, so only
+  what a hop takes beyond its block's compute adds (context_exposed_seconds); allgather's gathers wait whole;
 - 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
   micro-batch, so the bubble is (p - 1) / (m + p - 1) of it; the other pipeline schedules are simulated with
   every stage as slow as the slowest (planning/pipeline.py);
@@ -21,6 +22,7 @@ from typing import Optional
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import pipeline
 from megatron_ds.planning.hardware_flops import (
+    forward_flops_per_token,
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     stage_hardware_flops_per_micro_batch,
@@ -42,7 +44,8 @@ class PerformanceAssumptions:
                 f"communication at {self.bandwidth_efficiency:.0%} of link bandwidth (ring collectives, "
                 f"no latency term); memory-bound work at {self.bandwidth_efficiency:.0%} of HBM bandwidth",
                 "no overlap: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the "
-                "data-parallel reduction and the optimizer step add to compute time",
+                "data-parallel reduction and the optimizer step add to compute time; CP's ring hops hide behind "
+                "their attention blocks' compute (only the excess adds, and the last dK/dV hop), allgather's do not",
                 "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch; "
                 "ZB-H1, interleaved and DualPipeV: their order simulated with every stage as slow as the slowest, "
                 "forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1",
@@ -74,11 +77,13 @@ class StageTime:
     grad_accumulation: float
     expert_all_to_all: float = 0.0    # MoE dispatch and combine over the expert-parallel group
     ulysses_all_to_all: float = 0.0   # Ulysses q, k, v and context over the sequence-parallel group
+    context_exposed: float = 0.0      # CP's key/value traffic not hidden behind the attention blocks
+    context_hidden: float = 0.0       # CP's traffic behind the blocks' compute (not in the total)
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
-                + self.expert_all_to_all + self.ulysses_all_to_all)
+                + self.expert_all_to_all + self.ulysses_all_to_all + self.context_exposed)
 
 
 def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
@@ -91,13 +96,54 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
     def seconds(nbytes, bandwidth):   # an axis the layout does not use sends nothing
         return nbytes / (bandwidth * assumptions.bandwidth_efficiency) if nbytes else 0.0
 
-    return StageTime(stage=stage.stage,
-                     compute=flops / (cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency),
+    rate = cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency
+    context_link = links.context * assumptions.bandwidth_efficiency
+    exposed = context_exposed_seconds(model, layout, stage.num_layers, rate, context_link)
+    return StageTime(stage=stage.stage, compute=flops / rate,
                      tensor_parallel=seconds(sent["tensor"], links.tensor),
                      pipeline_p2p=seconds(sent["pipeline"], links.pipeline),
                      grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm,
                      expert_all_to_all=seconds(sent["expert"], links.expert),
-                     ulysses_all_to_all=seconds(sent["ulysses"], links.ulysses))
+                     ulysses_all_to_all=seconds(sent["ulysses"], links.ulysses),
+                     context_exposed=exposed, context_hidden=seconds(sent["context"], links.context) - exposed)
+
+
+def attention_block_seconds(model: ModelSpec, layout: Layout, rate: float) -> float:
+    """One CP block's attention forward on a rank, one layer and micro-batch: the rank's attention-score FLOPs
+    (its s/(U CP) tokens' share of a/t heads over the whole s, as the planner counts them, causal or not) over
+    the CP blocks, which the load balance makes equal."""
+    per_token = forward_flops_per_token(model, layout.tp).attention_scores
+    tokens = layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    return per_token * tokens / layout.tp / layout.context / rate
+
+
+def context_exposed_seconds(model: ModelSpec, layout: Layout, num_layers: int, rate: float,
+                            bandwidth: float) -> float:
+    """CP's traffic per micro-batch that no block's compute hides (rate: FLOP/s, bandwidth: bytes/s, efficiencies
+    applied). The ring: a hop travels while a block computes and costs only what it takes beyond it (forward,
+    each of the CP - 1 key/value hops beside one block; backward, a block's backward (2 forwards) hides the next
+    block's hop and the previous block's dK/dV, and the last dK/dV hop home is bare). allgather: all of it."""
+    if layout.context == 1:
+        return 0.0
+    traffic = comm.context_traffic_per_layer(model, layout)
+    if layout.cp_comm_type != "p2p":
+        return comm.context_bytes_per_micro_batch(model, layout, num_layers) / bandwidth
+    block = attention_block_seconds(model, layout, rate)
+    forward = (layout.context - 1) * _beyond(traffic.block / bandwidth, block)
+    backward = _ring_backward_exposed(layout.context, traffic.block / bandwidth, traffic.gradient_block / bandwidth,
+                                      2 * block)
+    return num_layers * (forward + backward) + comm.context_recomputed_layers(layout, num_layers) * forward
+
+
+def _beyond(transfer: float, compute: float) -> float:
+    return max(0.0, transfer - compute)
+
+
+def _ring_backward_exposed(cp: int, hop: float, gradient_hop: float, block: float) -> float:
+    """The ring's backward, in ring_attention's order: step 0 hides the next key/value hop, steps 1 to CP - 2 that
+    hop and the previous block's dK/dV, step CP - 1 the last dK/dV hop but one; the last goes home bare."""
+    middle = (cp - 2) * _beyond(hop + gradient_hop, block)
+    return _beyond(hop, block) + middle + _beyond(gradient_hop, block) + gradient_hop
 
 
 def estimate_performance(model: ModelSpec, layout: Layout, cluster: Cluster, stages, assumptions) -> dict:

@@ -57,8 +57,8 @@ def build_plan_parser():
     group = parser.add_argument_group("planner")
     add_cluster_flags(group)
     group.add_argument("--search", action="store_true",
-                       help="rank every (tp, Ulysses SP, pp, dp, micro batch, recompute, SP); Ulysses only where "
-                            "a layout needs it (megatron_ds/planning/search.py)")
+                       help="rank every (tp, Ulysses SP, CP, pp, dp, micro batch, recompute, SP); Ulysses and CP "
+                            "only where a layout needs them (megatron_ds/planning/search.py)")
     group.add_argument("--top", type=int, default=20, help="layouts shown by --search")
     group.add_argument("--instantiate", action="store_true",
                        help="build every pipeline stage of TP rank 0 on the meta device and check the counts")
@@ -102,8 +102,9 @@ def validated_args(args):
                               f"each model stage, so it fixes PP (x the schedule's stages per rank); plan it as one "
                               f"layout (without --search), or search with {FIRST_FLAG} / {LAST_FLAG} or "
                               f"{EMBEDDING_FLAG} / {LOSS_FLAG}, which split the layers at any PP"])
-    if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = PP = 1, evenly split
+    if args.search:   # the layout is searched: resolve the model alone, at TP = Ulysses = CP = PP = 1, evenly split
         flags.tensor_model_parallel_size = flags.pipeline_model_parallel_size = flags.ds_sequence_parallel_size = 1
+        flags.context_parallel_size, flags.hierarchical_context_parallel_sizes = 1, None
         vars(flags).update(WITHOUT_MEMORY_CHOICES, **EVEN_SPLIT_FLAGS)
     resolved = resolve(flags, args.world_size, on_this_host=False, layout_known=not args.search)
     unplanned = unplanned_dropless_choices(resolved.model) if resolved.dropless_moe else []
@@ -189,7 +190,7 @@ def run(args) -> tuple:
     status = 0
     if checked.search:
         result["search"] = search_layouts(model, cluster, checked.global_batch_size, checked.zero_stage, assumptions,
-                                          checked.top, split_from_flags(vars(args)))
+                                          checked.top, split_from_flags(vars(args)), checked.cp_comm_type)
     else:
         layout = layout_from_args(checked)
         result["layout_description"] = layout.describe()

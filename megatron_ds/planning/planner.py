@@ -184,6 +184,10 @@ def _communication_section(model, layout, stages):
         per_iteration = comm.ulysses_bytes_per_micro_batch(model, layout, most_layers) * m
         section["ulysses"] = {"ranks": layout.ulysses, "per_layer_per_micro_batch": per_layer,
                               "per_iteration_per_device": per_iteration}
+    if layout.context > 1:
+        section["context"] = {"ranks": layout.context, "per_layer_per_micro_batch": dataclasses.asdict(
+            comm.context_traffic_per_layer(model, layout)),
+            "per_iteration_per_device": comm.context_bytes_per_micro_batch(model, layout, most_layers) * m}
     if _has_experts(model):
         section["expert_parallel"] = {
             "all_to_all_per_layer_per_micro_batch": (moe_section(model, layout) or dropless_moe_section(
@@ -203,6 +207,9 @@ def _warnings(model, layout, cluster, performance):
         warnings.append(f"Ulysses SP {layout.ulysses} with TP {layout.tp} spans nodes of {cluster.gpus_per_node} "
                         f"GPUs: its all-to-alls run over the inter-node network ({cluster.device.inter_node_gbs:g} "
                         f"GB/s)")
+    if layout.context > 1 and model.config.attention_dropout > 0:
+        warnings.append(f"attention dropout {model.config.attention_dropout:g} with CP {layout.context}: the ring's "
+                        f"blocks run plain math (fp32 scores of a block), a transient the plan does not count")
     if layout.num_micro_batches < layout.pp:
         warnings.append(f"{layout.num_micro_batches} micro-batches for {layout.pp} pipeline stages: most of the "
                         f"iteration is pipeline bubble")

@@ -200,6 +200,19 @@ def _ulysses_lines(communication, links):
             f"{human_bytes(ulysses['per_iteration_per_device'])}"]
 
 
+def _context_lines(communication, links):
+    if "context" not in communication:
+        return []
+    context = communication["context"]
+    per_layer = context["per_layer_per_micro_batch"]
+    exchange = ("the ring: K/V CP-1 hops forward; K/V CP-1 and fp32 dK/dV CP hops backward"
+                if per_layer["exchange"] == "p2p" else
+                "all-gathered: K/V forward and again backward, fp32 dK/dV reduce-scattered")
+    return [f"  CP {context['ranks']} ({_link(links, 'context')}): {exchange}; key/value block "
+            f"{human_bytes(per_layer['block'])}, its fp32 gradients {human_bytes(per_layer['gradient_block'])}; "
+            f"{_per_layer(per_layer)}; per iteration {human_bytes(context['per_iteration_per_device'])}"]
+
+
 def _split_note(pipeline, links):
     """DeepSpeed's messages split over TP: each rank sends 1/t, the receiver all-gathers them on the TP link."""
     if not pipeline["split_over_tensor_parallel"]:
@@ -212,12 +225,14 @@ def _split_note(pipeline, links):
 def _communication_lines(communication, links):
     tp, pp, dp = communication["tensor_parallel"], communication["pipeline"], communication["data_parallel"]
     dp_parts = dp["per_iteration_per_device"]
-    over = f", over U x DP = {dp['ranks']} ranks" if "ulysses" in communication else ""
+    split = " x ".join(name for name in ("U", "CP") if {"U": "ulysses", "CP": "context"}[name] in communication)
+    over = f", over {split} x DP = {dp['ranks']} ranks" if split else ""
     return ["Communication per device per iteration (bytes sent, ring algorithms)",
             f"  TP ({_link(links, 'tensor')}): {tp['collectives']}; payload {human_bytes(tp['payload_bytes'])}; "
             f"{_per_layer(tp['per_layer_per_micro_batch'])}; per iteration "
             f"{human_bytes(tp['per_iteration_per_device'])}",
             *_ulysses_lines(communication, links),
+            *_context_lines(communication, links),
             f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {human_bytes(pp['payload_bytes_per_micro_batch'])} "
             f"forward + gradient backward per micro-batch{_split_note(pp, links)}; per iteration "
             f"{human_bytes(pp['per_iteration_per_device'])} (the rank that sends most)",
@@ -238,10 +253,19 @@ def _performance_lines(performance):
             f"{slowest['tensor_parallel'] * 1e3:.1f} ms, PP send/recv {slowest['pipeline_p2p'] * 1e3:.1f} ms, "
             f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms"
             + "".join(f", {name} all-to-all {slowest[key] * 1e3:.1f} ms" for name, key in
-                      (("EP", "expert_all_to_all"), ("Ulysses", "ulysses_all_to_all")) if slowest.get(key)),
+                      (("EP", "expert_all_to_all"), ("Ulysses", "ulysses_all_to_all")) if slowest.get(key))
+            + _context_time(slowest),
             f"  TFLOP/s per device: {performance['hardware_tflops_per_device']:.1f} hardware, "
             f"{performance['model_tflops_per_device']:.1f} model; MFU {performance['mfu']:.1%}; "
             f"{performance['tokens_per_second']:,.0f} tokens/s"]
+
+
+def _context_time(slowest) -> str:
+    """", CP 1.2 ms exposed (3.4 ms behind the attention blocks)" where the stage has CP traffic."""
+    if not (slowest.get("context_exposed") or slowest.get("context_hidden")):
+        return ""
+    return (f", CP {slowest['context_exposed'] * 1e3:.1f} ms exposed ({slowest['context_hidden'] * 1e3:.1f} ms behind "
+            f"the attention blocks)")
 
 
 def _checkpoint_lines(checkpoint):
@@ -282,14 +306,14 @@ def search_text(result) -> str:
     lines = model_lines(result["model"], result["cluster"])
     lines.append(f"search:  global batch {search['global_batch_size']}; {search['candidates']} layouts, "
                  f"{search['feasible']} feasible; top {len(search['ranked'])} by estimated iteration time")
-    if search["ulysses_skipped"]:
-        lines.append(f"         {search['ulysses_skipped']} layouts with Ulysses SP not tried: the same TP, PP, micro "
-                     f"batch, SP and recompute fit with a smaller Ulysses size (or none)")
-    lines.append("   #   TP  Uly   PP   DP  mb     m  SP   recompute     schedule  mem GiB  bubble   iter s  TFLOP/s"
-                 "    MFU")
+    if search["sequence_split_skipped"]:
+        lines.append(f"         {search['sequence_split_skipped']} layouts with Ulysses SP or CP not tried: the same "
+                     f"TP, PP, micro batch, SP and recompute fit with a smaller Ulysses or CP size (or none)")
+    lines.append("   #   TP  Uly   CP   PP   DP  mb     m  SP   recompute     schedule  mem GiB  bubble   iter s  "
+                 "TFLOP/s    MFU")
     for rank, row in enumerate(search["ranked"], 1):
-        lines.append(f"  {rank:>2} {row['tp']:>4} {row['ulysses']:>4} {row['pp']:>4} {row['dp']:>4} "
-                     f"{row['micro_batch_size']:>3} {row['num_micro_batches']:>5}  "
+        lines.append(f"  {rank:>2} {row['tp']:>4} {row['ulysses']:>4} {row['context']:>4} {row['pp']:>4} "
+                     f"{row['dp']:>4} {row['micro_batch_size']:>3} {row['num_micro_batches']:>5}  "
                      f"{'on ' if row['sequence_parallel'] else 'off'} "
                      f"{row['recompute'] or 'none':>11} {_schedule_name(row):>12} "
                      f"{row['peak_memory_gib']:>8.1f} {row['bubble_fraction']:>7.1%} "

@@ -1,4 +1,4 @@
-"""--search: every (tp, Ulysses, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by
+"""--search: every (tp, Ulysses, CP, pp, dp, micro batch, recompute, SP) for a model on a cluster, ranked by
 estimated iteration time; the infeasible ones counted by the first rule they break, with the nearest examples.
 Each layout with PP > 1 that fits under 1F1B is also timed under every pipeline schedule its layers and
 micro-batches allow (ZB-H1; DualPipeV; interleaved with v = 2 to 4 virtual stages), and keeps the fastest that
@@ -10,9 +10,13 @@ less compute per micro-batch and a smaller pipeline bubble, but cannot see what 
 matmuls over s/U tokens and attention over a/(tU) heads run less efficiently. So a layout with Ulysses size
 U > 1 is tried only when the same TP, PP, micro batch, Megatron SP and recompute choice is infeasible with every
 smaller Ulysses size (each U' dividing U, the other ranks in DP): out of memory, breaking a rule, or no candidate
-at all (micro batch x DP above the global batch). Layouts passed over this way are counted (ulysses_skipped).
-With a long sequence whose activations fit no layout without Ulysses, the search offers the smallest U that
-fits each layout and the ranking chooses among those and the other layouts that fit.
+at all (micro batch x DP above the global batch). Context parallelism (CP, the ring) is searched the same way,
+with the same reasons: a layout with U x CP ranks splitting each sample is tried only when every smaller split
+(U' dividing U, CP' dividing CP, the other ranks in DP) of the same TP, PP, micro batch, SP and recompute fails.
+Layouts passed over this way are counted (sequence_split_skipped). With a long sequence whose activations fit no
+layout without a split, the search offers the smallest Ulysses and CP sizes that fit each layout and the ranking
+chooses among those and the other layouts that fit (Ulysses' all-to-alls against the ring's hops, which hide
+behind the attention blocks).
 
 Megatron-LM's uneven split flags (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-
 pipeline-split) say how to split at any PP, so every candidate keeps them: one whose PP or schedule they do not
@@ -33,23 +37,35 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 EXAMPLES_PER_REASON = 3
 
 
-def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int, split=PipelineSplit()):
-    """All layouts of the world, smaller Ulysses sizes first, each with the split; micro batches larger than a
-    data-parallel rank's share are skipped."""
-    for ulysses, tp, pp, dp in layouts_of_world(world_size):
+def layouts_with_context(world_size: int):
+    """Every (Ulysses SP, TP, PP, CP, DP) whose product is the world size: core's layouts_of_world with each
+    divisor of its DP as CP; smaller Ulysses sizes first, and for each Ulysses, TP and PP smaller CP sizes first."""
+    for ulysses, tp, pp, rest in layouts_of_world(world_size):
+        for context in divisors(rest):
+            yield ulysses, tp, pp, context, rest // context
+
+
+def candidate_layouts(world_size: int, global_batch_size: int, zero_stage: int, split=PipelineSplit(),
+                      cp_comm_type: str = "p2p"):
+    """All layouts of the world, smaller Ulysses and CP sizes first, each with the split (and CP's exchange);
+    micro batches larger than a data-parallel rank's share are skipped."""
+    for ulysses, tp, pp, context, dp in layouts_with_context(world_size):
         for micro in MICRO_BATCH_SIZES:
             if micro > 1 and micro * dp > global_batch_size:
                 continue
             for sequence_parallel in ((False, True) if tp > 1 else (False,)):
                 for recompute in RECOMPUTE_CHOICES:
                     yield Layout(tp, pp, dp, micro, global_batch_size, sequence_parallel, recompute, zero_stage,
-                                 ulysses=ulysses, split=split)
+                                 ulysses=ulysses, split=split, context=context, cp_comm_type=cp_comm_type)
 
 
-def smaller_ulysses(layout: Layout):
-    """The same layout with each smaller Ulysses size dividing its own, the other ranks in DP."""
-    return [dataclasses.replace(layout, ulysses=size, dp=layout.sequence_data_parallel // size)
-            for size in divisors(layout.ulysses)[:-1]]
+def smaller_sequence_splits(layout: Layout):
+    """The same layout with each smaller split of a sample (Ulysses and CP sizes dividing its own, not both its
+    own), the other ranks in DP."""
+    splits = [(ulysses, context) for ulysses in divisors(layout.ulysses) for context in divisors(layout.context)]
+    return [dataclasses.replace(layout, ulysses=ulysses, context=context,
+                                dp=layout.sequence_data_parallel // (ulysses * context))
+            for ulysses, context in splits[:-1]]
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: PerformanceAssumptions):
@@ -65,7 +81,7 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, assumptions: Pe
                                  f"(over by {(peak - capacity) / GIB:.1f} GiB)", peak - capacity)
     performance = estimate_performance(model, layout, cluster, stages, assumptions)
     return {"pipeline_schedule": layout.pipeline_schedule, "virtual_stages": layout.virtual_stages,
-            "tp": layout.tp, "ulysses": layout.ulysses, "pp": layout.pp, "dp": layout.dp,
+            "tp": layout.tp, "ulysses": layout.ulysses, "context": layout.context, "pp": layout.pp, "dp": layout.dp,
             "micro_batch_size": layout.micro_batch_size,
             "num_micro_batches": layout.num_micro_batches, "sequence_parallel": layout.sequence_parallel,
             "recompute": layout.recompute, "peak_memory_gib": peak / GIB, "margin_gib": (capacity - peak) / GIB,
@@ -99,7 +115,8 @@ def _fastest_schedule(model, layout, cluster, assumptions, row):
 
 def _describe(layout: Layout) -> str:
     ulysses = f" Ulysses {layout.ulysses}" if layout.ulysses > 1 else ""
-    return (f"TP {layout.tp}{ulysses} PP {layout.pp} DP {layout.dp} mb {layout.micro_batch_size} "
+    context = f" CP {layout.context}" if layout.context > 1 else ""
+    return (f"TP {layout.tp}{ulysses}{context} PP {layout.pp} DP {layout.dp} mb {layout.micro_batch_size} "
             f"SP {'on' if layout.sequence_parallel else 'off'} recompute {layout.recompute or 'none'}")
 
 
@@ -117,12 +134,13 @@ def _examples(items):
 
 def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, zero_stage: int = 1,
                    assumptions: PerformanceAssumptions = PerformanceAssumptions(), top: int = 20,
-                   split: PipelineSplit = PipelineSplit()) -> dict:
-    """The candidates of the world, each with the split (the flags' uneven one, or the even split)."""
-    feasible, infeasible, fitting, ulysses_skipped = [], defaultdict(list), set(), 0
-    for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage, split):
-        if any(smaller in fitting for smaller in smaller_ulysses(layout)):
-            ulysses_skipped += 1
+                   split: PipelineSplit = PipelineSplit(), cp_comm_type: str = "p2p") -> dict:
+    """The candidates of the world, each with the split (the flags' uneven one, or the even split) and CP's
+    exchange (the flags')."""
+    feasible, infeasible, fitting, skipped = [], defaultdict(list), set(), 0
+    for layout in candidate_layouts(cluster.world_size, global_batch_size, zero_stage, split, cp_comm_type):
+        if any(smaller in fitting for smaller in smaller_sequence_splits(layout)):
+            skipped += 1
             continue
         result = evaluate(model, layout, cluster, assumptions)
         if isinstance(result, dict):
@@ -137,5 +155,5 @@ def search_layouts(model: ModelSpec, cluster: Cluster, global_batch_size: int, z
                  for reason, items in sorted(infeasible.items(), key=lambda entry: -len(entry[1]))}
     return {"world_size": cluster.world_size, "global_batch_size": global_batch_size, "split": split.describe(),
             "candidates": len(feasible) + sum(len(items) for items in infeasible.values()),
-            "ulysses_skipped": ulysses_skipped, "feasible": len(feasible), "ranked": feasible[:top],
+            "sequence_split_skipped": skipped, "feasible": len(feasible), "ranked": feasible[:top],
             "infeasible_by_reason": by_reason}

@@ -180,13 +180,15 @@ class AttentionHeads(torch.nn.Module):
 
     def _core_attention(self, query, key, value, attention_mask):
         """Softmax(QK^T x scale) V for this rank's heads; its dropout differs per TP rank. Fake tensors (the
-        dry run) take the flash kernels' footprint unless the backend is the explicit local one."""
+        dry run) take the flash kernels' footprint unless the backend is the explicit local one; the CP ring runs on
+        them (its sends are the dry run's to record, its blocks the flash kernels' fakes)."""
+        if self.context_group is not None:
+            with get_cuda_rng_tracker().fork():
+                return self._context_parallel_attention(query, key, value)
         if self.config.attention_backend != "local" and is_fake(query):
             return flash_attention_footprint(query, key, value,
                                              copies=self.flash_attention is not None and attention_mask is None)
         with get_cuda_rng_tracker().fork():
-            if self.context_group is not None:
-                return self._context_parallel_attention(query, key, value)
             if self.flash_attention is not None and attention_mask is None:
                 return self._flash_attention(query, key, value)
             return self.core_attention(query, key, value, attention_mask, self.config.attention_dropout,

@@ -6,8 +6,6 @@ block's partial output is merged into the running one by the log-sum-exp of its 
 the result is exact. The backward runs the ring again: dQ accumulates where the queries live, dK and dV (in fp32
 or wider) travel with their key/value block and arrive back at their owner after a full turn.
 
-    load_balanced_chunks(sequence_length, cp_size, cp_rank) -> (slice, slice)
-    context_parallel_positions(sequence_length, cp_size, cp_rank) -> the rank's global token positions
     split_for_context_parallel(tensor, cp_size, cp_rank, dim=0) -> the rank's part of a whole-sequence tensor
     join_context_parallel_parts(parts, dim=0) -> the whole sequence from every rank's part, in rank order
     gather_from_context_parallel(tensor, group, dim=0) -> join of every rank's part, on every rank
@@ -31,11 +29,11 @@ The layout is core attention's (attention.py): query [b, heads, s_local, d], key
 value [b, groups, s_local, dv], groups dividing heads (query head h uses key/value head h // (heads / groups));
 the context is [b, heads, s_local, dv]. The scores are scaled by softmax_scale, 1 / sqrt(d) by default.
 
-Causal load balancing (Megatron-Core's and torchtitan's): the sequence is cut into 2 x CP chunks and rank i
-holds chunks i and 2 CP - 1 - i, so every rank has as many visible (query, key) pairs as any other. With that
-layout a key/value block of another rank is, for this rank's queries, either fully visible or fully masked in
-halves (see visible_part); only a rank's own block needs the causal mask. Non-causal attention does not depend on
-where a rank's tokens lie in the sequence: any split of it works, this one included.
+Causal load balancing (Megatron-Core's and torchtitan's): the sequence is cut into 2 x CP chunks and rank i holds
+chunks i and 2 CP - 1 - i (core/sequence_split.py's load_balanced_chunks), so every rank has as many visible (query,
+key) pairs as any other. With that layout a key/value block of another rank is, for this rank's queries, either fully
+visible or fully masked in halves (see visible_part); only a rank's own block needs the causal mask. Non-causal
+attention does not depend on where a rank's tokens lie in the sequence: any split of it works, this one included.
 
 all_gather_attention gathers every rank's key/value block (unexpanded) and joins them into the whole sequence;
 each of the rank's two query chunks then attends to the keys before its chunk (no mask) and to its own chunk
@@ -65,35 +63,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.core.fusions.counter_hash import column_mixes, drop_threshold, keep_from_mixes, row_hashes
+from megatron_ds.core.sequence_split import context_parallel_positions, load_balanced_chunks
 
 # ---------------------------------------------------------------------------------------------------------------
 # Where each rank's tokens lie in the sequence
-
-
-def load_balanced_chunks(sequence_length, cp_size, cp_rank):
-    """The two slices of the sequence that CP rank cp_rank holds: chunks cp_rank and 2 cp_size - 1 - cp_rank of
-    2 cp_size equal chunks."""
-    _check_layout(sequence_length, cp_size, cp_rank)
-    chunk = sequence_length // (2 * cp_size)
-    last = 2 * cp_size - 1 - cp_rank
-    return slice(cp_rank * chunk, (cp_rank + 1) * chunk), slice(last * chunk, (last + 1) * chunk)
-
-
-def _check_layout(sequence_length, cp_size, cp_rank):
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be at least 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
-    if sequence_length % (2 * cp_size):
-        raise ValueError(f"sequence_length {sequence_length} is not divisible by 2 x cp_size = {2 * cp_size} "
-                         "(context parallelism cuts the sequence into 2 chunks per rank)")
-
-
-def context_parallel_positions(sequence_length, cp_size, cp_rank):
-    """The global positions [s / cp_size] of the tokens CP rank cp_rank holds, in the order it holds them (for
-    position embeddings and masks)."""
-    return torch.cat([torch.arange(part.start, part.stop)
-                      for part in load_balanced_chunks(sequence_length, cp_size, cp_rank)])
 
 
 def split_for_context_parallel(tensor, cp_size, cp_rank, dim=0):

@@ -160,13 +160,15 @@ def tied_ranks(engine):
 
 
 def groups_by_axis(grid, args, rank, tied=None):
-    """This rank's groups, ours (with MoE the expert and expert-data groups too; `tied`: DeepSpeed's tied
-    embedding's, where there is one) and (PP > 1) DeepSpeed's pipeline grid's."""
+    """This rank's groups, ours (with CP the context-parallel group, with MoE the expert and expert-data groups
+    too; `tied`: DeepSpeed's tied embedding's, where there is one) and (PP > 1) DeepSpeed's pipeline grid's."""
     ours = {"tensor": parallel_state.get_tensor_model_parallel_ranks(),
             "data": parallel_state.get_data_parallel_ranks(),
             "pipeline": parallel_state.get_pipeline_model_parallel_ranks(),
             "sequence": parallel_state.get_sequence_parallel_ranks(),
             "sequence-data": parallel_state.get_sequence_data_parallel_ranks()}
+    if args.context_parallel_size > 1:
+        ours["context"] = parallel_state.get_context_parallel_ranks()
     if args.moe or args.dropless_moe:
         for axis, groups in parallel_state.expert_groups_by_axis(args.moe_expert_parallel_size,
                                                                  args.parallel.expert_tensor_parallel).items():

@@ -13,6 +13,8 @@ iteration reads back are answered instead:
   - the dropless MoE layer's per-expert counts (the splits of its all-to-alls) with uniform routing: each rank's
     k x tokens rows spread evenly over the experts, the remainder on the first ones, and every rank receiving the
     counts it sends (AllToAllDispatcher.uniform_routing), what the planner plans.
+Context-parallel attention runs its ring (or all-gather) on the fake tensors, so that its sends are recorded; its
+blocks take the CPU flash kernel's fake, which keeps no s x s scores.
 
 Each op: {"op": c10d's name (allreduce, _allgather_base, send, recv, ...), "group": its ranks, "peer": the
 other rank (send and recv), "bytes": the payload (the whole buffer of a reduction or gather, the message of a

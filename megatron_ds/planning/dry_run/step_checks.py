@@ -5,7 +5,7 @@ their traffic beside the planner's.
     values of an integer message); a difference is a deadlock or a wrong shape on the real machines;
   - the members of a group issue the same collectives on it in the same order with the same sizes (a member
     with one more or one fewer waits forever: the deadlock a real launch meets without a message);
-  - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, expert) equal the
+  - the bytes each rank sends per axis (tensor, pipeline, data, tied embedding, Ulysses, context, expert) equal the
     planner's communication model (planning/communication.stage_traffic_per_iteration) within 1%; the dropless
     MoE layer's all-to-all-v on the expert axis as its splits send them under the dry run's uniform routing
     (dry_run/fake_step.py), the planner's (EP - 1)/EP of the rows;
@@ -115,8 +115,12 @@ def _sequence_difference(group, first, ours, member, theirs):
 def _axis(entry, groups):
     """The axis of one recorded op on a rank with `groups` (its record's groups by axis, ours)."""
     if entry["op"] in POINT_TO_POINT:
-        return "pipeline"
+        return "context" if entry["peer"] in groups.get("context", ()) else "pipeline"
     ranks = entry["group"]
+    # CP's allgather exchange is the list all-gather and reduce-scatter, which DeepSpeed's reduction and ZeRO (on the
+    # same ranks at U = DP = 1) do not use
+    if entry["op"] in ("allgather", "reduce_scatter") and groups.get("context") == ranks:
+        return "context"
     # an all-to-all is MoE's or Ulysses' even where their group's ranks are another's too (TP's; at DP 1 the
     # sequence-data group's)
     for axis, name in (("expert", "expert"), ("sequence", "ulysses")):
@@ -182,7 +186,7 @@ def memory_problems(records, planned, device):
     return problems
 
 
-PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "expert")
+PLANNED_AXES = ("tensor", "pipeline", "data", "tied", "ulysses", "context", "expert")
 
 
 def traffic_problems(records, recorded, planned):

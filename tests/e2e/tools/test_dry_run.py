@@ -184,6 +184,22 @@ def test_a_ulysses_world_steps_as_planned(tmp_path):
     assert traffic["data"] == 4 * last["parameters"] + 2 * last["parameters"] // 2 + 4
 
 
+def test_a_context_parallel_world_steps_as_planned(tmp_path):
+    """TP 2 x CP 2 x PP 2 at DP 1, attention dropout 0 (the ring's blocks then take the flash kernel, as on a GPU):
+    the ring runs on the fake tensors and its sends to the other CP rank are context traffic, as planned."""
+    last = stepped_as_planned(tmp_path, MODEL + ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                                                 "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                                                 "--attention-dropout", "0"])["5"]
+    # rank = pipe x 4 + cp x 2 + tp: rank 5 is stage 1, CP rank 0, TP rank 1; its ring's other rank is 7
+    assert last["groups"]["ours"]["context"] == last["groups"]["ours"]["sequence-data"] == [5, 7]
+    # 8 micro-batches x 4 layers; a key/value block is 2 samples x 64 tokens x 4 heads x (32 + 32) x 2 bytes:
+    # forward 1 hop, backward 1 hop and the fp32 dK and dV 2 hops, each K and V (or dK and dV) a send of their own
+    m, layers, half_block = 8, 4, 2 * 64 * 4 * 32 * 2
+    assert _count(last, "send", peer=7, size=half_block) == m * layers * 2 * 2
+    assert _count(last, "send", peer=7, size=2 * half_block) == m * layers * 2 * 2
+    assert step_checks.recorded_traffic(last)["context"] == m * layers * (2 * 2 * half_block + 2 * 4 * half_block)
+
+
 def test_an_extra_all_reduce_on_one_rank_is_named_as_the_deadlock_it_would_be(tmp_path):
     hook = sitecustomize(tmp_path, """
         import os

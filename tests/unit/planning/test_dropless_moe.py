@@ -8,7 +8,6 @@ V 300 padded to 304, untied) with layers 2-4 dropless MoE layers: 4 experts of F
 FFN 40 with its gate."""
 import dataclasses
 import json
-import weakref
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from megatron_ds.planning.model import Cluster, Layout, ModelSpec, layout_errors
 from megatron_ds.planning.parameters import stage_parameters
 from megatron_ds.planning.planner import make_plan
 from tests.support.planning_specs import FAMILY_FLAGS, count_parameters, small_model
+from tests.support.saved_bytes import saved_bytes_after_forward
 
 # ---------------------------------------------------------------- DeepSeek-V3's MoE layer by hand
 
@@ -179,29 +179,6 @@ def test_parameter_formula_matches_the_dropless_gpt_model_built_on_cpu():
 
 # ---------------------------------------------------------------- activations against a measured layer
 
-def saved_bytes_after_forward(layer, hidden_states):
-    """Bytes of the distinct storages the layer's forward leaves saved for backward (parameters excluded): every
-    saved tensor seen by saved_tensors_hooks whose autograd node is still alive after the forward."""
-    parameters = {param.untyped_storage().data_ptr() for param in layer.parameters()}
-    packed = []
-
-    class Saved:
-        def __init__(self, tensor):
-            self.tensor = tensor
-
-    def pack(tensor):
-        saved = Saved(tensor)
-        packed.append((weakref.ref(saved), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
-        return saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
-        output, _ = layer(hidden_states)
-    alive = {pointer: size for reference, pointer, size in packed
-             if reference() is not None and pointer not in parameters}
-    output.float().sum().backward()  # the layer trains with what it saved
-    return sum(alive.values())
-
-
 ROUTINGS = {
     "softmax": {},
     "sigmoid, top-4 of 4 groups limited to 2, biased": dict(
@@ -304,7 +281,8 @@ def test_search_keeps_dropless_layouts_training_builds(capsys):
     stage 0 without one)."""
     assert cli.main(DROPLESS_FLAGS + ["--search", "--json", "--top", "100"]) == 0
     search = json.loads(capsys.readouterr().out)["search"]
-    assert search["ranked"] and all((row["tp"] * row["ulysses"] * row["dp"]) % 2 == 0 for row in search["ranked"])
+    assert search["ranked"] and all((row["tp"] * row["ulysses"] * row["context"] * row["dp"]) % 2 == 0
+                                    for row in search["ranked"])
     assert [reason for reason, _ in layout_errors(dropless_model(ep=2), Layout(1, 4, 2, 2, 16))] == [
         "a pipeline stage without MoE layers"]
 

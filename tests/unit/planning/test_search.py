@@ -1,5 +1,6 @@
 """megatron_ds.planning.search: the candidate layouts of a world, each judged feasible or by the first rule
 it breaks (or its memory shortfall), and the feasible ones ranked by estimated iteration time."""
+import collections
 import dataclasses
 
 import pytest
@@ -33,19 +34,26 @@ def test_candidates_of_four_gpus_by_hand():
     """World 4, global batch 4. Without Ulysses, (tp, pp, dp) in (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1)
     (4,1,1); micro batches with micro x dp <= 4: 1 for DP 4, 1-2 for DP 2, 1-4 for DP 1; SP off/on when TP > 1;
     3 recompute choices: 3 + 6 + 9 + 12 + 18 + 18 = 66. Ulysses 2 leaves 2 ranks: (1,1,2) (1,2,1) (2,1,1):
-    6 + 9 + 18 = 33; Ulysses 4 leaves (1,1,1): 9. 108 in all, smaller Ulysses sizes first."""
+    6 + 9 + 18 = 33; Ulysses 4 leaves (1,1,1): 9. CP takes a divisor of what is left after Ulysses, TP and PP as
+    Ulysses does of the world: without Ulysses CP 2 33 and CP 4 9 more, with Ulysses 2 CP 2 9 more. 159 in all,
+    smaller Ulysses sizes first, and for each Ulysses, TP and PP smaller CP sizes first."""
     layouts = list(search.candidate_layouts(4, 4, zero_stage=1))
-    assert len(layouts) == 108 == len(set(layouts))
-    assert [layout.ulysses for layout in layouts] == [1] * 66 + [2] * 33 + [4] * 9
+    assert len(layouts) == 159 == len(set(layouts))
+    assert [layout.ulysses for layout in layouts] == [1] * 108 + [2] * 42 + [4] * 9
+    assert collections.Counter((layout.ulysses, layout.context) for layout in layouts) == {
+        (1, 1): 66, (1, 2): 33, (1, 4): 9, (2, 1): 33, (2, 2): 9, (4, 1): 9}
+    assert [layout.context for layout in layouts[:18]] == [1] * 3 + [2] * 6 + [4] * 9    # TP 1 x PP 1: CP 1, 2, 4
     assert all(layout.world_size == 4 and layout.zero_stage == 1 for layout in layouts)
     assert not any(layout.sequence_parallel for layout in layouts if layout.tp == 1)
     assert max(layout.micro_batch_size * layout.dp for layout in layouts) == 4
 
 
-def test_smaller_ulysses_sizes_move_their_ranks_to_dp():
+def test_smaller_sequence_splits_move_their_ranks_to_dp():
     layout = Layout(2, 1, 1, 4, 8, ulysses=4)
-    assert search.smaller_ulysses(layout) == [Layout(2, 1, 4, 4, 8), Layout(2, 1, 2, 4, 8, ulysses=2)]
-    assert search.smaller_ulysses(Layout(2, 1, 4, 4, 8)) == []
+    assert search.smaller_sequence_splits(layout) == [Layout(2, 1, 4, 4, 8), Layout(2, 1, 2, 4, 8, ulysses=2)]
+    assert search.smaller_sequence_splits(Layout(2, 1, 1, 4, 8, ulysses=2, context=2)) == [
+        Layout(2, 1, 4, 4, 8), Layout(2, 1, 2, 4, 8, context=2), Layout(2, 1, 2, 4, 8, ulysses=2)]
+    assert search.smaller_sequence_splits(Layout(2, 1, 4, 4, 8)) == []
 
 
 def test_micro_batch_1_is_always_a_candidate():
@@ -92,14 +100,18 @@ def test_search_counts_every_candidate_once():
     fit (micro batch 1-2 and 1-4). Ulysses 2 (tried only where the same layout with DP x 2 is not a fit):
     (1,1,2) at micro batch 4 (no DP 4 twin: 4 x 4 > 8) fits, 3; (1,2,1) breaks PP, 12; (2,1,1) at micro batch 8
     (2 x 3 choices) has 1 head per TP rank for 2 Ulysses ranks, 6. Ulysses 4, (1,1,1) at micro batch 8: 2 heads
-    over 4, 3. Passed over: 6 + 18 at Ulysses 2, 6 + 3 at Ulysses 4."""
+    over 4, 3. Passed over: 6 + 18 at Ulysses 2, 6 + 3 at Ulysses 4. CP the same, but that it splits no heads:
+    CP 2 (1,1,2) at micro batch 4 fits, 3; (1,2,1) breaks PP, 12; (2,1,1) at micro batch 8 fits, 6; CP 4 (1,1,1)
+    at micro batch 8 fits, 3, and so does Ulysses 2 x CP 2, 3; passed over 33 at CP alone and 9 at Ulysses 2 x
+    CP 2 (micro batch 1, 2 and 4)."""
     result = search.search_layouts(three_layers_two_heads(), cpu_cluster(4), 8, top=5)
     assert (result["world_size"], result["global_batch_size"]) == (4, 8)
-    assert (result["candidates"], result["feasible"], result["ulysses_skipped"]) == (93 + 24, 24 + 3, 33)
+    assert (result["candidates"], result["feasible"], result["sequence_split_skipped"]) == (
+        93 + 24 + 27, 24 + 3 + 15, 33 + 33 + 9)
     reasons = result["infeasible_by_reason"]
     assert list(reasons) == ["layers not divisible by PP", "heads not divisible by TP",          # most common first
                              "heads of a TP rank not divisible by Ulysses SP"]
-    assert [entry["count"] for entry in reasons.values()] == [45 + 12, 24, 6 + 3]
+    assert [entry["count"] for entry in reasons.values()] == [45 + 12 + 12, 24, 6 + 3]
     assert reasons["layers not divisible by PP"]["examples"] == [
         "TP 1 PP 2 DP 2 mb 1 SP off recompute none: 3 layers over PP 2",
         "TP 1 PP 4 DP 1 mb 1 SP off recompute none: 3 layers over PP 4"]                     # one per detail
@@ -113,10 +125,11 @@ def test_search_counts_every_candidate_once():
 def test_search_shows_the_top_rows_fastest_first():
     everything = search.search_layouts(three_layers_two_heads(), cpu_cluster(4), 8, top=1000)["ranked"]
     top = search.search_layouts(three_layers_two_heads(), cpu_cluster(4), 8, top=5)["ranked"]
-    assert len(everything) == 27 and top == everything[:5]
+    assert len(everything) == 42 and top == everything[:5]
     assert [row["iteration_s"] for row in everything] == sorted(row["iteration_s"] for row in everything)
-    assert {(row["tp"], row["ulysses"], row["pp"], row["dp"]) for row in everything} == {
-        (1, 1, 1, 4), (2, 1, 1, 2), (1, 2, 1, 2)}
+    assert {(row["tp"], row["ulysses"], row["context"], row["pp"], row["dp"]) for row in everything} == {
+        (1, 1, 1, 1, 4), (2, 1, 1, 1, 2), (1, 2, 1, 1, 2), (1, 1, 2, 1, 2), (2, 1, 2, 1, 1), (1, 1, 4, 1, 1),
+        (1, 2, 2, 1, 1)}
 
 
 def test_ranking_breaks_time_ties_by_lower_peak_memory(monkeypatch):

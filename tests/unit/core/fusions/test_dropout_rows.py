@@ -11,7 +11,7 @@ from megatron_ds.core.fusions.fused_bias_dropout_add import (
     bias_dropout_add_reference,
     bias_dropout_add_triton,
 )
-from megatron_ds.core.transformer.ring_attention import context_parallel_positions
+from megatron_ds.core.sequence_split import context_parallel_positions
 
 SEQUENCE, BATCH, HIDDEN, P = 16, 3, 40, 0.3
 

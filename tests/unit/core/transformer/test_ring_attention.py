@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ds.core import sequence_split
 from megatron_ds.core.fusions import counter_hash
 from megatron_ds.core.fusions.flash_attention import flash_attention_reference
 from megatron_ds.core.transformer import ring_attention as ring
@@ -66,11 +67,11 @@ def _reference_results(query, key, value, grad_out, causal, dropout_p=0.0, atten
 
 
 def test_load_balanced_chunks_pair_head_and_tail():
-    assert ring.load_balanced_chunks(8, 2, 0) == (slice(0, 2), slice(6, 8))
-    assert ring.load_balanced_chunks(8, 2, 1) == (slice(2, 4), slice(4, 6))
-    assert ring.load_balanced_chunks(16, 4, 3) == (slice(6, 8), slice(8, 10))
-    assert ring.load_balanced_chunks(6, 1, 0) == (slice(0, 3), slice(3, 6))
-    assert ring.context_parallel_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sequence_split.load_balanced_chunks(8, 2, 0) == (slice(0, 2), slice(6, 8))
+    assert sequence_split.load_balanced_chunks(8, 2, 1) == (slice(2, 4), slice(4, 6))
+    assert sequence_split.load_balanced_chunks(16, 4, 3) == (slice(6, 8), slice(8, 10))
+    assert sequence_split.load_balanced_chunks(6, 1, 0) == (slice(0, 3), slice(3, 6))
+    assert sequence_split.context_parallel_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -80,7 +81,7 @@ def test_load_balanced_chunks_pair_head_and_tail():
 ])
 def test_load_balanced_chunks_names_bad_input(arguments, message):
     with pytest.raises(ValueError, match=message):
-        ring.load_balanced_chunks(*arguments)
+        sequence_split.load_balanced_chunks(*arguments)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
@@ -89,7 +90,7 @@ def test_split_and_join_are_inverse(cp_size, dim):
     tensor = torch.randn(16, 3, 16, 16)
     parts = [ring.split_for_context_parallel(tensor, cp_size, rank, dim=dim) for rank in range(cp_size)]
     for rank, part in enumerate(parts):
-        positions = ring.context_parallel_positions(16, cp_size, rank)
+        positions = sequence_split.context_parallel_positions(16, cp_size, rank)
         assert torch.equal(part, tensor.index_select(dim, positions))
     assert torch.equal(ring.join_context_parallel_parts(parts, dim=dim), tensor)
 
@@ -99,8 +100,8 @@ def test_visible_parts_are_the_global_causal_mask(cp_size):
     seq = 4 * cp_size
     local = seq // cp_size
     for rank, owner in itertools.product(range(cp_size), repeat=2):
-        query_positions = ring.context_parallel_positions(seq, cp_size, rank)
-        key_positions = ring.context_parallel_positions(seq, cp_size, owner)
+        query_positions = sequence_split.context_parallel_positions(seq, cp_size, rank)
+        key_positions = sequence_split.context_parallel_positions(seq, cp_size, owner)
         expected = query_positions[:, None] >= key_positions[None, :]
         part = ring.visible_part(rank, owner, local, causal=True)
         observed = torch.zeros(local, local, dtype=torch.bool)
@@ -116,7 +117,7 @@ def test_gathered_parts_cover_the_global_mask_once(cp_size, causal):
     seq = 4 * cp_size
     local = seq // cp_size
     for rank in range(cp_size):
-        query_positions = ring.context_parallel_positions(seq, cp_size, rank)
+        query_positions = sequence_split.context_parallel_positions(seq, cp_size, rank)
         expected = query_positions[:, None] >= torch.arange(seq)[None, :] if causal else torch.ones(local, seq)
         covered = torch.zeros(local, seq, dtype=torch.int64)
         for part in ring.gathered_parts(rank, cp_size, local, causal):
