@@ -30,7 +30,9 @@
 #     --size large: s 2048, b 4, h 4096, 32 heads, FFN 11008, V 128256; no torch.compile, whose cold compiles of ~16
 #     graphs alone overran). Time: ~20 Triton kernels JIT-compiled, ~2 s each; 9 ops x <= 3 backends x 15 calls of
 #     <= 30 ms. Memory: the largest case is cross entropy's logits, 4 x 2048 x 128256 bf16 = 2 GiB, and the fp32
-#     reference's temporaries ~8 GiB.                                                            ~60 s, timeout 85
+#     reference's temporaries ~8 GiB. Then fp8_linear: fc1's GEMM (8192 x 4096 -> 11008) forward and both backward
+#     GEMMs in each FP8 recipe against bf16 F.linear, and their errors against fp32 (blockwise: one _scaled_mm per
+#     128 of K, ~180 per call; untimed on a GPU so far).                                          ~60 s, timeout 85
 #  4. memory: step 1's max allocated against the planner's prediction, both read from its log (no GPU time).
 #  5. with 2 GPUs or more, every pipeline schedule at PP 2; with one, a line saying why not: NCCL refuses two ranks
 #     of one communicator on one device.
@@ -168,6 +170,7 @@ headlines() {
   grep -hE "MFU vs GEMM|pretrain.py / HF loop|bf16 GEMM" "$OUT/train_throughput.txt" |
     sed -E 's/^.*(bf16 GEMM[^;]*);.*/\1/'
   grep -hE "^[a-z_]+ +(triton|sdpa|compile|apex) " "$OUT/ops.txt" | cut -c1-160
+  grep -hE "^fp8_linear +(tensorwise|rowwise|blockwise) " "$OUT/ops.txt" | cut -c1-160
   grep -h "^memory" "$OUT/memory.txt"
 }
 {

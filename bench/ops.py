@@ -19,6 +19,10 @@ before. Memory ratios are fused / reference (< 1 is better).
 Triton is timed on CUDA only (its CPU interpreter checks numerics, it is not a kernel).
 --backends sdpa adds torch's scaled_dot_product_attention (causal, the same dropout) to flash_attention's rows, and
 each flash_attention backend's step prints over SDPA's too: the kernel a model gets without the op.
+fp8_linear: fc1's GEMM at the size's shape (s b tokens x h -> ffn), forward and both backward GEMMs, through
+core/tensor_parallel/fp8.fp8_linear in each recipe (E4M3) against bf16 F.linear (its "reference" row), in turns;
+then each one's relative error (Frobenius) of the forward, input-gradient and weight-gradient products against
+fp32 products of the same bf16 operands.
 """
 import argparse
 import math
@@ -46,6 +50,8 @@ from bench.turns import (  # noqa: E402
     total_rotations,
 )
 from megatron_ds.core import fusions  # noqa: E402
+from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES  # noqa: E402
+from megatron_ds.core.tensor_parallel.fp8 import fp8_linear, fp8_support_problems  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 
 SIZES = {  # sequence, micro batch, hidden, heads, ffn, vocab
@@ -97,7 +103,41 @@ def build_cases(size, dtype, device):
                               lambda fn, t: fn(t["logits"], target)),
         "flash_attention": Case(lambda: {name: _leaf((b, heads, s, d), dtype, device) for name in "qkv"},
                                 lambda fn, t: fn(t["q"], t["k"], t["v"], 0.1, seed)),
+        "fp8_linear": Case(lambda: dict(x=_leaf((s * b, h), torch.bfloat16, device),
+                                        w=_leaf((ffn, h), torch.bfloat16, device, scale=h ** -0.5)),
+                           lambda fn, t: fn(t["x"], t["w"])),
     }
+
+
+def fp8_backends(device):
+    """bf16 F.linear as the reference and fp8_linear in each recipe (E4M3); none where the device has no FP8."""
+    problems = fp8_support_problems(device)
+    if problems:
+        print(f"{'fp8_linear':<19}unavailable: {'; '.join(problems)}")
+        return {}
+    recipes = {recipe: (lambda x, w, recipe=recipe: fp8_linear(x, w, recipe, "e4m3")) for recipe in FP8_RECIPES}
+    return {"reference": torch.nn.functional.linear, **recipes}
+
+
+def gemm_errors(case, fn):
+    """Relative Frobenius errors of fn's forward, input-gradient and weight-gradient products against the fp32
+    products of the same operands and output gradient."""
+    inputs = case.inputs()
+    output = case.call(fn, inputs)
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    x, w, dy = (tensor.detach().float() for tensor in (inputs["x"], inputs["w"], grad))
+    exact = (x @ w.t(), dy @ w, dy.t() @ x)
+    got = (output.detach(), inputs["x"].grad, inputs["w"].grad)
+    return [float((g.float() - e).norm() / e.norm()) for g, e in zip(got, exact)]
+
+
+def print_errors(name, case, rows):
+    for backend, fn in rows.items():
+        forward, dgrad, wgrad = gemm_errors(case, fn)
+        label = "bf16" if backend == "reference" else backend
+        print(f"{name:<19}{label:<10} relative error vs fp32: forward {forward:.4f}, dgrad {dgrad:.4f}, "
+              f"wgrad {wgrad:.4f}")
 
 
 def _outputs(result):
@@ -211,11 +251,15 @@ def main(argv=None):
     for name, case in cases.items():
         if args.ops and name not in args.ops:
             continue
-        rows = available_backends(name, args.backends, device)
+        rows = fp8_backends(device) if name == "fp8_linear" else available_backends(name, args.backends, device)
+        if not rows:
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             measured = measure_op(case, rows, device, args, clock)
         print_op(name, case, rows, measured, device, args)
+        if name == "fp8_linear":
+            print_errors(name, case, rows)
 
 
 def sdpa_flash_attention(query, key, value, dropout_p, seed):

@@ -3,16 +3,19 @@
 Every function here only reads the arguments and returns a list of messages, each naming the flags and
 the values involved; `megatron_ds.arguments.resolve` decides when each runs.
 """
+import importlib.util
 import json
 import os
 import re
 
 import torch
 
-from megatron_ds.arguments.flags import flag_defaults
+from megatron_ds.arguments.flags import DEFAULT_FP8_RECIPE, UNBUILT_FP8_RECIPES, flag_defaults
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
 from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags
+from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES
+from megatron_ds.core.tensor_parallel.fp8 import fp8_support_problems
 from megatron_ds.core.transformer.transformer_config import (
     MLA_FIELDS,
     default_ffn_hidden_size,
@@ -175,6 +178,43 @@ def activation_memory_errors(args):
         errors.append(f"--recompute-activations (selective) conflicts with --recompute-granularity "
                       f"{args.recompute_granularity}")
     return errors
+
+
+def fpdt_errors(args):
+    """DeepSpeed's FPDT (--ds-sequence-parallel-fpdt): chunks of --ds-sequence-parallel-fpdt-chunk-size tokens, each
+    split over the Ulysses ranks; what its layer does not take, refused by name."""
+    if not args.ds_sequence_parallel_fpdt:
+        return (["--ds-sequence-parallel-fpdt-offloading needs --ds-sequence-parallel-fpdt"]
+                if args.ds_sequence_parallel_fpdt_offloading else [])
+    chunk, sp, seq = args.ds_sequence_parallel_fpdt_chunk_size, args.ds_sequence_parallel_size, args.seq_length
+    kv_heads = args.num_key_value_heads // args.tensor_model_parallel_size
+    flag = "--ds-sequence-parallel-fpdt"
+    rules = [
+        (chunk < 1 or seq % chunk, f"{flag}: --seq-length {seq} is not a multiple of "
+                                   f"--ds-sequence-parallel-fpdt-chunk-size {chunk} (FPDT cuts the sequence into "
+                                   f"chunks of that many tokens)"),
+        (chunk >= 1 and chunk % sp, f"{flag}: --ds-sequence-parallel-fpdt-chunk-size {chunk} does not split over "
+                                    f"--ds-sequence-parallel-size {sp} (each chunk is split over the Ulysses ranks)"),
+        (kv_heads < sp, f"{flag}: the {kv_heads} key/value head(s) of a TP rank (--num-key-value-heads "
+                        f"{args.num_key_value_heads} / --tensor-model-parallel-size {args.tensor_model_parallel_size}) "
+                        f"are fewer than --ds-sequence-parallel-size {sp}: FPDT's all-to-all splits them unexpanded"),
+        (args.context_parallel_size > 1, f"{flag} with --context-parallel-size {args.context_parallel_size}: "
+                                         f"FPDT's chunks are Ulysses', not built inside a ring"),
+        (args.sequence_parallel, f"{flag} with --sequence-parallel: FPDT's layer projects the whole sequence of "
+                                 f"the rank, not built with Megatron's SP"),
+        (args.multi_latent_attention, f"{flag} with --multi-latent-attention: FPDT's layer is for multi-head and "
+                                      f"grouped-query attention"),
+        (args.qk_layernorm, f"{flag} with --qk-layernorm: FPDT's layer has no query/key norms"),
+        (args.reset_attention_mask, f"{flag} with --reset-attention-mask: FPDT's layer is causal, with no document "
+                                    f"mask"),
+        (args.attention_dropout > 0 and importlib.util.find_spec("flash_attn") is None,
+         f"{flag} with --attention-dropout {args.attention_dropout}: without the flash-attn package FPDT's blocks "
+         f"run here without dropout; install flash-attn or set --attention-dropout 0"),
+        (args.kd, f"{flag} with --kd: not built"),
+        (args.fp8_format or args.fp8_e4m3 or args.fp8_hybrid,
+         f"{flag} with FP8 (--fp8-format): FPDT's layer runs its own QKV and projection GEMMs, not in FP8"),
+    ]
+    return [message for broken, message in rules if broken]
 
 
 def ulysses_errors(args):
@@ -397,8 +437,6 @@ def compatibility_errors(args):
 
 # flag (as argparse stores it) -> (is it asked for, what the feature is, what to do instead)
 _UNBUILT_FEATURES = (
-    (lambda a: a.ds_sequence_parallel_fpdt or a.ds_sequence_parallel_fpdt_offloading, "--ds-sequence-parallel-fpdt",
-     "FPDT long-context attention", "drop the FPDT flags"),
     (lambda a: a.mos, "--mos", "Mixture-of-Students (distillation into an MoE student)",
      "distil into a dense student with --kd"),
     (lambda a: a.random_ltd or a.data_efficiency_curriculum_learning, "--random-ltd / "
@@ -639,6 +677,82 @@ def _interleaved_engine_errors(args):
             f"DualPipeVEngine, which asserts it (Megatron-LM's interleaving takes {pp})"]
 
 
+def fp8_spelling_errors(args):
+    """--fp8-format and Megatron-DeepSpeed's --fp8-e4m3 / --fp8-hybrid, on the flags as given: one format."""
+    asked = {f"--fp8-format {args.fp8_format}": args.fp8_format} if args.fp8_format else {}
+    asked.update({flag: fmt for flag, fmt, given in (("--fp8-e4m3", "e4m3", args.fp8_e4m3),
+                                                      ("--fp8-hybrid", "hybrid", args.fp8_hybrid)) if given})
+    if len(set(asked.values())) > 1:
+        return [f"{' and '.join(asked)} ask for different FP8 formats: give one"]
+    return []
+
+
+def fp8_format_of(args):
+    """The FP8 format the flags ask for (None: FP8 off): --fp8-format, or Megatron-DeepSpeed's spellings."""
+    return args.fp8_format or ("e4m3" if args.fp8_e4m3 else "hybrid" if args.fp8_hybrid else None)
+
+
+def fp8_errors(args):
+    """What FP8 training is not built with, by flag and value; with FP8 off its recipe flags change nothing (as
+    in Megatron-LM), but --fp8-param-gather asks for what is not built either way."""
+    errors = []
+    if args.fp8_param_gather:
+        errors.append("--fp8-param-gather: FP8 parameters gathered in FP8 are not built in megatron_ds; drop the "
+                      "flag (the weights stay bf16 and are quantised at each GEMM)")
+    fmt = fp8_format_of(args)
+    if fmt is None:
+        return errors
+    if args.fp8_recipe in UNBUILT_FP8_RECIPES:
+        errors.append(f"--fp8-recipe {args.fp8_recipe} with --fp8-format {fmt}: "
+                      f"{UNBUILT_FP8_RECIPES[args.fp8_recipe]} is not built in megatron_ds; use "
+                      f"{', '.join(FP8_RECIPES)} (scales from each GEMM's own operands; without the flag: "
+                      f"{DEFAULT_FP8_RECIPE})")
+    delayed = [f"{_flag(name)} {getattr(args, name)}" for name in ("fp8_amax_history_len", "fp8_amax_compute_algo")
+               if getattr(args, name) is not None]
+    if delayed:
+        errors.append(f"{', '.join(delayed)}: delayed scaling's amax history is not built in megatron_ds (the "
+                      f"scales come from each GEMM's own operands); drop the flag")
+    if args.fp8_margin < 0:
+        errors.append(f"--fp8-margin {args.fp8_margin}: must be >= 0 (the amax lands on fp8_max / 2**margin)")
+    return errors + _fp8_bf16_layer_errors(args) + (fp8_precision_errors(args) if args.fp16 else [])
+
+
+def _fp8_bf16_layer_errors(args):
+    if not args.first_last_layers_bf16:
+        return []
+    start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
+    named = f"--first-last-layers-bf16 with --num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end}"
+    if min(start, end) < 0:
+        return [f"{named}: the counts must be >= 0"]
+    if start + end >= args.num_layers:
+        return [f"{named} leaves none of --num-layers {args.num_layers} in FP8; drop --first-last-layers-bf16 or "
+                f"--fp8-format"]
+    return []
+
+
+def fp8_precision_errors(args):
+    """FP8 GEMMs take and return bf16 here (--fp16 given is named with the flags; the precision the DeepSpeed JSON
+    sets, once reconciled)."""
+    fmt = fp8_format_of(args)
+    if fmt is None or args.bf16:
+        return []
+    if args.fp16:
+        return [f"--fp8-format {fmt} with --fp16: FP8 training with fp16 activations and loss scaling is not built "
+                f"in megatron_ds; use --bf16"]
+    return [f"--fp8-format {fmt} needs --bf16: FP8 training here keeps bf16 activations and weights (fp32 master "
+            f"weights); fp32 training with FP8 GEMMs is not built"]
+
+
+def fp8_device_errors(args):
+    """FP8 GEMMs where this machine's device has none (CPUs run torch._scaled_mm; GPUs from sm_89)."""
+    fmt = fp8_format_of(args)
+    if fmt is None:
+        return []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [f"--fp8-format {fmt}: this machine cannot run FP8 GEMMs: {problem}"
+            for problem in fp8_support_problems(device)]
+
+
 def data_source_errors(args):
     """Exactly one source of training data, its files exist on this machine, and --num-workers is >= 0."""
     sources = [flag for flag, given in (("--mock-data", args.mock_data), ("--data-path", args.data_path),
@@ -677,7 +791,21 @@ def this_host_errors(args):
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         errors.append(f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed: "
                       f"pip install wandb (or drop --wandb-project)")
-    return errors + profile_errors(args) + pipeline_timeline_errors(args) + straggler_errors(args)
+    return (errors + profile_errors(args) + pipeline_timeline_errors(args) + straggler_errors(args)
+            + fp8_device_errors(args) + fpdt_offloading_errors(args))
+
+
+def fpdt_offloading_errors(args):
+    """DeepSpeed's FPDT offloading overlaps its host copies on accelerator streams (past one chunk: with one, FPDT
+    offloads nothing)."""
+    chunk = args.ds_sequence_parallel_fpdt_chunk_size
+    offloads = (args.ds_sequence_parallel_fpdt and args.ds_sequence_parallel_fpdt_offloading and chunk >= 1
+                and args.seq_length // chunk > 1)
+    if not offloads or torch.cuda.is_available():
+        return []
+    return [f"--ds-sequence-parallel-fpdt-offloading needs a GPU: DeepSpeed's FPDT moves the "
+            f"{args.seq_length // chunk} chunks' keys and values to and from host memory on accelerator streams, "
+            f"which DeepSpeed's CPU accelerator has none of; drop the flag here"]
 
 
 def straggler_errors(args):

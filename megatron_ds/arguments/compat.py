@@ -31,6 +31,8 @@ NO_EFFECT = {
     "--zero-contigious-gradients": (SWITCH, "the DeepSpeed JSON's zero_optimization block sets it"),
     "--zero-reduce-bucket-size": (VALUE, "the DeepSpeed JSON's zero_optimization block sets it"),
     "--zero-allgather-bucket-size": (VALUE, "the DeepSpeed JSON's zero_optimization block sets it"),
+    "--fp8-interval": (VALUE, "Transformer Engine's scale update interval, which Megatron-LM ignores too: FP8 "
+                              "scales are computed at every GEMM here (--fp8-format)"),
 }
 
 # flag -> (kind, what it asks for, what to do instead); a value flag with accepted values lists them
@@ -93,13 +95,15 @@ NOT_BUILT = {
     "--no-log-learnig-rate-to-tensorboard": (SWITCH, "dropping the learning rate from TensorBoard",
                                              "drop the flag"),
     "--no-log-loss-scale-to-tensorboard": (SWITCH, "dropping the loss scale from TensorBoard", "drop the flag"),
+    "--transformer-impl": (VALUE, "Transformer Engine's layer implementation",
+                           "drop the flag (megatron_ds's own layers run; FP8 with --fp8-format)", ("local",)),
+    "--no-fp8-wgrad": (SWITCH, "FP8 training with high-precision weight-gradient GEMMs", "drop the flag (with "
+                                                                                        "--fp8-format all three GEMMs "
+                                                                                        "of a linear run in FP8)"),
 }
 
 # its other models' flags: refused by the model family they belong to
 OTHER_MODELS = {
-    "Transformer Engine and FP8 training": (
-        "--fp8-e4m3", "--fp8-hybrid", "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval", "--transformer-impl",
-        "--fp8-amax-history-len", "--fp8-amax-compute-algo"),
     "RETRO (retrieval-augmented) models": (
         "--retro-workdir", "--retro-add-retriever", "--retro-cyclic-train-iters", "--retro-encoder-layers",
         "--retro-encoder-hidden-dropout", "--retro-encoder-attention-dropout", "--retro-num-neighbors",
@@ -123,7 +127,7 @@ OTHER_MODELS = {
 # how those take a value: the switches and the one list (the others take one value)
 _OTHER_MODEL_KINDS = {
     **{flag: SWITCH for flag in (
-        "--fp8-e4m3", "--fp8-hybrid", "--no-fp8-wgrad", "--retro-add-retriever", "--retro-return-doc-ids",
+        "--retro-add-retriever", "--retro-return-doc-ids",
         "--output-bert-embeddings", "--bert-no-binary-head", "--biencoder-shared-query-context-model",
         "--use-one-sent-docs", "--retriever-score-scaling", "--no-data-sharding", "--vision-pretraining",
         "--dino-norm-last-layer")},

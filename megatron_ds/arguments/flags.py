@@ -13,6 +13,8 @@ from megatron_ds.core.pipeline_schedules import SCHEDULES
 from megatron_ds.core.pipeline_split import add_split_flags
 from megatron_ds.core.transformer.transformer_config import (
     ATTENTION_BACKENDS,
+    FP8_FORMATS,
+    FP8_RECIPES,
     FUSION_BACKENDS,
     LLAMA3_SCALING_DEFAULTS,
     MOE_LOAD_BALANCING_TYPES,
@@ -578,6 +580,43 @@ def _add_multi_token_prediction_args(parser):
                             "--mtp-loss-scaling-factor 0.3 --mtp-loss-scaling-factor-by-tokens 10000000000000=0.1)")
 
 
+# Megatron-LM's --fp8-recipe choices built elsewhere only (Transformer Engine's), refused by name (checks.fp8_errors)
+UNBUILT_FP8_RECIPES = {"delayed": "delayed scaling (scales from an amax history of earlier iterations)",
+                       "mxfp8": "MXFP8 (Blackwell's 1x32 E8M0 block scales)"}
+DEFAULT_FP8_RECIPE = "tensorwise"
+
+
+def _add_fp8_args(parser):
+    """Megatron-LM's FP8 flags (its Transformer-Engine group) and Megatron-DeepSpeed's spellings of the format."""
+    group = parser.add_argument_group("FP8 training (docs/fp8.md)")
+    group.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                       help="the transformer layers' linear and expert GEMMs in FP8: e4m3 for every operand, or "
+                            "hybrid (E5M2 gradients); default off (the output layer, embedding, norms and attention "
+                            "stay in bf16); needs --bf16")
+    group.add_argument("--fp8-e4m3", action="store_true", help="Megatron-DeepSpeed's spelling of --fp8-format e4m3")
+    group.add_argument("--fp8-hybrid", action="store_true",
+                       help="Megatron-DeepSpeed's spelling of --fp8-format hybrid")
+    group.add_argument("--fp8-recipe", choices=(*FP8_RECIPES, *UNBUILT_FP8_RECIPES), default=None,
+                       help=f"how widely a scale is shared: tensorwise, rowwise, or blockwise (DeepSeek-V3's 1x128 "
+                            f"tiles and 128x128 weight blocks); default {DEFAULT_FP8_RECIPE} (Megatron-LM's default, "
+                            f"delayed, is not built; delayed and mxfp8 are refused)")
+    group.add_argument("--fp8-margin", type=int, default=0, help="scale = fp8_max / amax / 2**margin")
+    group.add_argument("--fp8-amax-history-len", type=int, default=None,
+                       help="delayed scaling's amax history (Megatron-LM's default 1): refused, delayed scaling is "
+                            "not built")
+    group.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"), default=None,
+                       help="delayed scaling's amax from its history (Megatron-LM's default most_recent): refused, "
+                            "delayed scaling is not built")
+    group.add_argument("--fp8-param-gather", action="store_true",
+                       help="FP8 parameters gathered in FP8: refused, not built (the weights stay bf16 and are "
+                            "quantised at each GEMM)")
+    group.add_argument("--first-last-layers-bf16", action="store_true",
+                       help="under FP8, keep the first --num-layers-at-start-in-bf16 and the last "
+                            "--num-layers-at-end-in-bf16 layers' GEMMs in bf16")
+    group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    group.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+
+
 def _add_unbuilt_feature_args(parser):
     """Megatron-DeepSpeed flags of features megatron_ds does not build (yet): parsed so that a launch script's
     command line reads, and refused by name (arguments/checks.py) when they ask for the feature."""
@@ -597,9 +636,12 @@ def _add_unbuilt_feature_args(parser):
                        action="store_false")
     group.add_argument("--enable-expert-tensor-parallelism", action="store_true")
     group.add_argument("--ds-sequence-parallel-size", type=int, default=1, help="DeepSpeed-Ulysses (1: off)")
-    group.add_argument("--ds-sequence-parallel-fpdt", action="store_true")
-    group.add_argument("--ds-sequence-parallel-fpdt-chunk-size", type=int, default=65536)
-    group.add_argument("--ds-sequence-parallel-fpdt-offloading", action="store_true")
+    group.add_argument("--ds-sequence-parallel-fpdt", action="store_true",
+                       help="DeepSpeed's FPDT attention: Ulysses over chunks of the sequence")
+    group.add_argument("--ds-sequence-parallel-fpdt-chunk-size", type=int, default=65536,
+                       help="FPDT: tokens per chunk (--seq-length must be a multiple)")
+    group.add_argument("--ds-sequence-parallel-fpdt-offloading", action="store_true",
+                       help="FPDT: the chunks' keys and values kept in host memory (a GPU only)")
     group.add_argument("--universal-checkpoint", action="store_true",
                        help="--load a DeepSpeed universal checkpoint (ds_to_universal's output, named by "
                             "latest_universal in --load) through DeepSpeed's universal loading; without one, "
@@ -631,7 +673,7 @@ def build_parser(prog="pretrain.py"):
     parser = _CollectingParser(prog=prog, description="Megatron-style GPT pretraining on DeepSpeed")
     for add in (_add_model_args, _add_fusion_args, _add_memory_args, _add_training_args, _add_parallel_args,
                 _add_logging_args, _add_data_args, _add_deepspeed_args, _add_checkpoint_args, _add_distillation_args,
-                _add_dropless_moe_args, _add_multi_token_prediction_args, _add_unbuilt_feature_args,
+                _add_dropless_moe_args, _add_multi_token_prediction_args, _add_fp8_args, _add_unbuilt_feature_args,
                 compat.add_arguments):
         add(parser)
     return parser

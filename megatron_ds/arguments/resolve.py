@@ -5,8 +5,8 @@ function named here, and the checks in `checks.py` only read:
 
   1. size_errors              sizes and counts that must be positive (stop here if any is not);
                               schedule_errors: one of --train-iters / --train-samples, LR flags in its unit
-  2. model_defaults           aliases (RoPE, recompute, flash attention, tokenizer names), positions, key/value
-                              heads, FFN width, tokenizer type, LR schedule lengths, whether it is an MoE
+  2. model_defaults           aliases (RoPE, recompute, flash attention, tokenizer names, FP8 format), positions,
+                              key/value heads, FFN width, tokenizer type, LR schedule lengths, whether it is an MoE
      pipeline_schedule_values the pipeline schedule and its chunks per rank, from --pipeline-schedule or its
                               Megatron spellings (--enable-zbh1-*, --num-*-virtual-*)
      context_parallel_values  the ring's CP degree and comm type; a2a (and a2a+p2p's inner level) as Ulysses
@@ -38,6 +38,7 @@ import re
 import torch
 
 from megatron_ds.arguments import checks, compat, configs
+from megatron_ds.arguments.flags import DEFAULT_FP8_RECIPE
 from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
@@ -84,7 +85,8 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     args.world_size = world_size
     raise_if_invalid(checks.size_errors(args))
     # on the flags as given
-    errors = checks.schedule_errors(args) + checks.moe_family_errors(args) + checks.rope_spelling_errors(args)
+    errors = (checks.schedule_errors(args) + checks.moe_family_errors(args) + checks.rope_spelling_errors(args)
+              + checks.fp8_spelling_errors(args))
     vars(args).update(model_defaults(args), **load_values(args))
     errors += _apply(args, profile_values(args))
     errors += _apply(args, pipeline_schedule_values(args))
@@ -104,7 +106,7 @@ def resolve(flags, world_size, on_this_host=True, layout_known=True) -> Resolved
     errors += (checks.zero_stage_errors(args)
                + checks.deepspeed_activation_checkpointing_errors(args)
                + checks.cpu_optimizer_errors(args, on_gpu=torch.cuda.is_available() if on_this_host else True)
-               + model_errors)
+               + checks.fp8_precision_errors(args) + model_errors)
     if on_this_host:
         errors += checks.this_host_errors(args)
     raise_if_invalid(errors)
@@ -136,7 +138,8 @@ def flag_errors(args, on_this_host):
               + checks.optimization_errors(args) + checks.checkpoint_errors(args)
               + checks.compatibility_errors(args) + checks.unbuilt_feature_errors(args) + checks.moe_errors(args)
               + checks.distillation_errors(args) + compat.compat_errors(args) + checks.load_tag_errors(args)
-              + checks.ulysses_errors(args) + checks.mtp_errors(args))
+              + checks.ulysses_errors(args) + checks.fpdt_errors(args) + checks.mtp_errors(args)
+              + checks.fp8_errors(args))
     # tools/plan.py plans every schedule; pretrain.py's engine runs those it has
     return errors + (checks.data_source_errors(args) + checks.engine_schedule_errors(args) if on_this_host else [])
 
@@ -152,7 +155,7 @@ def model_defaults(args):
               "lr_decay_samples": _given(args.lr_decay_samples, args.train_samples),
               "tokenizer_type": tokenizer_type(args)}
     values.update(moe_family_values(args, values["ffn_hidden_size"]))
-    values.update(rope_values(args))
+    values.update(rope_values(args), **fp8_values(args))
     if args.recompute_activations and args.recompute_granularity is None:
         values["recompute_granularity"] = "selective"
     if (args.checkpoint_activations or args.recompute_method) and args.recompute_granularity is None:
@@ -175,6 +178,12 @@ def rope_values(args):
     if args.use_rotary_position_embeddings or yarn_spelling:
         values["position_embedding_type"] = "rope"
     return values
+
+
+def fp8_values(args):
+    """The FP8 format (--fp8-format or Megatron-DeepSpeed's --fp8-e4m3 / --fp8-hybrid; None: off) and recipe
+    (tensorwise unless given: Megatron-LM's default, delayed, is not built)."""
+    return {"fp8_format": checks.fp8_format_of(args), "fp8_recipe": args.fp8_recipe or DEFAULT_FP8_RECIPE}
 
 
 def moe_family_values(args, ffn_hidden_size):
@@ -422,6 +431,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         attention_backend=args.attention_backend, cp_comm_type=ring_comm_type(args.cp_comm_type),
+        fpdt_chunk_size=args.ds_sequence_parallel_fpdt_chunk_size if args.ds_sequence_parallel_fpdt else None,
+        fpdt_offloading=args.ds_sequence_parallel_fpdt_offloading,
         init_method_std=args.init_method_std, init_seed=args.seed, params_dtype=args.params_dtype,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
@@ -440,7 +451,16 @@ def transformer_config_from_args(args) -> TransformerConfig:
     fields["mtp_num_layers"] = getattr(args, "mtp_num_layers", None) or 0
     rope_scaling = {name: getattr(args, name) for name in ROPE_SCALING_FIELDS}
     mla = {name: getattr(args, name) for name in MLA_FIELDS}
-    return TransformerConfig(**{**fields, **rope_scaling, **mla, **_dropless_moe_fields(args)})
+    return TransformerConfig(**{**fields, **rope_scaling, **mla, **_dropless_moe_fields(args), **_fp8_fields(args)})
+
+
+def _fp8_fields(args):
+    """The TransformerConfig's FP8 fields (none with FP8 off)."""
+    if getattr(args, "fp8_format", None) is None:
+        return {}
+    return dict(fp8_values(args), fp8_margin=args.fp8_margin, first_last_layers_bf16=args.first_last_layers_bf16,
+                num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
 
 
 def _dropless_moe_fields(args):

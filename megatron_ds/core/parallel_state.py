@@ -42,6 +42,7 @@ class _ParallelGroups:
 
 
 _GROUPS: Optional[_ParallelGroups] = None
+_ULYSSES_CHUNK_SIZE: Optional[int] = None  # FPDT: Ulysses over chunks of this many tokens (core/sequence_split.py)
 
 
 def _new_groups(rank_lists):
@@ -107,10 +108,11 @@ def _folded_topology(topology):
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               topology: Optional[ProcessTopology] = None, sequence_parallel_size: int = 1,
-                              context_parallel_size: int = 1):
+                              context_parallel_size: int = 1, ulysses_chunk_size: Optional[int] = None):
     """Create the TP, SP, CP, PP, DP, sequence-data-parallel and sequence-split groups for this rank.
-    torch.distributed must be initialized."""
-    global _GROUPS
+    torch.distributed must be initialized. ulysses_chunk_size: FPDT's chunk of the sequence, which decides which
+    tokens each Ulysses rank holds."""
+    global _GROUPS, _ULYSSES_CHUNK_SIZE
     if _GROUPS is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     if topology is None:
@@ -121,11 +123,20 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     pipeline_ranks, pipeline_group = _new_groups(topology.get_axis_comm_lists("pipe"))
     sequence_ranks, sequence_group = _new_groups(topology.get_axis_comm_lists("seq"))
     sequence_data_ranks, sequence_data_group = _new_groups(sequence_data_parallel_lists(topology))
-    context_ranks, context_group = _new_groups(topology.get_axis_comm_lists("context"))
-    split_ranks, split_group = _new_groups(sequence_split_lists(topology))
+    context_ranks, context_group, split_ranks, split_group = _context_groups(topology, sequence_ranks, sequence_group)
+    _ULYSSES_CHUNK_SIZE = ulysses_chunk_size
     _GROUPS = _ParallelGroups(topology, tensor_ranks, pipeline_ranks, data_ranks, sequence_ranks,
                               sequence_data_ranks, context_ranks, split_ranks, tensor_group, pipeline_group,
                               data_group, sequence_group, sequence_data_group, context_group, split_group)
+
+
+def _context_groups(topology, sequence_ranks, sequence_group):
+    """(CP ranks, CP group, sequence-split ranks, sequence-split group) of this rank. Without CP no group is made
+    (a launch of thousands of ranks would make as many single-rank groups): the CP group is None and the
+    sequence-split group is Ulysses'."""
+    if topology.get_dim("context") == 1:
+        return [dist.get_rank()], None, sequence_ranks, sequence_group
+    return (*_new_groups(topology.get_axis_comm_lists("context")), *_new_groups(sequence_split_lists(topology)))
 
 
 def model_parallel_is_initialized() -> bool:
@@ -133,8 +144,13 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel():
-    global _GROUPS
-    _GROUPS = None
+    global _GROUPS, _ULYSSES_CHUNK_SIZE
+    _GROUPS, _ULYSSES_CHUNK_SIZE = None, None
+
+
+def get_ulysses_chunk_size() -> Optional[int]:
+    """FPDT's chunk of the sequence (None without FPDT)."""
+    return _ULYSSES_CHUNK_SIZE
 
 
 def _groups() -> _ParallelGroups:
@@ -223,7 +239,7 @@ def get_sequence_parallel_rank() -> int:
 
 
 def get_context_parallel_group():
-    """The ring's ranks (CP): those holding the other chunks of this rank's part of a sample."""
+    """The ring's ranks (CP): those holding the other chunks of this rank's part of a sample (None without CP)."""
     return _groups().context_group
 
 

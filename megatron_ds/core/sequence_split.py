@@ -44,12 +44,26 @@ def context_parallel_positions(sequence_length, cp_size, cp_rank):
                       for part in load_balanced_chunks(sequence_length, cp_size, cp_rank)])
 
 
-def positions_of(sequence_length, context_size=1, context_rank=0, ulysses_size=1, ulysses_rank=0, device=None):
-    """The global positions (a LongTensor of sequence_length / (CP x SP)) of the tokens a rank holds, in its order."""
+def positions_of(sequence_length, context_size=1, context_rank=0, ulysses_size=1, ulysses_rank=0, device=None,
+                 ulysses_chunks=1):
+    """The global positions (a LongTensor of sequence_length / (CP x SP)) of the tokens a rank holds, in its order.
+    ulysses_chunks > 1 (FPDT, without CP): the sequence is cut into ulysses_chunks x SP pieces and Ulysses rank r
+    holds pieces r, r + SP, r + 2 SP, ..., so that Ulysses' all-to-all of every rank's k-th piece gathers the k-th
+    chunk of the sequence, in order (DeepSpeed's FPDT_InputConstruct)."""
+    if ulysses_chunks > 1:
+        piece = sequence_length // (ulysses_size * ulysses_chunks)
+        return torch.cat([torch.arange(first, first + piece) for first in
+                          range(ulysses_rank * piece, sequence_length, ulysses_size * piece)]).to(device)
     context_part = (context_parallel_positions(sequence_length, context_size, context_rank) if context_size > 1
                     else torch.arange(sequence_length))
     width = context_part.numel() // ulysses_size
     return context_part[ulysses_rank * width:(ulysses_rank + 1) * width].to(device)
+
+
+def ulysses_chunks(sequence_length):
+    """FPDT's chunks of a sequence (1 without FPDT)."""
+    chunk = parallel_state.get_ulysses_chunk_size()
+    return sequence_length // chunk if chunk else 1
 
 
 def local_positions(sequence_length, device=None):
@@ -57,7 +71,7 @@ def local_positions(sequence_length, device=None):
     return positions_of(sequence_length, parallel_state.get_context_parallel_world_size(),
                         parallel_state.get_context_parallel_rank(),
                         parallel_state.get_sequence_parallel_world_size(),
-                        parallel_state.get_sequence_parallel_rank(), device)
+                        parallel_state.get_sequence_parallel_rank(), device, ulysses_chunks(sequence_length))
 
 
 def is_split():
@@ -81,7 +95,8 @@ def whole_sequence(tensor, dim=1):
     length = tensor.size(dim) * ranks
     context = parallel_state.get_context_parallel_world_size()
     ulysses = parallel_state.get_sequence_parallel_world_size()
-    order = torch.cat([positions_of(length, context, index // ulysses, ulysses, index % ulysses)
+    order = torch.cat([positions_of(length, context, index // ulysses, ulysses, index % ulysses,
+                                    ulysses_chunks=ulysses_chunks(length))
                        for index in range(ranks)]).to(tensor.device)
     whole = torch.empty_like(torch.cat(parts, dim=dim))
     return whole.index_copy_(dim, order, torch.cat(parts, dim=dim))

@@ -44,7 +44,8 @@ class SamplingParams:
 _INFERENCE_VALUES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "sequence_parallel": False,
                      "recompute_activations": False, "recompute_granularity": None, "recompute_method": None,
                      "recompute_num_layers": None, "distribute_saved_activations": False,
-                     "mtp_num_layers": None}  # generation ignores the multi-token prediction modules' weights
+                     "mtp_num_layers": None,  # generation ignores the multi-token prediction modules' weights
+                     "ds_sequence_parallel_fpdt": False}  # one rank holds the whole sequence
 
 
 def inference_args(saved_args):

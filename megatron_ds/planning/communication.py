@@ -50,6 +50,15 @@ elements out and the experts' outputs back; backward their two conjugates. Routi
 receives as many rows as it sends, (EP - 1)/EP of each all-to-all leaving it (DeepSeek-V3 at EP 64: 63/64);
 full recompute repeats the forward's three. TP changes against a dense layer: dropless_layers_tensor_parallel_change
 (with expert TP it counts the gather of the received rows over TP and the reduce-scatter of the partial outputs).
+FP8 (--fp8-format), per FP8 layer and micro-batch at TP > 1 (fp8_amax_reductions_per_layer): the amaxes whose
+scaling region spans what TP splits are all-reduced (MAX) over TP, fp32: tensorwise a column-parallel linear's
+weight (forward) and output gradient (backward), a row-parallel one's input and weight (forward); rowwise the
+same operands' per-row amaxes where the row runs along the split (column-parallel: W^T's rows forward, the
+gradient's tokens backward; row-parallel: the input's tokens and the weight's rows forward); blockwise none. A
+few bytes each, so their time is latency: the time model charges each one a latency (performance.py). Full
+recompute repeats the forward's. With SP an FP8 column-parallel linear keeps the gathered tokens in FP8, so its
+backward all-gathers no saved input shard again (fp8_tensor_parallel_change). Counted for the attention's
+QKV and projection and a dense MLP (or a dropless layer's shared expert); MLA's and DeepSpeed-MoE's are not.
 """
 import math
 from dataclasses import dataclass
@@ -449,6 +458,89 @@ def _balance_counts_bytes(config, layout):
     return all_reduce_bytes(layout.tp, 4 * counts)
 
 
+@dataclass(frozen=True)
+class AmaxReductions:
+    """One FP8 layer, one micro-batch: the amax all-reduces over TP and the bytes one device sends for them."""
+    forward: int
+    backward: int
+    forward_bytes: float
+    backward_bytes: float
+
+
+def _fp8_tp_linears(model: ModelSpec, layer_number: int):
+    """(split, inputs, outputs) of layer `layer_number`'s FP8 linears whose amaxes TP reduces: QKV and fc1
+    column-parallel ("outputs"), the projection and fc2 row-parallel ("inputs"), whole sizes; fc1 and fc2 those
+    of the dense MLP or a dropless layer's shared expert, none for DeepSpeed-MoE's."""
+    config = model.config
+    h, heads_width = config.hidden_size, config.num_attention_heads * config.kv_channels
+    linears = [("outputs", h, (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels),
+               ("inputs", heads_width, h)]
+    if config.dropless_moe_in_layer(layer_number):
+        ffn = config.moe_shared_expert_intermediate_size or 0
+    else:
+        ffn = config.ffn_hidden_size if config.experts_in_layer(layer_number) == 1 else 0
+    if ffn:
+        linears += [("outputs", h, ffn * (2 if config.gated_linear_unit else 1)), ("inputs", ffn, h)]
+    return linears
+
+
+def _amax_payloads(recipe, split, inputs, outputs, tokens):
+    """(forward, backward) fp32 amax payloads, in bytes, one linear reduces over TP (the module docstring)."""
+    if recipe == "tensorwise":
+        return ([4], [4]) if split == "outputs" else ([4, 4], [])
+    if recipe == "rowwise":
+        return ([4 * inputs], [4 * tokens]) if split == "outputs" else ([4 * tokens, 4 * outputs], [])
+    return [], []
+
+
+def fp8_amax_reductions_per_layer(model: ModelSpec, layout: Layout, layer_number: int = 1) -> AmaxReductions:
+    """The amax all-reduces of layer `layer_number` (0 where it keeps bf16, or at TP 1)."""
+    config = model.config
+    if layout.tp == 1 or config.multi_latent_attention or not config.fp8_in_layer(layer_number):
+        return AmaxReductions(0, 0, 0.0, 0.0)
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
+    forward, backward = [], []
+    for split, inputs, outputs in _fp8_tp_linears(model, layer_number):
+        sizes = (inputs // layout.tp, outputs) if split == "inputs" else (inputs, outputs // layout.tp)
+        ahead, behind = _amax_payloads(config.fp8_recipe, split, *sizes, tokens)
+        forward, backward = forward + ahead, backward + behind
+    return AmaxReductions(len(forward), len(backward), sum(all_reduce_bytes(layout.tp, p) for p in forward),
+                          sum(all_reduce_bytes(layout.tp, p) for p in backward))
+
+
+def _fp8_layer_numbers(model: ModelSpec, stage):
+    return [n for n in range(stage.first_layer, stage.first_layer + stage.num_layers)
+            if model.config.fp8_in_layer(n)]
+
+
+def fp8_amax_reductions_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> tuple:
+    """(count, bytes sent) of a stage's amax all-reduces per micro-batch, full recompute's forward ones again."""
+    numbers = _fp8_layer_numbers(model, stage)
+    recomputed = set(range(stage.first_layer, stage.first_layer + layout.recomputed_layers(stage.num_layers)))
+    count, sent = 0, 0.0
+    for n in numbers:
+        reductions = fp8_amax_reductions_per_layer(model, layout, n)
+        again = n in recomputed
+        count += reductions.forward * (1 + again) + reductions.backward
+        sent += reductions.forward_bytes * (1 + again) + reductions.backward_bytes
+    return count, sent
+
+
+def fp8_tensor_parallel_change(model: ModelSpec, layout: Layout, stage) -> float:
+    """TP bytes FP8 changes per micro-batch on a stage: its amax all-reduces, and with SP, less the all-gathers of
+    the saved input shards that FP8 column-parallel linears (QKV, fc1) no longer make."""
+    if layout.tp == 1 or model.config.fp8_format is None:
+        return 0.0
+    amax = fp8_amax_reductions_per_micro_batch(model, layout, stage)[1]
+    if not layout.sequence_parallel or model.config.multi_latent_attention:
+        return amax
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
+    regathers = sum(split == "outputs" for n in _fp8_layer_numbers(model, stage)
+                    for split, _, _ in _fp8_tp_linears(model, n))
+    return amax - regathers * all_gather_bytes(layout.tp, payload)
+
+
 def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> dict:
     """Bytes one device of `stage` (a StageParameters) sends per micro-batch on each axis: 'tensor' (its layers'
     collectives, the gathers of messages split over TP, the embedding's and the head's), 'pipeline', 'ulysses',
@@ -457,7 +549,8 @@ def stage_traffic_per_micro_batch(model: ModelSpec, layout: Layout, stage) -> di
             + pipeline_gather_bytes_per_micro_batch(model, layout, stage.stage)
             + embedding_and_head_bytes_per_micro_batch(model, layout, stage.stage)
             + moe_layers_tensor_parallel_change(model, layout, stage)
-            + dropless_layers_tensor_parallel_change(model, layout, stage),
+            + dropless_layers_tensor_parallel_change(model, layout, stage)
+            + fp8_tensor_parallel_change(model, layout, stage),
             "pipeline": pipeline_bytes_per_micro_batch(model, layout, stage.stage),
             "ulysses": ulysses_bytes_per_micro_batch(model, layout, stage.num_layers),
             "context": context_bytes_per_micro_batch(model, layout, stage.num_layers),

@@ -6,6 +6,11 @@ full recompute adds one forward of every recomputed layer (all of them with the 
 72 -> 96, V/(12lh) -> V/(16lh); "block" recomputes only N layers per stage, the first N of it, which
 matters with MoE layers: they cost the router and k experts' MLPs, core/models/gpt/flops.py); a multi-token
 prediction module's layer is its own chunk, recomputed under either method.
+
+FP8 (config.fp8_format): the weight GEMMs of the layers config.fp8_in_layer names (QKV, projection, MLP, MLA's
+projections, the experts; forward, input and weight gradient, recompute's forward again) and each multi-token
+prediction projection run in FP8; the router, the shared expert's gate, PR-MoE's coefficient, attention's
+scores and context, and the output head stay in 16-bit (docs/fp8.md).
 """
 from megatron_ds.core.models.gpt import flops as model_flops
 from megatron_ds.core.pipeline_split import first_layers
@@ -73,4 +78,42 @@ def stage_hardware_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_l
                                                                                        first_layer)
     if last:
         flops += 3 * (per_token.head + per_token.mtp) + mtp_recompute_flops_per_token(model, layout)
+    return flops * layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False) / layout.tp
+
+
+def fp8_gemm_flops_per_token(config, layer_number) -> float:
+    """Forward FLOPs per token of layer `layer_number`'s GEMMs that run in FP8: its weight GEMMs less the 16-bit
+    routing ones (the router 2hE; the shared expert's gate 2h; PR-MoE's coefficient 2 x 2h); 0 in a bf16 layer."""
+    if not config.fp8_in_layer(layer_number):
+        return 0.0
+    h = config.hidden_size
+    if config.dropless_moe_in_layer(layer_number):
+        routing = 2 * h * config.num_moe_experts + (2 * h if config.moe_shared_expert_gate else 0)
+    else:
+        experts = config.experts_in_layer(layer_number)
+        routing = 0 if experts == 1 else 2 * h * experts + (2 * 2 * h if config.moe_residual else 0)
+    return model_flops.layer_gemm_flops_per_token(config, layer_number) - routing
+
+
+def _mtp_fp8_flops_per_token(config, recomputed: bool) -> float:
+    """The multi-token prediction modules' FP8 GEMMs per token: each projection (2h -> h) and layer, 3 x forward,
+    and under full recompute each layer's forward again."""
+    if config.fp8_format is None:
+        return 0.0
+    layers = [fp8_gemm_flops_per_token(config, config.num_layers + depth)
+              for depth in range(1, config.mtp_num_layers + 1)]
+    projections = config.mtp_num_layers * 2 * 2 * config.hidden_size ** 2
+    return 3 * (sum(layers) + projections) + (sum(layers) if recomputed else 0.0)
+
+
+def stage_fp8_flops_per_micro_batch(model: ModelSpec, layout: Layout, num_layers: int, last: bool,
+                                    first_layer: int = 1) -> float:
+    """Of stage_hardware_flops_per_micro_batch, the FLOPs of GEMMs that run in FP8 (0 without --fp8-format)."""
+    config = model.config
+    if config.fp8_format is None:
+        return 0.0
+    layers = [fp8_gemm_flops_per_token(config, n) for n in range(first_layer, first_layer + num_layers)]
+    flops = 3 * sum(layers) + sum(layers[:layout.recomputed_layers(num_layers)])
+    if last:
+        flops += _mtp_fp8_flops_per_token(config, layout.recompute == "full")
     return flops * layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False) / layout.tp

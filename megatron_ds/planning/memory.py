@@ -90,6 +90,7 @@ from megatron_ds.planning.model import Layout, ModelSpec, expert_data_parallel_s
 from megatron_ds.planning.parameters import StageParameters, teacher_parameters, total_parameters
 
 GIB = 1024 ** 3
+FP8_BLOCK = 128  # core/tensor_parallel/fp8.py's tile and block edge
 # Assumed: CUDA context, NCCL buffers, allocator fragmentation and DeepSpeed's communication buffers.
 RUNTIME_OVERHEAD_BYTES = 2 * GIB
 
@@ -128,15 +129,16 @@ def sharded_state_bytes(state: StateBytes, zero_stage: int, dp: int) -> StateByt
 
 def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
     """One transformer layer, one micro-batch, one device, for the layout's SP and recompute choice."""
-    return layer_activation_bytes(model, layout, layout.recompute)
+    return layer_activation_bytes(model, layout, layout.recompute, fp8=model.config.fp8_format is not None)
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts: int = 1, device="cuda",
-                           dropless: bool = False) -> float:
+                           dropless: bool = False, fp8: bool = False) -> float:
     """As activation_bytes_per_layer, for recompute None, "selective" or "full", of a dense layer, one with
     `experts` DeepSpeed-MoE experts or (dropless) a dropless MoE layer: the module docstring's count from the layer's
     config, s/U tokens per rank (s/(tU) outside TP regions with SP) and attention over the whole s for a/(tU)
-    heads; on a GPU, or with device "cpu" as a CPU runs it (tools/activation_memory.py)."""
+    heads; on a GPU, or with device "cpu" as a CPU runs it (tools/activation_memory.py); fp8: its GEMMs in FP8
+    (fp8_layer_change)."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
     config, s, b = model.config, model.seq_length, layout.micro_batch_size
@@ -153,7 +155,77 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts:
     else:
         mlp = (replicated_tokens * width * config.hidden_size
                + split_tokens * _mlp_bytes_per_token(config, width) / layout.tp)
-    return attention + mlp + _rotary_angle_bytes(model, layout)
+    change = fp8_layer_change(model, layout, recompute, experts, dropless, device) if fp8 else 0.0
+    return attention + mlp + _rotary_angle_bytes(model, layout) + change
+
+
+def fp8_copies_bytes(inputs: int, outputs: float, tokens: float, recipe: str) -> float:
+    """What one FP8 linear keeps for backward (core/tensor_parallel/fp8.py's _Fp8Linear): x^T [inputs, tokens] and
+    W^T [inputs, outputs] in FP8, one byte an element, and their fp32 dequantisation scales: tensorwise one each,
+    rowwise one per row of each; blockwise x^T per 1x128 tile of tokens (padded to whole tiles) and W^T per
+    128x128 block (padded to whole blocks)."""
+    if recipe == "blockwise":
+        token_tiles, input_blocks, output_blocks = (math.ceil(n / FP8_BLOCK) for n in (tokens, inputs, outputs))
+        data = inputs * token_tiles * FP8_BLOCK + input_blocks * output_blocks * FP8_BLOCK ** 2
+        return data + 4 * (inputs * token_tiles + input_blocks * output_blocks)
+    scales = 2 * inputs if recipe == "rowwise" else 2
+    return inputs * (tokens + outputs) + 4 * scales
+
+
+def fp8_layer_change(model: ModelSpec, layout: Layout, recompute, experts: int = 1, dropless: bool = False,
+                     device="cuda") -> float:
+    """What running a layer's GEMMs in FP8 changes in what it keeps (recompute None or "selective"): each FP8
+    linear's copies (fp8_copies_bytes; the column-parallel ones of the whole tokens, which they take gathered
+    under SP), less the 16-bit inputs no other op keeps: QKV's and fc1's (the norms' outputs), fc2's (the
+    activation's output), the projection's where attention's kernel does not keep that tensor as its own output
+    (selective recompute, the local path, the ring, Ulysses' all-to-all). Multi-latent attention and DeepSpeed-MoE's
+    experts are counted as in bf16 (the plan warns); a dropless MoE layer's experts: fp8_dropless_change."""
+    config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
+    if config.multi_latent_attention:
+        return 0.0
+    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
+    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    heads_width = config.num_attention_heads * config.kv_channels
+    qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+    kernel = "ring" if layout.context > 1 else attention_kernel(config, device)
+    projection_input_freed = recompute == "selective" or kernel in ("local", "ring") or layout.ulysses > 1
+    change = (fp8_copies_bytes(h, qkv_width / t, tokens, recipe) - width * h * replicated
+              + fp8_copies_bytes(heads_width // t, h, tokens, recipe)
+              - (width * heads_width / t * tokens if projection_input_freed else 0.0))
+    if dropless:
+        return change + fp8_dropless_change(model, layout)
+    if experts > 1:
+        return change
+    return change + _fp8_mlp_change(model, layout, config.ffn_hidden_size, whole_input_freed=True)
+
+
+def _fp8_mlp_change(model, layout, ffn_hidden_size, whole_input_freed):
+    """A dense MLP of width F in FP8: fc1's and fc2's copies, less fc2's 16-bit input (the activation's output)
+    and, where fc1 alone keeps it (whole_input_freed), fc1's (the norm's output; 16-bit on this rank's tokens)."""
+    config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
+    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
+    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    fc1_width = ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    return (fp8_copies_bytes(h, fc1_width / t, tokens, recipe) - (width * h * replicated if whole_input_freed else 0)
+            + fp8_copies_bytes(ffn_hidden_size // t, h, tokens, recipe) - width * ffn_hidden_size / t * tokens)
+
+
+def fp8_dropless_change(model: ModelSpec, layout: Layout, received_rows=None) -> float:
+    """A dropless MoE layer's MLP in FP8 (dropless_moe_mlp_bytes): each of this rank's E / EP experts computes an
+    even share of the rows, its gate and up GEMMs each keeping FP8 copies of the rows (fp8_copies_bytes) where the
+    16-bit rows went, its down GEMM the product's; the shared expert as a dense MLP (its input freed only where it
+    keeps its own whole copy: TP without SP)."""
+    config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
+    h, slices = config.hidden_size, layout.tp if config.moe_expert_tensor_parallel else 1
+    local_experts = config.num_moe_experts // config.moe_expert_parallel_size
+    received = dropless_received_rows(model, layout) if received_rows is None else received_rows
+    rows, ffn = slices * received / local_experts, config.moe_ffn_hidden_size // slices
+    per_expert = (2 * fp8_copies_bytes(h, ffn, rows, recipe) + fp8_copies_bytes(ffn, h, rows, recipe)
+                  - width * rows * (h + ffn))
+    shared = config.moe_shared_expert_intermediate_size
+    shared_change = _fp8_mlp_change(model, layout, shared, whole_input_freed=layout.tp > 1
+                                    and not layout.sequence_parallel) if shared else 0.0
+    return local_experts * per_expert + shared_change
 
 
 def _activation_width(model):
@@ -428,13 +500,15 @@ def _layer_activations_per_micro_batch(model, layout, kinds):
 
 
 def _layer_kind(config, layer_number):
-    """(DeepSpeed-MoE experts, whether a dropless MoE layer) of layer `layer_number`: what its activations depend on."""
-    return config.experts_in_layer(layer_number), config.dropless_moe_in_layer(layer_number)
+    """(DeepSpeed-MoE experts, whether a dropless MoE layer, whether in FP8) of layer `layer_number`: what its
+    activations depend on."""
+    return (config.experts_in_layer(layer_number), config.dropless_moe_in_layer(layer_number),
+            config.fp8_in_layer(layer_number))
 
 
 def _kind_activation_bytes(model, layout, recompute, kind):
-    experts, dropless = kind
-    return layer_activation_bytes(model, layout, recompute, experts, dropless=dropless)
+    experts, dropless, fp8 = kind
+    return layer_activation_bytes(model, layout, recompute, experts, dropless=dropless, fp8=fp8)
 
 
 def _pipeline_buffer_bytes(model, layout, stage, in_flight):
@@ -481,8 +555,22 @@ def _backward_working_set_bytes(model, layout, kinds):
     fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
     fc1 = layout.tokens_per_rank(s, split_over_tp=False) * b * fc1_width / layout.tp
     rows = dropless_routed_tokens(model, layout) * config.moe_router_topk * config.hidden_size
-    widest = max((rows if dropless else fc1 for _, dropless in kinds), default=fc1)
-    return max(width * widest, context_backward_working_set_bytes(model, layout)) + width * hidden
+    widest = max((rows if dropless else fc1 for _, dropless, _ in kinds), default=fc1)
+    quantisation = fp8_quantisation_bytes(model, layout) if any(fp8 for _, _, fp8 in kinds) else 0.0
+    return max(width * widest, context_backward_working_set_bytes(model, layout)) + width * hidden + quantisation
+
+
+# fp8.quantize's fp32 temporaries of one operand alive at once: its fp32 copy, the scaled product and its clamp
+FP8_QUANTISATION_BYTES_PER_ELEMENT = 12
+
+
+def fp8_quantisation_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The transient of quantising the largest operand of a layer's FP8 GEMMs (estimated, held to the dry run): 12
+    bytes per element of fc1's weight shard (forward) or of its output gradient (backward), whole tokens."""
+    config = model.config
+    fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1) / layout.tp
+    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
+    return FP8_QUANTISATION_BYTES_PER_ELEMENT * fc1_width * max(config.hidden_size, tokens)
 
 
 def context_backward_working_set_bytes(model: ModelSpec, layout: Layout) -> float:

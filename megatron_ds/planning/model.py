@@ -41,6 +41,15 @@ class ModelSpec:
     def sixteen_bit(self) -> bool:
         return self.precision != "fp32"
 
+    def describe_precision(self) -> str:
+        """"bf16", or "bf16, FP8 GEMMs (tensorwise, e4m3[, first 1 and last 1 layers bf16])"."""
+        config = self.config
+        if config.fp8_format is None:
+            return self.precision
+        kept = (f", first {config.num_layers_at_start_in_bf16} and last {config.num_layers_at_end_in_bf16} layers "
+                f"bf16" if config.first_last_layers_bf16 else "")
+        return f"{self.precision}, FP8 GEMMs ({config.fp8_recipe}, {config.fp8_format}{kept})"
+
     @property
     def learned_positions(self) -> bool:
         return self.config.position_embedding_type == "learned_absolute"
@@ -139,6 +148,17 @@ class Cluster:
     def peak_flops(self, sixteen_bit: bool) -> float:
         tflops = self.peak_tflops_override or self.device.peak_tflops(sixteen_bit)
         return tflops * 1e12
+
+    def peak_fp8_flops(self) -> float:
+        """The device's FP8 GEMM peak, scaled as --peak-tflops scales its 16-bit one (0 without FP8)."""
+        scale = self.peak_tflops_override / self.device.peak_16bit_tflops if self.peak_tflops_override else 1.0
+        return (self.device.peak_fp8_tflops or 0.0) * scale * 1e12
+
+
+def fp8_device_errors(model: ModelSpec, device: DeviceSpec) -> List[str]:
+    """FP8 asked for on a device without FP8 GEMMs: the device and what it lacks."""
+    problem = device.fp8_problem() if model.config.fp8_format else None
+    return [f"--fp8-format {model.config.fp8_format} cannot run on --device: {problem}"] if problem else []
 
 
 def parallel_layout(model: ModelSpec, layout: Layout) -> ParallelLayout:

@@ -2,12 +2,17 @@
 
 The model (assumptions also printed with every plan and listed in docs/planning.md):
 - compute runs at `compute_efficiency` x the device's peak (one factor for GEMMs and the memory-bound
-  ops between them); communication at `bandwidth_efficiency` x link bandwidth; latency terms ignored;
+  ops between them); with FP8 the GEMMs that run in FP8 at that fraction of the device's FP8 peak (H100: 1,979
+  TFLOP/s dense against 989 in bf16), their quantisation counted in the same factor; communication at
+  `bandwidth_efficiency` x link bandwidth; latency terms ignored (but FP8's amax all-reduces, below);
 - nothing overlaps: TP collectives, Ulysses and MoE all-to-alls, pipeline sends/receives, the data-parallel
   reduction and the optimizer step all add to the compute time (Megatron's TP collectives and DeepSpeed's
   Ulysses all-to-alls sit on the critical path; DeepSpeed's pipeline engine sends/receives blockingly and
   reduces gradients after the last micro-batch); but CP's ring: each hop travels while a block computes, so only
   what a hop takes beyond its block's compute adds (context_exposed_seconds); allgather's gathers wait whole;
+- FP8's amax all-reduces over TP (a few bytes each, communication.fp8_amax_reductions_per_micro_batch) cost
+  `amax_all_reduce_latency_us` each, assumed (an NCCL all-reduce of a few bytes inside a node takes on the order
+  of 10 us), not measured;
 - 1F1B: an iteration takes (m + p - 1) slots of the slowest stage's forward + backward for one
   micro-batch, so the bubble is (p - 1) / (m + p - 1) of it; the other pipeline schedules are simulated with
   every stage as slow as the slowest (planning/pipeline.py);
@@ -25,6 +30,7 @@ from megatron_ds.planning.hardware_flops import (
     forward_flops_per_token,
     hardware_flops_per_iteration,
     model_flops_per_iteration,
+    stage_fp8_flops_per_micro_batch,
     stage_hardware_flops_per_micro_batch,
 )
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec, expert_data_parallel_size
@@ -37,8 +43,9 @@ class PerformanceAssumptions:
     bandwidth_efficiency: float = 0.7
     checkpoint_write_gbs: float = 20.0          # the file system's aggregate write bandwidth, GB/s
     mtbf_hours: Optional[float] = None          # the job's mean time between failures (a --save-interval for it)
+    amax_all_reduce_latency_us: float = 10.0    # each FP8 amax all-reduce over TP: latency, its bytes are a few
 
-    def describe(self):
+    def describe(self, fp8: bool = False):
         return [f"compute at {self.compute_efficiency:.0%} of the device's peak FLOP/s (GEMMs and the "
                 f"memory-bound ops between them, one factor)",
                 f"communication at {self.bandwidth_efficiency:.0%} of link bandwidth (ring collectives, "
@@ -49,6 +56,8 @@ class PerformanceAssumptions:
                 "1F1B schedule: (m + p - 1) slots of the slowest stage's forward + backward per micro-batch; "
                 "ZB-H1, interleaved and DualPipeV: their order simulated with every stage as slow as the slowest, "
                 "forward : input gradient : weight gradient = 1 : 1 (2 with full recompute) : 1",
+                *([f"FP8: GEMMs in FP8 at {self.compute_efficiency:.0%} of the device's FP8 peak; each amax "
+                   f"all-reduce over TP {self.amax_all_reduce_latency_us:g} us (latency, assumed)"] if fp8 else []),
                 f"checkpoints written at {self.checkpoint_write_gbs:g} GB/s in all (--checkpoint-write-gbs)"
                 + (f"; a failure every {self.mtbf_hours:g} h (--mtbf-hours)" if self.mtbf_hours else "")]
 
@@ -79,11 +88,13 @@ class StageTime:
     ulysses_all_to_all: float = 0.0   # Ulysses q, k, v and context over the sequence-parallel group
     context_exposed: float = 0.0      # CP's key/value traffic not hidden behind the attention blocks
     context_hidden: float = 0.0       # CP's traffic behind the blocks' compute (not in the total)
+    fp8_amax_reductions: int = 0      # FP8's amax all-reduces over TP
+    fp8_amax_latency: float = 0.0     # their latency
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_parallel + self.pipeline_p2p + self.grad_accumulation
-                + self.expert_all_to_all + self.ulysses_all_to_all + self.context_exposed)
+                + self.expert_all_to_all + self.ulysses_all_to_all + self.context_exposed + self.fp8_amax_latency)
 
 
 def stage_time(model, layout, cluster, assumptions, stage: StageParameters, links) -> StageTime:
@@ -97,15 +108,22 @@ def stage_time(model, layout, cluster, assumptions, stage: StageParameters, link
         return nbytes / (bandwidth * assumptions.bandwidth_efficiency) if nbytes else 0.0
 
     rate = cluster.peak_flops(model.sixteen_bit) * assumptions.compute_efficiency
+    fp8_flops = stage_fp8_flops_per_micro_batch(model, layout, stage.num_layers,
+                                                last=stage.stage == pipeline.head_rank(layout),
+                                                first_layer=stage.first_layer)
+    fp8_seconds = fp8_flops / (cluster.peak_fp8_flops() * assumptions.compute_efficiency) if fp8_flops else 0.0
     context_link = links.context * assumptions.bandwidth_efficiency
     exposed = context_exposed_seconds(model, layout, stage.num_layers, rate, context_link)
-    return StageTime(stage=stage.stage, compute=flops / rate,
+    amax_reductions = comm.fp8_amax_reductions_per_micro_batch(model, layout, stage)[0]
+    return StageTime(stage=stage.stage, compute=(flops - fp8_flops) / rate + fp8_seconds,
                      tensor_parallel=seconds(sent["tensor"], links.tensor),
                      pipeline_p2p=seconds(sent["pipeline"], links.pipeline),
                      grad_accumulation=_grad_accumulation_bytes(model, layout, stage.total) / hbm,
                      expert_all_to_all=seconds(sent["expert"], links.expert),
                      ulysses_all_to_all=seconds(sent["ulysses"], links.ulysses),
-                     context_exposed=exposed, context_hidden=seconds(sent["context"], links.context) - exposed)
+                     context_exposed=exposed, context_hidden=seconds(sent["context"], links.context) - exposed,
+                     fp8_amax_reductions=amax_reductions,
+                     fp8_amax_latency=amax_reductions * assumptions.amax_all_reduce_latency_us * 1e-6)
 
 
 def attention_block_seconds(model: ModelSpec, layout: Layout, rate: float) -> float:

@@ -33,7 +33,7 @@ from megatron_ds.launch.devices import DEVICES, device_spec
 from megatron_ds.planning import report
 from megatron_ds.planning.memory import GIB, RUNTIME_OVERHEAD_BYTES
 from megatron_ds.planning.meta import check_against_formula
-from megatron_ds.planning.model import Cluster, ModelSpec
+from megatron_ds.planning.model import Cluster, ModelSpec, fp8_device_errors
 from megatron_ds.planning.parameters import active_parameters, total_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions
 from megatron_ds.planning.planner import dropless_moe_section, make_plan, moe_section
@@ -144,7 +144,7 @@ def model_summary(model: ModelSpec) -> dict:
     return {"layers": config.num_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
             "kv_heads": config.num_query_groups, "kv_channels": config.kv_channels, "ffn": config.ffn_hidden_size,
             "seq_length": model.seq_length, "max_position_embeddings": model.max_position_embeddings,
-            "vocab_size": model.vocab_size, "precision": model.precision, "features": features,
+            "vocab_size": model.vocab_size, "precision": model.describe_precision(), "features": features,
             "total_parameters": total_parameters(model), "active_parameters": active_parameters(model),
             **({"moe": moe} if config.is_moe else {}), **({"dropless_moe": moe} if config.is_dropless_moe else {})}
 
@@ -160,12 +160,13 @@ def cluster_summary(cluster: Cluster, sixteen_bit: bool) -> dict:
     device = cluster.device
     return {"world_size": cluster.world_size, "gpus_per_node": cluster.gpus_per_node, "device": device.name,
             "memory_gib": device.memory_gib, "peak_tflops": cluster.peak_flops(sixteen_bit) / 1e12,
+            "peak_fp8_tflops": cluster.peak_fp8_flops() / 1e12,
             "memory_bandwidth_gbs": device.memory_bandwidth_gbs, "intra_node_gbs": device.intra_node_gbs,
             "inter_node_gbs": device.inter_node_gbs, "source": device.source}
 
 
-def assumptions_text(assumptions: PerformanceAssumptions):
-    return assumptions.describe() + [
+def assumptions_text(assumptions: PerformanceAssumptions, fp8: bool = False):
+    return assumptions.describe(fp8) + [
         f"memory: {RUNTIME_OVERHEAD_BYTES / GIB:g} GiB per device for CUDA context, NCCL and allocator slack; "
         f"activation bytes from Korthikanti et al. 2022 (docs/formulas.md); peak over the micro-batches a stage holds "
         f"in flight (1F1B: min(p - stage, m); other schedules: simulated)"]
@@ -182,11 +183,12 @@ def run(args) -> tuple:
     """(result dict, exit status)."""
     checked = validated_args(args)
     model = model_spec(checked)
+    raise_if_invalid(fp8_device_errors(model, device_spec(checked.device)))
     cluster = Cluster(device_spec(checked.device), checked.world_size, checked.gpus_per_node, checked.peak_tflops)
     assumptions = PerformanceAssumptions(checked.compute_efficiency, checked.bandwidth_efficiency,
                                          checked.checkpoint_write_gbs, checked.mtbf_hours)
     result = {"model": model_summary(model), "cluster": cluster_summary(cluster, model.sixteen_bit),
-              "assumptions": assumptions_text(assumptions)}
+              "assumptions": assumptions_text(assumptions, model.config.fp8_format is not None)}
     status = 0
     if checked.search:
         result["search"] = search_layouts(model, cluster, checked.global_batch_size, checked.zero_stage, assumptions,

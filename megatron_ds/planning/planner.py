@@ -146,7 +146,8 @@ def _memory_section(model, layout, cluster, stages):
         **({"expert_state_bytes_per_parameter_on_device": dataclasses.asdict(
             sharded_state_bytes(state, layout.zero_stage, expert_data_parallel_size(model, layout)))}
            if _has_experts(model) else {}),
-        "activation_bytes_per_layer": {str(choice): layer_activation_bytes(model, layout, choice)
+        "activation_bytes_per_layer": {str(choice): layer_activation_bytes(model, layout, choice,
+                                                                           fp8=model.config.fp8_format is not None)
                                        for choice in RECOMPUTE_CHOICES},
     }
 
@@ -188,6 +189,10 @@ def _communication_section(model, layout, stages):
         section["context"] = {"ranks": layout.context, "per_layer_per_micro_batch": dataclasses.asdict(
             comm.context_traffic_per_layer(model, layout)),
             "per_iteration_per_device": comm.context_bytes_per_micro_batch(model, layout, most_layers) * m}
+    fp8_layers = [n for n in range(1, model.config.num_layers + 1) if model.config.fp8_in_layer(n)]
+    if fp8_layers and layout.tp > 1:
+        section["fp8_amax_per_layer_per_micro_batch"] = dataclasses.asdict(
+            comm.fp8_amax_reductions_per_layer(model, layout, fp8_layers[0]))
     if _has_experts(model):
         section["expert_parallel"] = {
             "all_to_all_per_layer_per_micro_batch": (moe_section(model, layout) or dropless_moe_section(

@@ -25,7 +25,11 @@ def model_lines(model_summary, cluster_summary):
     return [f"model:   {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{kv}, FFN {m['ffn']}, "
             f"seq {m['seq_length']}, vocab {m['vocab_size']}, {m['precision']}, {features}"] + moe + [
             f"cluster: {c['world_size']} x {c['device']} ({c['memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s "
-            f"peak), {c['gpus_per_node']} per node"]
+            f"peak{_fp8_peak(m, c)}), {c['gpus_per_node']} per node"]
+
+
+def _fp8_peak(model_summary, cluster_summary) -> str:
+    return f", FP8 {cluster_summary['peak_fp8_tflops']:g}" if "FP8" in model_summary["precision"] else ""
 
 
 def _parameter_lines(parameters, moe=None, dropless=None):
@@ -231,6 +235,7 @@ def _communication_lines(communication, links):
             f"  TP ({_link(links, 'tensor')}): {tp['collectives']}; payload {human_bytes(tp['payload_bytes'])}; "
             f"{_per_layer(tp['per_layer_per_micro_batch'])}; per iteration "
             f"{human_bytes(tp['per_iteration_per_device'])}",
+            *_fp8_amax_lines(communication),
             *_ulysses_lines(communication, links),
             *_context_lines(communication, links),
             f"  PP ({links['pipeline'] / 1e9:g} GB/s): activation {human_bytes(pp['payload_bytes_per_micro_batch'])} "
@@ -240,6 +245,15 @@ def _communication_lines(communication, links):
             f"{human_bytes(dp_parts.get('gradient_all_reduce', 0))}, ZeRO weight all-gather "
             f"{human_bytes(dp_parts.get('weight_all_gather', 0))}; tied embedding all-reduce "
             f"{human_bytes(dp['tied_embedding_all_reduce'])}"] + _expert_parallel_lines(communication, links)
+
+
+def _fp8_amax_lines(communication):
+    amax = communication.get("fp8_amax_per_layer_per_micro_batch")
+    if not amax or not amax["forward"] + amax["backward"]:
+        return []
+    return [f"  FP8 amax all-reduces over TP per FP8 layer and micro-batch: {amax['forward']} forward, "
+            f"{amax['backward']} backward ({human_bytes(amax['forward_bytes'] + amax['backward_bytes'])} sent; "
+            f"timed as latency)"]
 
 
 def _performance_lines(performance):
@@ -254,7 +268,9 @@ def _performance_lines(performance):
             f"grad accumulation {slowest['grad_accumulation'] * 1e3:.1f} ms"
             + "".join(f", {name} all-to-all {slowest[key] * 1e3:.1f} ms" for name, key in
                       (("EP", "expert_all_to_all"), ("Ulysses", "ulysses_all_to_all")) if slowest.get(key))
-            + _context_time(slowest),
+            + _context_time(slowest)
+            + (f", {slowest['fp8_amax_reductions']} FP8 amax all-reduces {slowest['fp8_amax_latency'] * 1e3:.1f} ms"
+               if slowest.get("fp8_amax_reductions") else ""),
             f"  TFLOP/s per device: {performance['hardware_tflops_per_device']:.1f} hardware, "
             f"{performance['model_tflops_per_device']:.1f} model; MFU {performance['mfu']:.1%}; "
             f"{performance['tokens_per_second']:,.0f} tokens/s"]

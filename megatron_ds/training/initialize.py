@@ -50,7 +50,8 @@ def start_up(args, watchdog=None, all_reduce_note=None, building_model=contextli
 
 def initialize_groups(args):
     """The model-parallel groups and, for an MoE, the expert groups (every rank creates all of them, in order)."""
-    parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel))
+    parallel_state.initialize_model_parallel(topology=parallel_state.topology_of(args.parallel),
+                                             ulysses_chunk_size=args.model.fpdt_chunk_size)
     if args.moe or args.dropless_moe:
         parallel_state.initialize_expert_parallel(args.moe_expert_parallel_size, args.parallel.expert_tensor_parallel)
     if args.moe:

@@ -163,6 +163,10 @@ def tiny_command_line(name, files, datasets, folder, iterations=3, teacher=None)
                "--ffn-hidden-size": 128 if "--ffn-hidden-size" in flags else None}
     if distils(name):
         replace.update(TINY_TEACHER, **{"--load-teacher": str(teacher)})
+    if "--ds-sequence-parallel-fpdt" in flags:  # 2 Ulysses ranks over 2 chunks of the tiny sequence; a CPU has
+        # no accelerator streams for FPDT's offloading (refused by name here)
+        replace.update({"--ds-sequence-parallel-size": 2, "--ds-sequence-parallel-fpdt-chunk-size": 16,
+                        "--ds-sequence-parallel-fpdt-offloading": None})
     if is_moe(name):  # 4 experts over the data-parallel ranks
         replace.update({"--num-experts": 4, "--moe-expert-parallel-size": dp})
     config = {key: value for key, value in (SCRIPTS[name]["ds_config"] or {}).items()

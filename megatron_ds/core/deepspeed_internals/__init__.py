@@ -12,6 +12,7 @@ assigned).
     optimizers.py            ZeRO, BF16 and FP16 optimizers' partitions, groups, norms and loss scalers
     interleaved_pipeline.py  Megatron's interleaved 1F1B as subclasses of DeepSpeed's DualPipeV module and engine
     stage_partition.py       PipelineModule's stage boundaries given explicitly (an uneven split of the layers)
+    fpdt.py                  DeepSpeed's FPDT attention; the flash-attn functions it calls, where flash-attn is missing
 
 Each function says what it relies on; all of it was read in, and is tested against, DeepSpeed 0.19.8 (the range
 the package pins: SUPPORTED_DEEPSPEED). A DeepSpeed upgrade starts here. The functions are re-exported here, so a
@@ -31,6 +32,7 @@ from megatron_ds.core.deepspeed_internals.engine_mends import (
     replace_checkpoint_engine,
     replace_gradient_reduction,
 )
+from megatron_ds.core.deepspeed_internals.fpdt import fpdt_attention, provide_flash_attn_functions
 from megatron_ds.core.deepspeed_internals.moe_groups import (
     engine_counting_as_moe,
     expert_data_parallel_rank,
@@ -104,4 +106,5 @@ OWNED_NAMES = (
     "_global_grad_norm", "clip_fp32_gradients", "ds_pipe_replicated", "fp32_groups_flat", "fp16_groups_flat",
     "fp32_groups", "_take_model_step", "_force_grad_boundary", "averaged_gradients", "all_grad_tensors",
     "_release_preflattened_grad_buffers", "reset_cpu_buffers", "_update_hp_grad", "clear_hp_grads",
+    "_flash_attn_forward", "_flash_attn_backward", "flash_attn_version",
 )

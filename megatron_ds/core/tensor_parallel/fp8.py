@@ -182,6 +182,10 @@ class Fp8Recipe:
             return operand.transposed()
         return self.quantize(tensor.t(), dims, role)
 
+    def linear(self, input_, weight):
+        """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8."""
+        return _Fp8Linear.apply(input_, weight, self)
+
     def _amax_group(self, kind, dims):
         """The group whose shards share this operand's scales: where the scaling region spans the split."""
         spans_split = self.split in dims if kind == "tensor" else kind == "row" and self.split == dims[1]
@@ -223,7 +227,7 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, recipe: str, fmt: str
                amax_group=None, split: str | None = None) -> torch.Tensor:
     """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8.
     input_ [..., inputs], weight [outputs, inputs]; amax_group with split: see the module docstring."""
-    return _Fp8Linear.apply(input_, weight, Fp8Recipe(recipe, fmt, margin, amax_group, split))
+    return Fp8Recipe(recipe, fmt, margin, amax_group, split).linear(input_, weight)
 
 
 def fp8_grouped_linear(input_: torch.Tensor, weights, tokens_per_group, recipe: str, fmt: str,

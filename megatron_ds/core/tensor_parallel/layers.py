@@ -4,16 +4,28 @@ Linear layers return `(output, bias)`: with `skip_bias_add=True` the bias is ret
 caller can fuse it into the next elementwise op; otherwise the second item is None.
 Sharded parameters carry `tensor_model_parallel`, `partition_dim` and `partition_stride` (DeepSpeed's
 grad-norm and our deterministic initialization read them).
+
+FP8: a linear whose config has an `fp8_format` runs its GEMMs through core/tensor_parallel/fp8.py (its
+`fp8_recipe`; `keep_out_of_fp8` sets it back to None for the output layer and the layers kept in bf16). Its
+amaxes are reduced over the TP group across the split dimension, so TP t quantises to the bytes TP 1 would:
+column-parallel splits the outputs, and takes whole tokens (gathered along the sequence under sequence
+parallelism, where the bf16 path gathers them inside its GEMM); row-parallel splits the contraction.
 """
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron_ds.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from megatron_ds.core.tensor_parallel.fp8 import Fp8Recipe
 from megatron_ds.core.tensor_parallel.mappings import (
     _reduce,
     _reduce_scatter_first_dim,
     copy_to_tensor_model_parallel_region,
     gather_along_tensor_parallel,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -54,6 +66,30 @@ def mark_sequence_parallel_parameter(param):
     is produced, before DeepSpeed accumulates it, so it stays identical on every TP rank."""
     param.sequence_parallel = True
     param.register_hook(_reduce)
+
+
+def fp8_recipe_of(config, split=None):
+    """The FP8 recipe of a linear built from `config` (None: no fp8_format, its GEMMs stay in high precision);
+    split: the dimension ("outputs", "inputs" or "tokens") the TP group splits, whose amaxes it reduces."""
+    if getattr(config, "fp8_format", None) is None:
+        return None
+    if split is None or get_tensor_model_parallel_world_size() == 1:
+        return Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_margin)
+    return Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_margin, get_tensor_model_parallel_group(), split)
+
+
+def keep_out_of_fp8(module):
+    """Every GEMM under `module` back to high precision (the output layer, --first-last-layers-bf16's layers)."""
+    for submodule in module.modules():
+        if hasattr(submodule, "fp8_recipe"):
+            submodule.fp8_recipe = None
+
+
+def _local_linear(input_, weight, bias, fp8_recipe):
+    if fp8_recipe is None:
+        return F.linear(input_, weight, bias)
+    output = fp8_recipe.linear(input_, weight)
+    return output if bias is None else output + bias
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -112,16 +148,26 @@ class ColumnParallelLinear(torch.nn.Module):
                                          sharded=tensor_parallel)
         self.bias = (_sharded_parameter((self.output_size_per_partition,), config.params_dtype, partition_dim=0,
                                         stride=stride, fill=0.0, sharded=tensor_parallel) if bias else None)
+        self.fp8_recipe = fp8_recipe_of(config, "outputs" if tensor_parallel else None)
 
     def forward(self, input_):
         added_bias = None if self.skip_bias_add else self.bias
         if not self.tensor_parallel:
-            return F.linear(input_, self.weight, added_bias), (self.bias if self.skip_bias_add else None)
-        output = linear_with_tensor_parallel_input(input_, self.weight, added_bias, self.sequence_parallel)
+            return _local_linear(input_, self.weight, added_bias, self.fp8_recipe), \
+                (self.bias if self.skip_bias_add else None)
+        if self.fp8_recipe is None:
+            output = linear_with_tensor_parallel_input(input_, self.weight, added_bias, self.sequence_parallel)
+        else:
+            output = _local_linear(self._whole_tokens(input_), self.weight, added_bias, self.fp8_recipe)
         if self.gather_output:
             output = self._full_column_order(gather_from_tensor_model_parallel_region(output))
         return output, (self.bias if self.skip_bias_add else None)
 
+    def _whole_tokens(self, input_):
+        """The input every TP rank multiplies: all-gathered along the sequence (SP) or copied (TP)."""
+        if self.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
+            return gather_from_sequence_parallel_region(input_)
+        return copy_to_tensor_model_parallel_region(input_)
 
     def _full_column_order(self, gathered):
         """The gather yields [rank][stride block][columns]; the full layer's order is [block][rank][columns]."""
@@ -156,13 +202,14 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = _sharded_parameter((output_size, self.input_size_per_partition), config.params_dtype,
                                          partition_dim=1, init_method=init_method, sharded=tensor_parallel)
         self.bias = _replicated_bias(output_size, config.params_dtype, self.sequence_parallel) if bias else None
+        self.fp8_recipe = fp8_recipe_of(config, "inputs" if tensor_parallel else None)
 
     def forward(self, input_):
         if not self.tensor_parallel:
-            output = F.linear(input_, self.weight)
+            output = _local_linear(input_, self.weight, None, self.fp8_recipe)
         else:
             parallel_input = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-            partial = F.linear(parallel_input, self.weight)
+            partial = _local_linear(parallel_input, self.weight, None, self.fp8_recipe)
             output = (reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
                       else reduce_from_tensor_model_parallel_region(partial))
         if self.bias is None or self.skip_bias_add:

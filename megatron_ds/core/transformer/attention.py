@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from torch._subclasses.fake_tensor import is_fake
 
+from megatron_ds.core import deepspeed_internals
 from megatron_ds.core.fusions import scale_mask_softmax_reference
 from megatron_ds.core.fusions.counter_hash import draw_seed
 from megatron_ds.core.fusions.dropout import dropout
@@ -31,6 +32,10 @@ from megatron_ds.core.parallel_state import (
 )
 from megatron_ds.core.sequence_split import local_positions
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_ds.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, init_method_normal
 from megatron_ds.core.transformer import ring_attention as ring
 from megatron_ds.core.transformer.fused_ops import op_implementation, runs_flash_attention
@@ -253,6 +258,8 @@ class SelfAttention(AttentionHeads):
         return self.q_layernorm(query), self.k_layernorm(key)
 
     def forward(self, hidden_states, attention_mask=None):
+        if self.config.fpdt_chunk_size:
+            return self._fpdt_forward(hidden_states)
         mixed, _ = self.linear_qkv(hidden_states)
         query, key, value = self._split_qkv(mixed, expand=not self.takes_grouped_heads(mixed, attention_mask))
         if self.rotary is not None:
@@ -261,6 +268,39 @@ class SelfAttention(AttentionHeads):
         context = self.attend(query, key, value, attention_mask)
         s, b = context.shape[:2]
         return self.linear_proj(context.reshape(s, b, self.num_heads * self.head_dim))
+
+    def _fpdt_forward(self, hidden_states):
+        """DeepSpeed's FPDT attention (QKV projection, Ulysses' all-to-alls chunk by chunk, attention, output
+        projection) on this rank's chunks of the sequence (core/sequence_split.py): our QKV weight's rows reordered
+        into its [Q; K; V] layout, the TP ranks' partial projections summed here."""
+        rows = self._fpdt_qkv_rows(hidden_states.device)
+        bias = self.linear_qkv.bias
+        sequence = hidden_states.size(0) * get_sequence_parallel_world_size()
+        output = deepspeed_internals.fpdt_attention(
+            copy_to_tensor_model_parallel_region(hidden_states), self.linear_qkv.weight.index_select(0, rows),
+            None if bias is None else bias.index_select(0, rows), self.linear_proj.weight,
+            self._fpdt_rotary_angles(sequence, hidden_states), self.num_heads,
+            self.num_groups, get_sequence_parallel_group(), self.config.fpdt_chunk_size, self.config.fpdt_offloading,
+            (ring.attention_block, ring.attention_block_backward))
+        return reduce_from_tensor_model_parallel_region(output), self.linear_proj.bias
+
+    def _fpdt_rotary_angles(self, sequence, hidden_states):
+        """cos and sin of the whole sequence in the activations' dtype (FPDT turns its chunks with them as they
+        are; in fp32 they would promote bf16 queries and keys)."""
+        if self.rotary is None:
+            return None
+        return tuple(angle.to(hidden_states.dtype) for angle in self.rotary(sequence, hidden_states.device))
+
+    def _fpdt_qkv_rows(self, device):
+        """Our QKV rows (per key/value group: its query heads, its key, its value) in FPDT's order: every query
+        head, then every key, then every value."""
+        per_group = (self.heads_per_group + 2) * self.head_dim
+        group_starts = torch.arange(self.num_groups, device=device) * per_group
+        within = torch.arange(self.head_dim, device=device)
+        queries = (group_starts[:, None] + torch.arange(self.heads_per_group * self.head_dim, device=device)).flatten()
+        keys = (group_starts[:, None] + self.heads_per_group * self.head_dim + within).flatten()
+        values = (group_starts[:, None] + (self.heads_per_group + 1) * self.head_dim + within).flatten()
+        return torch.cat([queries, keys, values])
 
     def takes_grouped_heads(self, mixed, attention_mask):
         """Whether core attention takes GQA's key and value heads as they are, not expanded to every query head:

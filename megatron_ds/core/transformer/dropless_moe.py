@@ -31,13 +31,19 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.moe.ep_experts import EXPERT_ACTIVATIONS, GroupedExperts, register_expert_activation
+from deepspeed.moe.ep_experts import (
+    EXPERT_ACTIVATIONS,
+    GroupedExperts,
+    apply_expert_activation,
+    register_expert_activation,
+)
 from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 from deepspeed.ops.triton_ops.swiglu_triton import swiglu as swiglu_triton
 
 from megatron_ds.core import parallel_state
 from megatron_ds.core.fusions.fused_swiglu import swiglu_of_halves_reference
-from megatron_ds.core.tensor_parallel.layers import mark_sequence_parallel_parameter
+from megatron_ds.core.tensor_parallel.fp8 import fp8_grouped_linear
+from megatron_ds.core.tensor_parallel.layers import fp8_recipe_of, mark_sequence_parallel_parameter
 from megatron_ds.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -574,11 +580,29 @@ def expert_tensor_parallel_size(config):
     return parallel_state.get_tensor_model_parallel_world_size() if config.moe_expert_tensor_parallel else 1
 
 
+class Experts(GroupedExperts):
+    """DeepSpeed's GroupedExperts, each expert's three GEMMs in FP8 (fp8_grouped_linear) when fp8_recipe is set.
+    Under expert TP each rank scales its slice of F on its own: rowwise and blockwise scales match ETP 1's
+    (blockwise where the slice is a multiple of 128), tensorwise ones may not."""
+    fp8_recipe = None
+
+    def forward(self, x, num_tokens_per_expert):
+        if self.fp8_recipe is None:
+            return super().forward(x, num_tokens_per_expert)
+        gate, up = (self._fp8_gemm(x, weights, num_tokens_per_expert) for weights in (self.w1, self.w3))
+        hidden = apply_expert_activation(gate, up, self.activation, self.activation_alpha, self.activation_limit)
+        return self._fp8_gemm(hidden, self.w2, num_tokens_per_expert)
+
+    def _fp8_gemm(self, rows, weights, counts):
+        recipe = self.fp8_recipe
+        return fp8_grouped_linear(rows, weights, counts.tolist(), recipe.recipe, recipe.fmt, recipe.margin)
+
+
 def _grouped_experts(config, local_experts):
     ffn = config.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
-    experts = GroupedExperts(config.hidden_size, ffn, local_experts,
-                             use_grouped_mm=config.moe_grouped_gemm, disable_triton_grouped_mm=True,
-                             activation=EXPERT_ACTIVATION)
+    experts = Experts(config.hidden_size, ffn, local_experts, use_grouped_mm=config.moe_grouped_gemm,
+                      disable_triton_grouped_mm=True, activation=EXPERT_ACTIVATION)
+    experts.fp8_recipe = fp8_recipe_of(config)
     return experts.to(config.params_dtype)
 
 

@@ -26,6 +26,7 @@ from megatron_ds.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     divide,
+    fp8_recipe_of,
     mark_sequence_parallel_parameter,
 )
 from megatron_ds.core.tensor_parallel.mappings import (
@@ -122,9 +123,10 @@ class MultiLatentAttention(AttentionHeads):
 
 def _replicated_linear(config, input_size, output_size):
     """A down projection: whole on every TP rank, without bias; under sequence parallelism it sees this rank's
-    tokens only, so its gradient is summed over TP."""
+    tokens only, so its gradient is summed over TP, and so are its FP8 amaxes that span the tokens."""
     linear = ColumnParallelLinear(input_size, output_size, config=config, bias=False, tensor_parallel=False,
                                   init_method=init_method_normal(config.init_method_std))
     if config.sequence_parallel:
         mark_sequence_parallel_parameter(linear.weight)
+        linear.fp8_recipe = fp8_recipe_of(config, "tokens")
     return linear

@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_ds.core.fusions.backends import BACKENDS as FUSION_BACKENDS
+from megatron_ds.core.tensor_parallel.fp8 import FORMATS as FP8_FORMATS
+from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -76,6 +78,8 @@ class TransformerConfig:
     rope_scaling_factor: float = LLAMA3_SCALING_DEFAULTS["rope_scaling_factor"]
     attention_backend: str = "sdpa"
     cp_comm_type: str = "p2p"                   # context parallelism: "p2p" (the ring) or "allgather"
+    fpdt_chunk_size: Optional[int] = None       # DeepSpeed's FPDT attention over chunks of this many tokens; None: off
+    fpdt_offloading: bool = False               # FPDT keeps the chunks' keys and values in host memory
     init_method_std: float = 0.02
     init_seed: int = 1234                       # full-model initialization seed (same for every layout)
     params_dtype: torch.dtype = torch.float32
@@ -129,6 +133,13 @@ class TransformerConfig:
     moe_token_drop_policy: str = "probs"                 # which pairs beyond an expert's capacity are dropped
     # multi-token prediction (core/transformer/multi_token_prediction.py): modules after the main model, 0 = none
     mtp_num_layers: int = 0
+    # FP8 GEMMs (core/tensor_parallel/fp8.py) in the transformer layers' linears and experts; fp8_format None: off
+    fp8_format: Optional[str] = None             # "e4m3", or "hybrid" (E5M2 gradients)
+    fp8_recipe: str = "tensorwise"               # "tensorwise", "rowwise" or "blockwise"
+    fp8_margin: int = 0                          # scale = fp8_max / amax / 2**margin
+    first_last_layers_bf16: bool = False         # the first and last layers' GEMMs out of FP8 (Megatron-LM's names)
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -161,6 +172,27 @@ class TransformerConfig:
         self._check_recompute()
         self._check_moe()
         self._check_dropless_moe()
+        self._check_fp8()
+
+    def _check_fp8(self):
+        if self.fp8_format is None:
+            return
+        self._check_choice("fp8_format", FP8_FORMATS)
+        self._check_choice("fp8_recipe", FP8_RECIPES)
+        if min(self.fp8_margin, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16) < 0:
+            raise ValueError(f"fp8_margin {self.fp8_margin}, num_layers_at_start_in_bf16 "
+                             f"{self.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16 "
+                             f"{self.num_layers_at_end_in_bf16} must be >= 0")
+
+    def fp8_in_layer(self, layer_number) -> bool:
+        """Whether layer layer_number's (1-based, global) GEMMs run in FP8: every layer's with fp8_format, but the
+        first and last ones with first_last_layers_bf16 (a multi-token prediction module's layer comes after the
+        last)."""
+        if self.fp8_format is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16
 
     def _check_rotary(self):
         errors = rope_scaling_errors(self)

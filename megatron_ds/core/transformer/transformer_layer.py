@@ -10,6 +10,7 @@ import torch
 
 from megatron_ds.core import parallel_state
 from megatron_ds.core.sequence_split import dropout_rows
+from megatron_ds.core.tensor_parallel.layers import keep_out_of_fp8
 from megatron_ds.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, initialize_deterministically
 from megatron_ds.core.transformer.attention import SelfAttention
 from megatron_ds.core.transformer.dropless_moe import DroplessMoE
@@ -38,6 +39,8 @@ class TransformerLayer(torch.nn.Module):
         # absorbed into another's chunk passes its input through, the leader having already applied it
         self.recompute_chunk = [self] if config.recompute_granularity == "full" else None
         self.absorbed = False
+        if not config.fp8_in_layer(layer_number):
+            keep_out_of_fp8(self)
         initialize_deterministically(self, init_name or f"decoder.layers.{layer_number - 1}", config.init_seed)
 
     def forward(self, hidden_states, attention_mask=None):

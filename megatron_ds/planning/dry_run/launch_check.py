@@ -31,7 +31,7 @@ from megatron_ds.planning import report
 from megatron_ds.planning.dry_run import step_checks
 from megatron_ds.planning.from_flags import layout_from_args, model_spec
 from megatron_ds.planning.memory import GIB
-from megatron_ds.planning.model import Cluster
+from megatron_ds.planning.model import Cluster, fp8_device_errors
 from megatron_ds.planning.plan_cli import add_cluster_flags, validated_args
 from megatron_ds.planning.planner import make_plan
 
@@ -277,7 +277,7 @@ def main(argv=None):
     start = time.perf_counter()
     try:
         args = resolve_flags(argv)
-        problems = option_problems(args)
+        problems = option_problems(args) + fp8_device_errors(model_spec(args), device_spec(args.device))
         raise_if_invalid(problems)
     except ArgumentsError as error:
         print(error, file=sys.stderr)

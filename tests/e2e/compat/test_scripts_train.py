@@ -26,6 +26,7 @@ TRAINED = [
     # its JSON's blocks off
     "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh",
     "examples_deepspeed/deepspeed4science/megatron_long_seq_support/pretrain_gpt_1.3B_seq_parallel.sh",
+    "examples_deepspeed/sequence_parallel/ds_pretrain_gpt_6.7B_fpdt_32k.sh",  # FPDT (Ulysses 2, 2 chunks), ZeRO-3
     "examples_deepspeed/pretrain_llama2_distributed.sh",                   # LLaMA: rmsnorm, GPTSentencePiece, GQA
     "examples_deepspeed/rebase/ds_pretrain_gpt_1.3B_rope_slw.sh",          # partial rotary, curriculum, tokens
     "examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh",  # LLaMA, bf16

@@ -112,6 +112,24 @@ CASES = dict([
                                "both ask for DeepSpeed-Ulysses"]),
     case("context-parallel-deepspeed-moe", "--context-parallel-size", "2", "--num-experts", "2", world=2,
          expect=["--context-parallel-size 2 with DeepSpeed-MoE"]),
+    case("fpdt", "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "6",
+         "--ds-sequence-parallel-size", "4", "--num-key-value-heads", "2", "--context-parallel-size", "2",
+         "--qk-layernorm", world=8,
+         expect=["--ds-sequence-parallel-fpdt: --seq-length 16 is not a multiple of "
+                 "--ds-sequence-parallel-fpdt-chunk-size 6",
+                 "--ds-sequence-parallel-fpdt: --ds-sequence-parallel-fpdt-chunk-size 6 does not split over "
+                 "--ds-sequence-parallel-size 4",
+                 "--ds-sequence-parallel-fpdt: the 2 key/value head(s) of a TP rank (--num-key-value-heads 2 / "
+                 "--tensor-model-parallel-size 1) are fewer than --ds-sequence-parallel-size 4",
+                 "--ds-sequence-parallel-fpdt with --context-parallel-size 2",
+                 "--ds-sequence-parallel-fpdt with --qk-layernorm",
+                 "--ds-sequence-parallel-fpdt with --attention-dropout 0.1: without the flash-attn package"]),
+    case("fpdt-offloading-alone", "--ds-sequence-parallel-fpdt-offloading",
+         expect=["--ds-sequence-parallel-fpdt-offloading needs --ds-sequence-parallel-fpdt"]),
+    case("fpdt-offloading-on-a-cpu", "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "8",
+         "--ds-sequence-parallel-fpdt-offloading", "--attention-dropout", "0",
+         expect=["--ds-sequence-parallel-fpdt-offloading needs a GPU: DeepSpeed's FPDT moves the 2 chunks' keys"],
+         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs FPDT's offloading")),
     case("moe-stage-without-experts", "--num-experts", "4", "--pipeline-model-parallel-size", "4",
          "--num-layers", "4", world=4,
          expect=["--pipeline-model-parallel-size 4 with --expert-interval 2: pipeline stage(s) 0, 2 (1 of "

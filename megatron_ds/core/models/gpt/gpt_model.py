@@ -18,6 +18,7 @@ from megatron_ds.core.sequence_split import dropout_rows
 from megatron_ds.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
+    keep_out_of_fp8,
     linear_with_tensor_parallel_input,
 )
 from megatron_ds.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -184,6 +185,7 @@ class OutputLayer(torch.nn.Module):
         super().__init__()
         self.linear = ColumnParallelLinear(config.hidden_size, vocab_size, config=config, bias=False,
                                            init_method=init_method_normal(config.init_method_std))
+        keep_out_of_fp8(self)
         initialize_deterministically(self, "output_layer", config.init_seed)
 
     def forward(self, hidden_states):
