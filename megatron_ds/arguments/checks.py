@@ -211,8 +211,8 @@ def fpdt_errors(args):
          f"{flag} with --attention-dropout {args.attention_dropout}: without the flash-attn package FPDT's blocks "
          f"run here without dropout; install flash-attn or set --attention-dropout 0"),
         (args.kd, f"{flag} with --kd: not built"),
-        (args.fp8_format or args.fp8_e4m3 or args.fp8_hybrid,
-         f"{flag} with FP8 (--fp8-format): FPDT's layer runs its own QKV and projection GEMMs, not in FP8"),
+        (fp8_format_of(args), f"{flag} with FP8 (--fp8-format {fp8_format_of(args)}): FPDT's layer runs its own QKV "
+                              f"and projection GEMMs, not in FP8"),
     ]
     return [message for broken, message in rules if broken]
 

@@ -67,3 +67,15 @@ def test_pipeline_and_resume_repeat_the_run(single_rank, tmp_path):
     assert pipelined.keys() == validation.keys()
     for iteration, loss in validation.items():
         assert float(pipelined[iteration]) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_context_parallel_ranks_split_every_scheduled_length(single_rank, tmp_path):
+    """CP 2: each length (8, 16, 24, 32: multiples of 2 x CP) is cut into the ring's 4 chunks; the losses and the
+    validation at the full length are the single rank's."""
+    output = _run(tmp_path, 2, ["--context-parallel-size", "2"])
+    printed = {int(i): int(length) for i, _, length in LINE.findall(output)}
+    assert [printed[i] for i in range(1, ITERATIONS + 1)] == LENGTHS, output[-3000:]
+    for iteration, loss in losses(single_rank).items():
+        assert losses(output)[iteration] == pytest.approx(loss, rel=1e-4), (iteration, output[-3000:])
+    for iteration, loss in VALIDATION.findall(single_rank):
+        assert float(dict(VALIDATION.findall(output))[iteration]) == pytest.approx(float(loss), rel=1e-4)

@@ -256,9 +256,10 @@ def test_a_poisoned_document_is_a_reproducible_spike_named_by_its_document(tmp_p
      "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--ds-sequence-parallel-size", "2"],
+    ["--context-parallel-size", "2"],
     ["--bf16"],
     ["--async-save", "--save-interval", "3"],
-], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2", "dropless-moe-ep2", "tp2-sp", "ulysses2", "bf16-dp2",
+], ids=["zbh1", "interleaved", "dualpipev", "moe-ep2", "dropless-moe-ep2", "tp2-sp", "ulysses2", "cp2", "bf16-dp2",
         "async-save"])
 def test_the_held_step_and_the_replay_are_exact_under_every_schedule_and_with_experts(layout, tmp_path):
     """Dropout on, a false alarm every 3rd iteration (correct_result): each is computed again bit for bit from the
