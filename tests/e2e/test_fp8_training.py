@@ -67,3 +67,23 @@ def test_dropless_moe_trains_with_fp8_experts_at_expert_parallel_2():
     print(f"dropless MoE: max relative difference FP8 vs bf16 {_max_relative_difference(fp8, bf16):.2e}")
     assert fp8[ITERATIONS] < fp8[1], f"the FP8 MoE did not learn: {fp8}"
     assert FP8_AT_LEAST < _max_relative_difference(fp8, bf16) < BF16_TOLERANCE, (fp8, bf16)
+
+
+@pytest.mark.parametrize("sequence_split", [["--ds-sequence-parallel-size", "2"], ["--context-parallel-size", "2"]],
+                         ids=["ulysses2", "cp2"])
+def test_rowwise_fp8_trains_as_one_rank_when_ulysses_or_cp_split_the_sequence(sequence_split):
+    """Rowwise scales are per token (and per weight row), so a rank holding part of the sequence quantises its
+    tokens as one rank does; what differs is bf16's rounding upstream, within the TP test's tolerance."""
+    whole = run_layout("gpt2", 1, 1, 1, _fp8("rowwise"))
+    split = run_layout("gpt2", 1, 1, 2, _fp8("rowwise") + sequence_split)
+    for iteration, loss in whole.items():
+        assert split[iteration] == pytest.approx(loss, rel=TP_TOLERANCE), (iteration, split, whole)
+
+
+def test_full_recompute_replays_the_fp8_gemms_bitwise_with_dropout():
+    """The FP8 quantisation is a function of the operands alone, so recomputing a layer gives its bytes again."""
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--attention-backend", "flash"]
+    straight = run_layout("gpt2", 1, 1, 1, _fp8("blockwise") + dropout)
+    recomputed = run_layout("gpt2", 1, 1, 1, _fp8("blockwise") + dropout + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    assert recomputed == straight
