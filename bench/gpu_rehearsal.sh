@@ -27,13 +27,23 @@ image_torch() {
   sed -nE 's/^torch==([0-9.]+)$/\1/p' bench/gpu_image.txt
 }
 
+free_gib() {  # on the filesystem that will hold the environment
+  df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }'
+}
+
+NEEDED_GIB=7  # the environment is ~5 GiB installed (torch's CUDA libraries), plus the wheel being unpacked
 if ! "$VENV/bin/python" -c "import torch, transformers, triton; assert torch.__version__.startswith('$(image_torch)')" \
     2>/dev/null; then
   rm -rf "$VENV"
+  if [ "$(free_gib)" -lt "$NEEDED_GIB" ]; then
+    echo "gpu_rehearsal: NOT RUN: $(free_gib) GiB free under $PWD; building $VENV (torch $(image_torch)," \
+      "the CUDA build) needs about $NEEDED_GIB GiB" >&2
+    exit 0
+  fi
   "$(python_312)" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q --no-cache-dir --upgrade pip
   # PyPI's torch for Linux is the CUDA build; it runs on a CPU (and is the build the GPU machines have)
-  "$VENV/bin/pip" install -q -r bench/gpu_image.txt
+  "$VENV/bin/pip" install -q --no-cache-dir -r bench/gpu_image.txt  # no second copy in the cache
 fi
 PYTHON="$VENV/bin/python" bash bench/gpu_wheels.sh
 

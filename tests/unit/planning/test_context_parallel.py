@@ -192,6 +192,8 @@ def _saved_bytes_of_a_cp_rank(cp, results):
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # the largest rank's
     if dist.get_rank() == 0:
         results.put(measured.item())
+        results.close()
+        results.join_thread()  # the rank ends with os._exit: flush the queue's feeder thread first
 
 
 def _measured_saved_bytes(cp):
