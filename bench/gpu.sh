@@ -36,7 +36,12 @@
 #  4. memory: step 1's max allocated against the planner's prediction, both read from its log (no GPU time).
 #  5. with 2 GPUs or more, every pipeline schedule at PP 2; with one, a line saying why not: NCCL refuses two ranks
 #     of one communicator on one device.
-# At worst 45 + 130 + 130 + 85 + 30 = 420 s (7 min); expected ~4.5 min, so that a rerun fits in the 15 a task gets.
+#  6. FP8 against bf16: the model of step 1 in turns, pretrain.py in bf16 beside pretrain.py with --fp8-format e4m3
+#     --fp8-recipe tensorwise (bench/train_throughput.py --baseline none --fp8-recipes tensorwise), micro batch 2
+#     (the FP8 issue's goal: >= 1.3x bf16's tokens/s). Memory: two pretrain.py at 33.3 GiB (the FP8 side keeps FP8
+#     copies for backward, no more) + the GEMM side: ~67 GiB. Time: as step 2 with one side fewer.  ~90 s, timeout 130
+# At worst 45 + 130 + 130 + 85 + 30 + 130 = 550 s (9 min; a command may take 10); expected ~6 min, so that a rerun
+# fits in the 15 a task gets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -46,6 +51,7 @@ SITE="${SITE:-/tmp/megatron_ds_site}"
 REHEARSAL="${GPU_REHEARSAL:-0}"
 MAX_FILE_BYTES=$((16 * 1024 * 1024))
 FILES=(gpu.txt pretrain.txt trace.json.gz train_throughput.txt ops.txt memory.txt pipeline_schedules.txt summary.txt)
+FP8_FILE=train_throughput.txt  # step 6 appends to step 2's file: at most 8 files come back
 mkdir -p "$OUT"
 (cd "$OUT" && rm -f "${FILES[@]}")
 
@@ -56,6 +62,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps on a CPU, tiny
                     --profile-step-start 4 --profile-step-end 6)
   TURNS=(--micro-batch-size 2 --rounds 1 --rotations-per-round 2)
   OPS=(--size tiny --rounds 1 --rotations-per-round 2)
+  FP8_TURNS=(--micro-batch-size 2 --rounds 1 --rotations-per-round 2)
 else
   MODEL=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --num-key-value-heads 8 --ffn-hidden-size 5632
          --seq-length 2048 --vocab-size 32000)
@@ -63,6 +70,7 @@ else
                     --profile-step-start 18 --profile-step-end 20)
   TURNS=(--micro-batch-size 2 --rounds 3 --rotations-per-round 4)
   OPS=(--size large --rounds 3 --rotations-per-round 4)
+  FP8_TURNS=(--micro-batch-size 2 --rounds 3 --rotations-per-round 4)
 fi
 LLAMA=(--normalization RMSNorm --swiglu --use-rotary-position-embeddings --disable-bias-linear
        --untie-embeddings-and-output-weights)
@@ -121,7 +129,7 @@ PYTHON
 pretrain_mfu() {  # pretrain_mfu MODEL_AND_BATCH_FLAGS...
   local profiles="${TMPDIR:-/tmp}/megatron_ds_profile"
   rm -rf "$profiles"
-  "$PYTHON" -m torch.distributed.run --nproc_per_node 1 pretrain.py "$@" --bf16 --hidden-dropout 0 \
+  "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain.py "$@" --bf16 --hidden-dropout 0 \
     --attention-dropout 0 --mock-data --eval-interval 0 --profile --use-pytorch-profiler --profile-dir "$profiles" \
     || return
   keep_trace "$profiles"
@@ -162,6 +170,8 @@ MEASURED=(--expect-measured)
 [ "$REHEARSAL" = 1 ] && MEASURED=()
 run_step "4 memory vs planner" 30 memory.txt "$PYTHON" bench/memory_vs_plan.py "$OUT/pretrain.txt" "${MEASURED[@]}"
 run_step "5 pipeline schedules" 300 pipeline_schedules.txt pipeline_schedules
+run_step "6 FP8 vs bf16" 130 "$FP8_FILE" "$PYTHON" bench/train_throughput.py --family llama "${MODEL[@]}" \
+  "${FP8_TURNS[@]}" --baseline none --fp8-recipes tensorwise
 
 LAST_LINE_FIGURES="elapsed time per iteration \(ms\): [0-9.]+|TFLOP/s per device: [0-9.]+|MFU: [0-9.]+%"
 headlines() {
@@ -172,6 +182,7 @@ headlines() {
   grep -hE "^[a-z_]+ +(triton|sdpa|compile|apex) " "$OUT/ops.txt" | cut -c1-160
   grep -hE "^fp8_linear +(tensorwise|rowwise|blockwise) " "$OUT/ops.txt" | cut -c1-160
   grep -h "^memory" "$OUT/memory.txt"
+  grep -hE "pretrain.py FP8 [a-z]+ / bf16 tokens/s" "$OUT/$FP8_FILE"
 }
 {
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)

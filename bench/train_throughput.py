@@ -6,6 +6,7 @@ transformers model in the same loop), all measured in one run.
     python bench/train_throughput.py --hidden-size 2048 --num-layers 24 --seq-length 2048 --rounds 10
     python bench/train_throughput.py --profile             # and print where pretrain.py's time goes
     python bench/train_throughput.py --layouts 1x1 2x1 1x2  # and pretrain.py at TP 2 and at PP 2
+    python bench/train_throughput.py --baseline none --fp8-recipes tensorwise rowwise  # FP8 against bf16
 
 --family gpt2 is GPT-2's layout (LayerNorm, GELU MLP, learned absolute positions, biases, tied
 embeddings); --family llama is LLaMA's (RMSNorm, SwiGLU, rotary, no biases, untied embeddings, GQA with
@@ -27,7 +28,9 @@ peak). The loops use fp32 master weights with bf16 compute (autocast), scaled_do
 apex is absent). The HF models are built from their configs (GPT2LMHeadModel, LlamaForCausalLM), randomly
 initialised; nothing is downloaded. LlamaForCausalLM has no hidden dropout, so --family llama --baseline
 hf needs --hidden-dropout 0. With dropout, pretrain.py also runs without it, and the dropout's cost in
-tokens/s prints; other --layouts print their tokens/s over TP=PP=1's.
+tokens/s prints; other --layouts print their tokens/s over TP=PP=1's. --fp8-recipes adds pretrain.py at TP=PP=1
+with --fp8-format (default e4m3) and each --fp8-recipes recipe: its tokens/s over bf16's, and its MFU still against
+the bf16 GEMM rate. --baseline none runs no loop (pretrain.py against its own other sides only).
 
 Method (bench/turns.py): every side - the GEMM rate, pretrain.py at each layout (and without dropout), each loop -
 is a process of its own, all started together, taking turns iteration by iteration (a GEMM turn is
@@ -78,6 +81,7 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-
                "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 ENGINE, PLAIN, HF, GEMM = "pretrain.py", "plain loop", "HF loop", "gemm"
 NO_DROPOUT = "pretrain.py without dropout"
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")  # megatron_ds.core.tensor_parallel.fp8's
 
 
 def transformer_config(args):
@@ -283,21 +287,23 @@ def model_flags(args):
     return flags
 
 
-def engine_flags(args, layout, iterations):
+def engine_flags(args, layout, iterations, fp8_recipe=None):
     tp, pp = layout
     micro_batches = micro_batches_per_iteration(args, pp)
+    fp8 = ["--fp8-format", args.fp8_format, "--fp8-recipe", fp8_recipe] if fp8_recipe else []
     return [str(flag) for flag in model_flags(args) + [
         "--micro-batch-size", args.micro_batch_size, "--global-batch-size", args.micro_batch_size * micro_batches,
         "--train-iters", iterations, "--bf16", "--mock-data", "--log-interval", "1", "--eval-interval", "0",
         "--fusion-backend", args.fusion_backend, "--tensor-model-parallel-size", tp,
-        "--pipeline-model-parallel-size", pp]]
+        "--pipeline-model-parallel-size", pp, *fp8]]
 
 
-def engine_command(args, layout):
+def engine_command(args, layout, fp8_recipe=None):
     """pretrain.py at layout (TP, PP) on TP x PP local ranks (DP 1), each iteration a turn; PP > 1 runs
     --pipeline-micro-batches micro-batches per iteration."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(layout[0] * layout[1]),
-            "--master_port", str(free_port()), "bench/turns.py", *engine_flags(args, layout, total_rotations(args))]
+            "--master_port", str(free_port()), "bench/turns.py",
+            *engine_flags(args, layout, total_rotations(args), fp8_recipe)]
 
 
 def engine_parameters(stdout):
@@ -312,6 +318,8 @@ def micro_batches_per_iteration(args, pp):
 def baselines(args):
     """{name: --side value} of the loops that pretrain.py is compared with (--method pinned: one, the HF loop
     with --baseline hf: a core each for it and pretrain.py)."""
+    if args.baseline == "none":
+        return {}
     if pinned(args):
         return {HF: "hf"} if args.baseline == "hf" else {PLAIN: "plain"}
     plain = {} if args.no_plain_loop else {PLAIN: "plain"}
@@ -322,9 +330,13 @@ def layout_name(tp, pp):
     return f"pretrain.py TP={tp} PP={pp}"
 
 
+def fp8_name(recipe):
+    return f"pretrain.py FP8 {recipe}"
+
+
 def sides(args):
     """{name: (command, processes)}: the GEMM rate, pretrain.py, each baseline loop, pretrain.py at the other
-    --layouts and (with dropout) without dropout."""
+    --layouts, (with dropout) without dropout and in FP8 with each --fp8-recipes."""
     side = [sys.executable, os.path.abspath(__file__), *args.argv, "--side"]
     result = {ENGINE: (engine_command(args, (1, 1)), 1)}
     result.update({name: (side + [value], 1) for name, value in baselines(args).items()})
@@ -336,6 +348,8 @@ def sides(args):
     if args.hidden_dropout or args.attention_dropout:
         without = argparse.Namespace(**{**vars(args), "hidden_dropout": 0.0, "attention_dropout": 0.0})
         result[NO_DROPOUT] = (engine_command(without, (1, 1)), 1)
+    for recipe in args.fp8_recipes:
+        result[fp8_name(recipe)] = (engine_command(args, (1, 1), recipe), 1)
     return result
 
 
@@ -426,6 +440,20 @@ def report_other_layouts(args, seconds, gemm):
         print(f"  {layout_name(tp, pp)} / TP=1 PP=1 tokens/s: {ratio(args, per_micro_batch, turns)}")
 
 
+def report_fp8(args, seconds, gemm):
+    """pretrain.py in FP8 with each --fp8-recipes: its rates (MFU against the bf16 GEMM rate, as bf16's is) and its
+    tokens/s over bf16's."""
+    flops = model_flops_per_sample(args) * args.micro_batch_size
+    for recipe in args.fp8_recipes:
+        turns = seconds[fp8_name(recipe)]
+        time_ = statistics.median(turns[WARM_UP:])
+        tflops = flops / time_ / 1e12
+        print(f"  {fp8_name(recipe) + ' (' + args.fp8_format + ')':<44} {time_ * 1000:9.1f} ms/iter  "
+              f"{args.micro_batch_size * args.seq_length / time_:9.1f} tokens/s  {tflops:.3f} TFLOP/s  "
+              f"of the bf16 GEMM rate {100 * tflops / gemm:5.1f}%")
+        print(f"  {fp8_name(recipe)} / bf16 tokens/s: {ratio(args, seconds[ENGINE], turns)}")
+
+
 def report_dropout_cost(args, seconds):
     """pretrain.py's tokens/s with the run's dropout over its tokens/s without, when the run has dropout."""
     if NO_DROPOUT not in seconds:
@@ -451,9 +479,13 @@ def parse_args(argv):
     parser.add_argument("--hidden-dropout", type=float, default=0.0)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--fusion-backend", default="auto")
-    parser.add_argument("--baseline", choices=("plain", "hf"), default="plain",
+    parser.add_argument("--baseline", choices=("plain", "hf", "none"), default="plain",
                         help="plain: pretrain.py against the plain PyTorch loop; hf: and against the Hugging Face "
-                             "transformers model of the same shapes in the same loop")
+                             "transformers model of the same shapes in the same loop; none: no loop (pretrain.py "
+                             "against its other --layouts and --fp8-recipes only)")
+    parser.add_argument("--fp8-recipes", nargs="+", choices=FP8_RECIPES, default=[],
+                        help="also pretrain.py at TP=PP=1 with --fp8-format and each of these --fp8-recipe")
+    parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="e4m3")
     add_arguments(parser, rotations_per_round=8)
     parser.add_argument("--no-plain-loop", action="store_true",
                         help="with --baseline hf: leave the plain loop out (one 80 GB GPU holds pretrain.py and one "
@@ -491,6 +523,12 @@ def check_args(parser, args):
                      "--layouts, no --profile)")
     if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
         parser.error("--family llama --baseline hf: LlamaForCausalLM has no hidden dropout; use --hidden-dropout 0")
+    if args.baseline == "none" and pinned(args):
+        parser.error("--method pinned compares pretrain.py with one loop: --baseline none leaves none")
+    if args.baseline == "none" and args.layouts == [(1, 1)] and not args.fp8_recipes:
+        parser.error("--baseline none leaves pretrain.py nothing to be compared with; add --layouts or --fp8-recipes")
+    if pinned(args) and args.fp8_recipes:
+        parser.error("--method pinned runs two sides, a core each: no --fp8-recipes")
     if args.no_plain_loop and args.baseline != "hf":
         parser.error("--no-plain-loop leaves pretrain.py nothing to be compared with; add --baseline hf")
     args.gemm_size = args.gemm_size or (8192 if torch.cuda.is_available() else 2048)
@@ -514,6 +552,8 @@ def main(argv=None):
     if not pinned(args):
         report_other_layouts(args, seconds, statistics.median(gemm_rates(args, seconds)))
     report_dropout_cost(args, seconds)
+    if args.fp8_recipes:
+        report_fp8(args, seconds, statistics.median(gemm_rates(args, seconds)))
     return 0
 
 

@@ -750,7 +750,7 @@ def fp8_device_errors(args):
         return []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return [f"--fp8-format {fmt}: this machine cannot run FP8 GEMMs: {problem}"
-            for problem in fp8_support_problems(device)]
+            for problem in fp8_support_problems(device, args.fp8_recipe or DEFAULT_FP8_RECIPE)]
 
 
 def data_source_errors(args):

@@ -1,9 +1,11 @@
 """The README's demo command (scripts/demo.sh: deepspeed launcher, TP 2 x PP 2, 4 ranks, DeepSpeed JSON)
-runs for a few iterations and the loss goes down; its TensorBoard scalars plot to a PNG."""
+runs for a few iterations and the loss goes down; its TensorBoard scalars plot to a PNG; bench/fp8_convergence.py,
+which runs the demo per FP8 recipe, reads its losses."""
 import os
 import subprocess
 import sys
 
+from bench.fp8_convergence import ITERATION_LINE
 from tests.support.launch import REPO, assert_succeeded, losses
 
 
@@ -19,6 +21,7 @@ def test_demo_trains_and_loss_falls(tmp_path):
     assert sorted(trajectory) == list(range(5, 31, 5)), result.stdout[-4000:]
     assert trajectory[30] < trajectory[5] - 0.5, trajectory
     assert "validation loss at iteration 30" in result.stdout
+    assert {int(it): float(loss) for it, loss in ITERATION_LINE.findall(result.stdout)} == trajectory
 
     png = tmp_path / "metrics.png"
     plot = subprocess.run([sys.executable, "tools/plot_metrics.py", "--tensorboard-dir", str(board),

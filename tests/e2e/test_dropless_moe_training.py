@@ -93,6 +93,17 @@ def test_experts_split_over_the_tensor_parallel_ranks_train_the_same_model(ep, s
     _assert_same_training(output, _run(2))
 
 
+@pytest.mark.parametrize("layout", [("--pipeline-model-parallel-size", "2"),
+                                    ("--ds-sequence-parallel-size", "2", "--expert-model-parallel-size", "2")],
+                         ids=["pp2", "ulysses2_ep2"])
+def test_experts_split_over_the_tensor_parallel_ranks_compose_with_the_pipeline_and_ulysses(layout):
+    """Expert TP 2 at TP 2 with Megatron SP, inside DeepSpeed's pipeline stages (PP 2) or with Ulysses 2 (EP 2 over
+    the Ulysses ranks, each routing its part of the sequence): the same model as TP 1 x EP 1 at DP 2."""
+    output = _run(4, *TENSOR_PARALLEL_2, "--sequence-parallel", "--expert-tensor-parallel-size", "2", *layout)
+    assert "each split over TP 2 (--expert-tensor-parallel-size)" in output
+    _assert_same_training(output, _run(2))
+
+
 def test_expert_parallelism_across_ulysses_ranks_trains_the_same_model():
     """Ulysses SP 2: each rank routes half of every sequence; the balance losses' counts are summed over the two
     (as Megatron-Core sums them over CP) and their gradients scaled like the lm loss's."""

@@ -242,8 +242,9 @@ def fp8_grouped_linear(input_: torch.Tensor, weights, tokens_per_group, recipe: 
     return torch.cat(outputs)
 
 
-def fp8_support_problems(device) -> list[str]:
-    """What `device` lacks for FP8 GEMMs, one sentence each; empty where it has them."""
+def fp8_support_problems(device, recipe=None) -> list[str]:
+    """What `device` lacks for the FP8 GEMMs of `recipe` (every recipe's when it names none built here), one sentence
+    each; empty where it has them."""
     device = torch.device(device)
     if device.type == "cuda":
         if torch.version.hip:
@@ -254,7 +255,7 @@ def fp8_support_problems(device) -> list[str]:
             return problems
     elif device.type != "cpu":
         return [f"device type {device.type!r} has no FP8 GEMM path here (CPUs and CUDA GPUs do)"]
-    return _probe_problems(device)
+    return _probe_problems(device, recipe)
 
 
 def cuda_capability_problems(name: str, capability: tuple[int, int]) -> list[str]:
@@ -265,17 +266,25 @@ def cuda_capability_problems(name: str, capability: tuple[int, int]) -> list[str
             f"(Hopper) and newer"]
 
 
-def _probe_problems(device):
-    """Runs a tiny tensorwise and rowwise _scaled_mm on the device: the refusal, if any, is the problem."""
+# the _scaled_mm scaling each recipe calls: blockwise runs rowwise GEMMs, one per 128 of K
+SCALED_MM_SCALING = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "rowwise"}
+
+
+def _probe_problems(device, recipe):
+    """Runs a tiny _scaled_mm of each scaling `recipe` calls on the device: the refusal, if any, is the problem (torch
+    2.11 runs tensorwise scaling on a CPU, not rowwise)."""
     problems = []
     ones = torch.ones(16, 16, device=device)
     operand = ones.to(torch.float8_e4m3fn)
     scales = {"tensorwise": (ones.new_tensor(1.0), ones.new_tensor(1.0)),
               "rowwise": (ones.new_ones(16, 1), ones.new_ones(1, 16))}
-    for recipe, (scale_a, scale_b) in scales.items():
+    wanted = [SCALED_MM_SCALING[recipe]] if recipe in SCALED_MM_SCALING else list(scales)
+    for scaling in wanted:
         try:
-            torch._scaled_mm(operand, operand.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+            torch._scaled_mm(operand, operand.t(), *scales[scaling], out_dtype=torch.bfloat16)
         except (RuntimeError, ValueError, NotImplementedError) as error:
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-            problems.append(f"{device}: torch {torch.__version__} refuses a {recipe} FP8 GEMM ({first_line})")
+            called_by = f" (the {recipe} recipe's)" if recipe not in (None, scaling) else ""
+            problems.append(f"{device}: torch {torch.__version__} refuses a {scaling} FP8 GEMM{called_by} "
+                            f"({first_line})")
     return problems

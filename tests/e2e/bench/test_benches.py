@@ -43,6 +43,26 @@ def test_train_throughput_prints_rounds_ratios_profile_and_layouts(tmp_path):
     assert (tmp_path / "profile_rank0_iterations4-5.json").is_file()
 
 
+def test_train_throughput_puts_pretrain_in_fp8_beside_bf16_without_a_loop():
+    """--baseline none --fp8-recipes: pretrain.py in bf16 and in FP8 per recipe, in turns, with the FP8 / bf16
+    tokens/s ratio per recipe (bench/gpu.sh's step 6); no loop runs. Without anything to compare, it is refused."""
+    flags = ["bench/train_throughput.py", "--family", "llama", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--num-key-value-heads", "2", "--seq-length", "32", "--vocab-size", "256",
+             "--rounds", "1", "--rotations-per-round", "2", "--gemm-size", "256", "--baseline", "none"]
+    result = subprocess.run([sys.executable, *flags, "--fp8-recipes", "tensorwise", "rowwise"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert_succeeded(result, tail=2000)
+    out = result.stdout
+    assert "plain PyTorch loop" not in out and "HF transformers loop" not in out, out
+    for recipe in ("tensorwise", "rowwise"):
+        assert f"pretrain.py FP8 {recipe} (e4m3)" in out, out
+        ratio = rf"pretrain\.py FP8 {recipe} / bf16 tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)"
+        assert re.search(ratio, out), out
+    refused = subprocess.run([sys.executable, *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--baseline none leaves pretrain.py nothing to be compared with" in \
+        refused.stderr, refused.stderr
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--method pinned needs a core per side")
 def test_train_throughput_pinned_runs_pretrain_py_and_the_hf_loop_a_core_each():
     command = [sys.executable, "bench/train_throughput.py", "--family", "llama", "--baseline", "hf", "--method",

@@ -85,6 +85,6 @@ def test_two_formats_fp16_and_fp32_are_refused_by_name():
 def test_a_device_without_fp8_gemms_is_refused_naming_what_it_lacks(monkeypatch):
     from megatron_ds.arguments import checks
     monkeypatch.setattr(checks, "fp8_support_problems",
-                        lambda device: [f"{device}: torch refuses a tensorwise FP8 GEMM (no kernel)"])
+                        lambda device, recipe: [f"{device}: torch refuses a {recipe} FP8 GEMM (no kernel)"])
     assert _problems(BF16 + ["--fp8-format", "e4m3"]) == [
         "--fp8-format e4m3: this machine cannot run FP8 GEMMs: cpu: torch refuses a tensorwise FP8 GEMM (no kernel)"]

@@ -246,3 +246,22 @@ def _check_tensor_parallel_fp8():
 
 def test_tensor_parallel_fp8_computes_one_ranks_products():
     run_distributed(_check_tensor_parallel_fp8, 2, timeout=120)
+
+
+def test_a_torch_without_rowwise_scaling_runs_tensorwise_and_refuses_the_recipes_that_need_it(monkeypatch):
+    """torch 2.11 on a CPU runs _scaled_mm with one scale per tensor only (its error is the one raised here): the
+    tensorwise recipe is usable there, rowwise and blockwise (rowwise GEMMs per 128 of K) are named as refused."""
+    scaled_mm = torch._scaled_mm
+
+    def tensorwise_only(a, b, scale_a, scale_b, **kwargs):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", tensorwise_only)
+    assert fp8_support_problems("cpu", "tensorwise") == []
+    [rowwise] = fp8_support_problems("cpu", "rowwise")
+    [blockwise] = fp8_support_problems("cpu", "blockwise")
+    assert "refuses a rowwise FP8 GEMM (Now _scaled_mm only supports per-tensor scaling" in rowwise
+    assert "refuses a rowwise FP8 GEMM (the blockwise recipe's)" in blockwise
+    assert fp8_support_problems("cpu") == [rowwise]
