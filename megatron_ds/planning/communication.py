@@ -54,11 +54,14 @@ FP8 (--fp8-format), per FP8 layer and micro-batch at TP > 1 (fp8_amax_reductions
 scaling region spans what TP splits are all-reduced (MAX) over TP, fp32: tensorwise a column-parallel linear's
 weight (forward) and output gradient (backward), a row-parallel one's input and weight (forward); rowwise the
 same operands' per-row amaxes where the row runs along the split (column-parallel: W^T's rows forward, the
-gradient's tokens backward; row-parallel: the input's tokens and the weight's rows forward); blockwise none. A
-few bytes each, so their time is latency: the time model charges each one a latency (performance.py). Full
-recompute repeats the forward's. With SP an FP8 column-parallel linear keeps the gathered tokens in FP8, so its
-backward all-gathers no saved input shard again (fp8_tensor_parallel_change). Counted for the attention's
-QKV and projection and a dense MLP (or a dropless layer's shared expert); MLA's and DeepSpeed-MoE's are not.
+gradient's tokens backward; row-parallel: the input's tokens and the weight's rows forward); blockwise none. With
+SP multi-latent attention's down projections, whole on each rank over its own tokens, reduce those that span the
+tokens: tensorwise the input (forward) and the output gradient (backward), rowwise x^T's rows (forward) and dY^T's
+(backward). A few bytes each, so their time is latency: the time model charges each one a latency
+(performance.py). Full recompute repeats the forward's. With SP an FP8 column-parallel linear keeps the gathered
+tokens in FP8, so its backward all-gathers no saved input shard again (fp8_tensor_parallel_change). Counted for
+the attention's linears (QKV and the projection, or all of MLA's), a dense MLP, a dropless layer's shared expert
+and, with expert TP, every DeepSpeed-MoE expert on the rank (without it the experts run whole: nothing reduced).
 """
 import math
 from dataclasses import dataclass
@@ -467,42 +470,72 @@ class AmaxReductions:
     backward_bytes: float
 
 
-def _fp8_tp_linears(model: ModelSpec, layer_number: int):
-    """(split, inputs, outputs) of layer `layer_number`'s FP8 linears whose amaxes TP reduces: QKV and fc1
-    column-parallel ("outputs"), the projection and fc2 row-parallel ("inputs"), whole sizes; fc1 and fc2 those
-    of the dense MLP or a dropless layer's shared expert, none for DeepSpeed-MoE's."""
-    config = model.config
-    h, heads_width = config.hidden_size, config.num_attention_heads * config.kv_channels
-    linears = [("outputs", h, (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels),
-               ("inputs", heads_width, h)]
+def _fp8_tp_linears(model: ModelSpec, layout: Layout, layer_number: int):
+    """(split, inputs, outputs, tokens) of layer `layer_number`'s FP8 linears whose amaxes TP reduces, as a rank holds
+    them: the attention's (_fp8_attention_tp_linears), then fc1 column-parallel ("outputs") and fc2 row-parallel
+    ("inputs") of the dense MLP or a dropless layer's shared expert over the whole tokens, or with expert TP of each
+    of this rank's DeepSpeed-MoE experts over its slots (without expert TP an expert runs whole on the rank and
+    reduces nothing)."""
+    config, t = model.config, layout.tp
+    h, gated = config.hidden_size, 2 if config.gated_linear_unit else 1
+    tokens = layout.micro_batch_size * layout.tokens_per_rank(model.seq_length, split_over_tp=False)
+    linears = _fp8_attention_tp_linears(model, layout, tokens)
+    experts = config.experts_in_layer(layer_number)
     if config.dropless_moe_in_layer(layer_number):
-        ffn = config.moe_shared_expert_intermediate_size or 0
+        ffn, rows, count = config.moe_shared_expert_intermediate_size or 0, tokens, 1
+    elif experts == 1:
+        ffn, rows, count = config.ffn_hidden_size, tokens, 1
+    elif config.moe_expert_tensor_parallel:
+        count = experts // config.moe_expert_parallel_size
+        ffn, rows = config.ffn_hidden_size, deepspeed_expert_slots(model, layout, experts)[0] / count
     else:
-        ffn = config.ffn_hidden_size if config.experts_in_layer(layer_number) == 1 else 0
+        ffn, rows, count = 0, tokens, 0
     if ffn:
-        linears += [("outputs", h, ffn * (2 if config.gated_linear_unit else 1)), ("inputs", ffn, h)]
+        linears += count * [("outputs", h, ffn * gated / t, rows), ("inputs", ffn / t, h, rows)]
+    return linears
+
+
+def _fp8_attention_tp_linears(model, layout, tokens):
+    """The attention's FP8 linears of _fp8_tp_linears: QKV and the projection; or multi-latent attention's query (or
+    query up), key-value up and output projections, and with SP its down projections ("tokens": whole on each rank,
+    over its own tokens, which SP splits; without SP they see the same tokens on every rank and reduce nothing)."""
+    config, t, h = model.config, layout.tp, model.config.hidden_size
+    if not config.multi_latent_attention:
+        heads_width = config.num_attention_heads * config.kv_channels
+        qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+        return [("outputs", h, qkv_width / t, tokens), ("inputs", heads_width / t, h, tokens)]
+    a, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
+    query_width = a * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    linears = [("outputs", q_rank or h, query_width / t, tokens),
+               ("outputs", kv_rank, a * (config.qk_head_dim + config.v_head_dim) / t, tokens),
+               ("inputs", a * config.v_head_dim / t, h, tokens)]
+    if layout.sequence_parallel:
+        downs = [kv_rank + config.qk_pos_emb_head_dim] + ([q_rank] if q_rank else [])
+        linears += [("tokens", h, outputs, tokens / t) for outputs in downs]
     return linears
 
 
 def _amax_payloads(recipe, split, inputs, outputs, tokens):
     """(forward, backward) fp32 amax payloads, in bytes, one linear reduces over TP (the module docstring)."""
     if recipe == "tensorwise":
-        return ([4], [4]) if split == "outputs" else ([4, 4], [])
-    if recipe == "rowwise":
-        return ([4 * inputs], [4 * tokens]) if split == "outputs" else ([4 * tokens, 4 * outputs], [])
-    return [], []
+        return ([4, 4], []) if split == "inputs" else ([4], [4])
+    if recipe != "rowwise":
+        return [], []
+    if split == "outputs":
+        return [4 * inputs], [4 * tokens]
+    if split == "inputs":
+        return [4 * tokens, 4 * outputs], []
+    return [4 * inputs], [4 * outputs]  # tokens: x^T's rows forward, dY^T's backward
 
 
 def fp8_amax_reductions_per_layer(model: ModelSpec, layout: Layout, layer_number: int = 1) -> AmaxReductions:
     """The amax all-reduces of layer `layer_number` (0 where it keeps bf16, or at TP 1)."""
     config = model.config
-    if layout.tp == 1 or config.multi_latent_attention or not config.fp8_in_layer(layer_number):
+    if layout.tp == 1 or not config.fp8_in_layer(layer_number):
         return AmaxReductions(0, 0, 0.0, 0.0)
-    tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False) * layout.micro_batch_size
     forward, backward = [], []
-    for split, inputs, outputs in _fp8_tp_linears(model, layer_number):
-        sizes = (inputs // layout.tp, outputs) if split == "inputs" else (inputs, outputs // layout.tp)
-        ahead, behind = _amax_payloads(config.fp8_recipe, split, *sizes, tokens)
+    for split, inputs, outputs, tokens in _fp8_tp_linears(model, layout, layer_number):
+        ahead, behind = _amax_payloads(config.fp8_recipe, split, inputs, outputs, tokens)
         forward, backward = forward + ahead, backward + behind
     return AmaxReductions(len(forward), len(backward), sum(all_reduce_bytes(layout.tp, p) for p in forward),
                           sum(all_reduce_bytes(layout.tp, p) for p in backward))
@@ -528,16 +561,18 @@ def fp8_amax_reductions_per_micro_batch(model: ModelSpec, layout: Layout, stage)
 
 def fp8_tensor_parallel_change(model: ModelSpec, layout: Layout, stage) -> float:
     """TP bytes FP8 changes per micro-batch on a stage: its amax all-reduces, and with SP, less the all-gathers of
-    the saved input shards that FP8 column-parallel linears (QKV, fc1) no longer make."""
+    the saved input shards that FP8 column-parallel linears (QKV or MLA's query and up projections, fc1) no longer
+    make."""
     if layout.tp == 1 or model.config.fp8_format is None:
         return 0.0
     amax = fp8_amax_reductions_per_micro_batch(model, layout, stage)[1]
-    if not layout.sequence_parallel or model.config.multi_latent_attention:
+    if not layout.sequence_parallel:
         return amax
     tokens = layout.tokens_per_rank(model.seq_length, split_over_tp=False)
     payload = tokens * layout.micro_batch_size * model.config.hidden_size * activation_element_bytes(model)
-    regathers = sum(split == "outputs" for n in _fp8_layer_numbers(model, stage)
-                    for split, _, _ in _fp8_tp_linears(model, n))
+    # each saved shard is the column-parallel linear's input, inputs / h of the hidden state's payload
+    regathers = sum(inputs / model.config.hidden_size for n in _fp8_layer_numbers(model, stage)
+                    for split, inputs, _, _ in _fp8_tp_linears(model, layout, n) if split == "outputs")
     return amax - regathers * all_gather_bytes(layout.tp, payload)
 
 
@@ -581,6 +616,17 @@ def expert_capacity(model: ModelSpec, tokens: int, num_experts: int) -> int:
     if not config.moe_token_dropping:
         return math.ceil(k * tokens / num_experts)
     return max(math.ceil(tokens / num_experts * (config.moe_train_capacity_factor * k)), config.moe_min_capacity)
+
+
+def deepspeed_expert_slots(model: ModelSpec, layout: Layout, num_experts: int) -> tuple:
+    """(slots, F) of one DeepSpeed-MoE layer's experts on a rank, per micro-batch: the slots they compute, E ceil(C/t)
+    (each TP rank's share after DeepSpeed drops the duplicated tokens; with EP the all-to-all moves slots, not their
+    number), or with expert TP all E C (gathered over TP) F/t wide; and each expert's FFN width on the rank."""
+    config, t = model.config, layout.tp
+    capacity = expert_capacity(model, layout.micro_batch_size * layout.tokens_per_rank(model.seq_length), num_experts)
+    if config.moe_expert_tensor_parallel:
+        return num_experts * capacity, config.ffn_hidden_size / t
+    return num_experts * math.ceil(capacity / t), config.ffn_hidden_size
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ from megatron_ds.planning import pipeline
 from megatron_ds.planning.communication import (
     context_head_dims,
     context_traffic_per_layer,
+    deepspeed_expert_slots,
     dropless_routed_tokens,
     expert_capacity,
 )
@@ -178,25 +179,62 @@ def fp8_layer_change(model: ModelSpec, layout: Layout, recompute, experts: int =
     linear's copies (fp8_copies_bytes; the column-parallel ones of the whole tokens, which they take gathered
     under SP), less the 16-bit inputs no other op keeps: QKV's and fc1's (the norms' outputs), fc2's (the
     activation's output), the projection's where attention's kernel does not keep that tensor as its own output
-    (selective recompute, the local path, the ring, Ulysses' all-to-all). Multi-latent attention and DeepSpeed-MoE's
-    experts are counted as in bf16 (the plan warns); a dropless MoE layer's experts: fp8_dropless_change."""
+    (_projection_input_freed); multi-latent attention: _fp8_mla_change; DeepSpeed-MoE's experts:
+    fp8_deepspeed_experts_change; a dropless MoE layer's experts: fp8_dropless_change."""
+    attention = (_fp8_mla_change if model.config.multi_latent_attention else _fp8_attention_change)(
+        model, layout, recompute, device)
+    if dropless:
+        return attention + fp8_dropless_change(model, layout)
+    if experts > 1:
+        return attention + fp8_deepspeed_experts_change(model, layout, experts)
+    return attention + _fp8_mlp_change(model, layout, model.config.ffn_hidden_size, whole_input_freed=True)
+
+
+def _fp8_attention_change(model, layout, recompute, device):
+    """QKV attention in FP8: QKV's and the projection's copies, less QKV's 16-bit input and, where freed, the
+    projection's."""
     config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
-    if config.multi_latent_attention:
-        return 0.0
     s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
     replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
     heads_width = config.num_attention_heads * config.kv_channels
     qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+    projection_input = width * heads_width / t * tokens
+    return (fp8_copies_bytes(h, qkv_width / t, tokens, recipe) - width * h * replicated
+            + fp8_copies_bytes(heads_width // t, h, tokens, recipe)
+            - (projection_input if _projection_input_freed(config, layout, recompute, device) else 0.0))
+
+
+def _fp8_mla_change(model, layout, recompute, device):
+    """Multi-latent attention in FP8 (all its linears are FP8 linears): the copies of the down projections, whole on
+    each rank over its own tokens (s/t with SP), and of the query (or query up), key-value up and output
+    projections over the whole tokens; less the 16-bit inputs only they kept: the layer norm's output (the query or
+    query down and the key-value down projections' input), each latent norm's output (its up projection's input)
+    and, where freed, the output projection's."""
+    config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
+    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
+    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    a, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank or 0, config.kv_lora_rank
+    query_width = a * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    down = fp8_copies_bytes(h, kv_rank + config.qk_pos_emb_head_dim, replicated, recipe) \
+        + (fp8_copies_bytes(h, q_rank, replicated, recipe) if q_rank else 0.0)
+    up = fp8_copies_bytes(q_rank or h, query_width / t, tokens, recipe) \
+        + fp8_copies_bytes(kv_rank, a * (config.qk_head_dim + config.v_head_dim) / t, tokens, recipe)
+    output = fp8_copies_bytes(a * config.v_head_dim // t, h, tokens, recipe)
+    projection_input = width * a * config.v_head_dim / t * tokens
+    return (down + up + output - width * replicated * (h + q_rank + kv_rank)
+            - (projection_input if _projection_input_freed(config, layout, recompute, device) else 0.0))
+
+
+def _projection_input_freed(config, layout, recompute, device):
+    """Whether the output projection's 16-bit input is its own, so FP8 frees it: attention's kernel does not keep it
+    as its output under selective recompute, on the local path, the ring, Ulysses' all-to-all, or where sdpa pads
+    multi-latent attention's value (or its query and key) to one head dim: the projection takes a copy of the
+    output's v channels."""
     kernel = "ring" if layout.context > 1 else attention_kernel(config, device)
-    projection_input_freed = recompute == "selective" or kernel in ("local", "ring") or layout.ulysses > 1
-    change = (fp8_copies_bytes(h, qkv_width / t, tokens, recipe) - width * h * replicated
-              + fp8_copies_bytes(heads_width // t, h, tokens, recipe)
-              - (width * heads_width / t * tokens if projection_input_freed else 0.0))
-    if dropless:
-        return change + fp8_dropless_change(model, layout)
-    if experts > 1:
-        return change
-    return change + _fp8_mlp_change(model, layout, config.ffn_hidden_size, whole_input_freed=True)
+    head_dims_differ = config.multi_latent_attention and \
+        config.v_head_dim != config.qk_head_dim + config.qk_pos_emb_head_dim
+    return (recompute == "selective" or kernel in ("local", "ring") or layout.ulysses > 1
+            or (kernel in ("sdpa", "sdpa_grouped") and head_dims_differ))
 
 
 def _fp8_mlp_change(model, layout, ffn_hidden_size, whole_input_freed):
@@ -226,6 +264,19 @@ def fp8_dropless_change(model: ModelSpec, layout: Layout, received_rows=None) ->
     shared_change = _fp8_mlp_change(model, layout, shared, whole_input_freed=layout.tp > 1
                                     and not layout.sequence_parallel) if shared else 0.0
     return local_experts * per_expert + shared_change
+
+
+def fp8_deepspeed_experts_change(model: ModelSpec, layout: Layout, experts: int) -> float:
+    """DeepSpeed-MoE's experts in FP8 (_moe_mlp_bytes; each is our MLP, its fc1 and fc2 FP8 linears): each of this
+    rank's E / EP experts computes an even share of the slots, its fc1 and fc2 keeping FP8 copies of its slots
+    (fp8_copies_bytes) in place of the slots' 16-bit inputs and fc2's (the activation's output)."""
+    config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
+    h = config.hidden_size
+    slots, ffn = deepspeed_expert_slots(model, layout, experts)
+    local_experts = experts // config.moe_expert_parallel_size
+    rows, fc1_width = slots / local_experts, ffn * (2 if config.gated_linear_unit else 1)
+    per_expert = fp8_copies_bytes(h, fc1_width, rows, recipe) + fp8_copies_bytes(ffn, h, rows, recipe)
+    return local_experts * per_expert - width * slots * (h + ffn)
 
 
 def _activation_width(model):
@@ -293,15 +344,12 @@ def _moe_mlp_bytes(model, layout, tokens, experts, width):
     F/t wide with --enable-expert-tensor-parallelism, which gathers all C slots instead. Plus the auxiliary
     loss, 4. PR-MoE's residual MLP is not counted (the plan warns)."""
     config = model.config
-    h, k, tp = config.hidden_size, config.moe_router_topk, layout.tp
+    h, k = config.hidden_size, config.moe_router_topk
     capacity = expert_capacity(model, tokens, experts)
     routing = tokens * experts * (12 if k == 1 else 13) + (0 if k == 1 else 16 * tokens) + 4 * experts
     gate = 4 * tokens * h + routing
     combine = 8 * (experts * capacity + 1) + k * tokens * (8 + width * h + 4)
-    if config.moe_expert_tensor_parallel:
-        slots, ffn = experts * capacity, config.ffn_hidden_size / tp
-    else:
-        slots, ffn = experts * math.ceil(capacity / tp), config.ffn_hidden_size
+    slots, ffn = deepspeed_expert_slots(model, layout, experts)
     return gate + combine + slots * (width * h + _mlp_bytes_per_token(config, width, ffn)) + 4
 
 

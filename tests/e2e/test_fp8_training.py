@@ -76,6 +76,19 @@ def test_dropless_moe_trains_with_fp8_experts_at_expert_parallel_2():
     assert FP8_AT_LEAST < _max_relative_difference(fp8, bf16) < BF16_TOLERANCE, (fp8, bf16)
 
 
+def test_deepspeed_moe_trains_with_fp8_experts_split_over_tensor_parallel_ranks():
+    """Megatron-DeepSpeed's MoE (DeepSpeed-MoE's gate and dispatch) at TP 2 with --enable-expert-tensor-parallelism:
+    each expert is our column- and row-parallel MLP, so its GEMMs run in FP8 with the amaxes reduced over TP (the
+    recipe holding the TP group is shared, not copied, when DeepSpeed copies the expert), against bf16."""
+    moe = ["--num-experts", "4", "--expert-interval", "2", "--topk", "2", "--moe-expert-parallel-size", "2",
+           "--enable-expert-tensor-parallelism", "--disable-moe-token-dropping"]
+    fp8 = run_layout("gpt2", 2, 1, 2, _fp8("tensorwise") + moe)
+    bf16 = run_layout("gpt2", 2, 1, 2, MODEL + moe)
+    print(f"DeepSpeed-MoE: max relative difference FP8 vs bf16 {_max_relative_difference(fp8, bf16):.2e}")
+    assert fp8[ITERATIONS] < fp8[1], f"the FP8 MoE did not learn: {fp8}"
+    assert FP8_AT_LEAST < _max_relative_difference(fp8, bf16) < BF16_TOLERANCE, (fp8, bf16)
+
+
 @pytest.mark.parametrize("sequence_split", [["--ds-sequence-parallel-size", "2"], ["--context-parallel-size", "2"]],
                          ids=["ulysses2", "cp2"])
 def test_rowwise_fp8_trains_as_one_rank_when_ulysses_or_cp_split_the_sequence(sequence_split):

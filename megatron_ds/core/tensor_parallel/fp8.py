@@ -170,6 +170,11 @@ class Fp8Recipe:
         if self.split is not None and self.split not in SPLIT_DIMS:
             raise ValueError(f"split {self.split!r} is not one of {SPLIT_DIMS}")
 
+    def __deepcopy__(self, memo):
+        """Itself: it is immutable, and its process group cannot be copied (DeepSpeed-MoE deep-copies the expert
+        it is given once per local expert)."""
+        return self
+
     def quantize(self, tensor, dims, role) -> Fp8Operand:
         """`tensor` [rows, contraction] whose dimensions are named `dims`; role is input, weight or grad."""
         kind = _KINDS[self.recipe][role == "weight"]

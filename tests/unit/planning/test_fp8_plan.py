@@ -1,22 +1,30 @@
 """FP8 in the planner (docs/fp8.md, docs/formulas.md "FP8"): the GEMMs that run in FP8 at the device's FP8 peak,
-what FP8 linears keep for backward (measured on a CPU layer, and by hand), the amax all-reduces over TP, and
-devices without FP8 refused by name. The hand case: tests/support/planning_specs.hand_case (h 64, a 4, F 256,
-s 32, micro batch 2, TP 2 x PP 2): 64 tokens per rank, 24 h^2 = 98,304 forward FLOPs per token and layer in FP8."""
+what FP8 linears keep for backward (measured on a CPU layer, a DeepSpeed-MoE layer's experts too, and by hand), the
+amax all-reduces over TP, and devices without FP8 refused by name (multi-latent attention: test_fp8_mla.py). The
+hand case: tests/support/planning_specs.hand_case (h 64, a 4, F 256, s 32, micro batch 2, TP 2 x PP 2): 64 tokens
+per rank, 24 h^2 = 98,304 forward FLOPs per token and layer in FP8."""
 import dataclasses
 
 import pytest
 import torch
 
+from megatron_ds.core import parallel_state
 from megatron_ds.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
 from megatron_ds.launch.devices import device_spec
 from megatron_ds.planning import communication as comm
 from megatron_ds.planning import plan_cli as cli
 from megatron_ds.planning.hardware_flops import fp8_gemm_flops_per_token, stage_fp8_flops_per_micro_batch
-from megatron_ds.planning.memory import fp8_copies_bytes, fp8_layer_change, layer_activation_bytes
+from megatron_ds.planning.memory import (
+    fp8_copies_bytes,
+    fp8_deepspeed_experts_change,
+    fp8_layer_change,
+    layer_activation_bytes,
+)
 from megatron_ds.planning.model import Cluster, Layout, ModelSpec
 from megatron_ds.planning.parameters import stage_parameters
 from megatron_ds.planning.performance import PerformanceAssumptions, stage_time
+from tests.support.distributed import run_distributed
 from tests.support.planning_specs import HAND_CASE_FLAGS, hand_case
 from tests.support.saved_bytes import saved_bytes_after_forward
 
@@ -112,6 +120,52 @@ def test_fp8_layer_activations_equal_a_measured_layer(recipe, recompute):
                       seq_length=64, tied_embeddings=True)
     planned = layer_activation_bytes(model, Layout(1, 1, 1, 3, 3), recompute, device="cpu", fp8=True)
     assert saved_bytes_after_forward(TransformerLayer(config), hidden) == planned
+
+
+def deepspeed_moe_model(recipe="tensorwise", **fields):
+    """A LLaMA-shaped model of 2 layers, the second a DeepSpeed-MoE layer of 4 experts (top-1, capacity factor 1.5),
+    h 128, SwiGLU FFN 256, bf16, s 64 (recipe None: bf16 GEMMs)."""
+    fp8 = dict(fp8_format="e4m3", fp8_recipe=recipe) if recipe else {}
+    config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
+                               gated_linear_unit=True, bias=False, normalization="RMSNorm",
+                               position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
+                               params_dtype=torch.bfloat16, num_experts=(4,), moe_router_topk=1,
+                               moe_train_capacity_factor=1.5, **fp8, **fields)
+    return ModelSpec(config, vocab_size=64, make_vocab_size_divisible_by=8, max_position_embeddings=64,
+                     seq_length=64, tied_embeddings=True)
+
+
+def test_deepspeed_moe_experts_fp8_by_hand():
+    """Micro batch 3 x 64 = 192 tokens, C = 192 / 4 x 1.5 = 72 slots per expert. Tensorwise, each expert's fc1
+    128 x (72 + 512) + 8 and fc2 256 x (72 + 128) + 8, less the slots' 16-bit inputs and fc2's, 2 x 288 x
+    (128 + 256). TP 2: the experts run whole on each rank and reduce no amax (the attention's 3 forward and 1
+    backward, 4 bytes each); with expert TP each expert's fc1 and fc2 reduce theirs as the dense MLP's, 4 x (3 + 1)
+    more."""
+    model, tp2 = deepspeed_moe_model(), Layout(2, 1, 1, 3, 3)
+    assert fp8_deepspeed_experts_change(model, Layout(1, 1, 1, 3, 3), 4) == \
+        4 * (128 * 584 + 8 + 256 * 200 + 8) - 2 * 288 * 384 == 282_688
+    assert comm.fp8_amax_reductions_per_layer(model, tp2, 2) == comm.AmaxReductions(3, 1, 12.0, 4.0)
+    sharded = deepspeed_moe_model(moe_expert_tensor_parallel=True)
+    assert comm.fp8_amax_reductions_per_layer(sharded, tp2, 2) == comm.AmaxReductions(15, 5, 60.0, 20.0)
+
+
+def _deepspeed_moe_layers_match_the_planner():
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    for recipe in (None, "tensorwise", "rowwise", "blockwise"):
+        model = deepspeed_moe_model(recipe)
+        model_parallel_cuda_manual_seed(0)
+        hidden = torch.randn(64, 3, 128, dtype=torch.bfloat16, requires_grad=True)
+        measured = saved_bytes_after_forward(TransformerLayer(model.config, layer_number=2), hidden)
+        planned = layer_activation_bytes(model, Layout(1, 1, 1, 3, 3), None, experts=4, device="cpu",
+                                         fp8=recipe is not None)
+        assert measured == planned, (recipe, measured, planned)
+
+
+def test_deepspeed_moe_fp8_layer_activations_equal_a_measured_layer():
+    """DeepSpeed-MoE's experts are our MLP, so their fc1 and fc2 run in FP8: the MoE layer of deepspeed_moe_model in
+    bf16 and with each recipe (blockwise: each expert's 72 slots padded to one tile) keeps what the planner counts, to
+    the byte (one gloo rank: DeepSpeed's MoE takes its expert groups from torch.distributed)."""
+    run_distributed(_deepspeed_moe_layers_match_the_planner, 1)
 
 
 def test_amax_all_reduces_by_hand():
