@@ -48,6 +48,8 @@ def _check_target(shape, tp, pp, ep=None, expert_tensor_parallelism=None, split=
     per pipeline rank, as 1F1B places them)."""
     stage_layers, problems = _target_stage_layers(shape, pp, split)
     problems += _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism, stage_layers, split)
+    if files.is_dropless_moe(shape) and expert_tensor_parallelism == "on":
+        problems += _dropless_expert_tensor_parallel_problems(shape, tp)
     for what, value in (("--num-attention-heads", shape["num_attention_heads"]),
                         ("--num-key-value-heads", shape["num_key_value_heads"]),
                         ("--ffn-hidden-size", shape["ffn_hidden_size"])):
@@ -86,9 +88,6 @@ def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism, stage_laye
              if expert_tensor_parallelism else [])
     problems = [f"--num-experts {count} is not divisible by --target-expert-parallel-size {ep}"
                 for count in sorted(set(shape["num_experts"])) if ep and count % ep]
-    if files.is_dropless_moe(shape) and expert_tensor_parallelism == "on":
-        problems.append("--target-expert-tensor-parallelism on: the dropless MoE layer keeps each expert whole on "
-                        "its rank (expert TP 1)")
     if stage_layers is None:
         return problems
     if files.is_dropless_moe(shape):
@@ -102,6 +101,17 @@ def _expert_layout_problems(shape, pp, ep, expert_tensor_parallelism, stage_laye
         problems.append(f"pipeline stage(s) {empty} of --target-pipeline-model-parallel-size {pp}"
                         f"{' ' + split.describe() if not split.is_even else ''} would hold no MoE layer ({placement})")
     return problems
+
+
+def _dropless_expert_tensor_parallel_problems(shape, tp):
+    """--target-expert-tensor-parallelism on for the dropless layer: its experts split over the TP ranks
+    (--expert-tensor-parallel-size = TP), each expert's FFN size divisible by TP."""
+    if tp == 1:
+        return ["--target-expert-tensor-parallelism on: --target-tensor-parallel-size 1 has no TP ranks to split the "
+                "experts over"]
+    ffn = shape["moe_ffn_hidden_size"] or shape["ffn_hidden_size"]
+    return [f"--target-expert-tensor-parallelism on: each expert's FFN size {ffn} (--moe-ffn-hidden-size) is not "
+            f"divisible by --target-tensor-parallel-size {tp}"] if ffn % tp else []
 
 
 def _retarget(full, tp, pp, divisible_by=None, split=PipelineSplit()):
@@ -126,7 +136,8 @@ def _retarget(full, tp, pp, divisible_by=None, split=PipelineSplit()):
     return divisible_by
 
 
-def _training_hint(full, tp, pp):
+def _training_hint(full, tp, pp, expert_tp=None):
+    """The flags to train the written checkpoint with; expert_tp: the dropless layer's expert TP size to print."""
     args = full.args
     split = split_from_flags(args).describe()
     hint = (f"train it with --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
@@ -135,6 +146,8 @@ def _training_hint(full, tp, pp):
         return hint + " (any data-parallel size)"
     if args.get("enable_expert_tensor_parallelism"):
         hint += " --enable-expert-tensor-parallelism"
+    if expert_tp is not None:
+        hint += f" --expert-tensor-parallel-size {expert_tp}"
     return (hint + f" {_expert_parallel_flag(full.model, args)} (each file holds every expert: any data-parallel "
             f"size and any expert-parallel size that divides the experts and the data-parallel size)")
 
@@ -146,15 +159,24 @@ def _expert_parallel_flag(shape, args):
     return f"--moe-expert-parallel-size {args.get('moe_expert_parallel_size') or 1}"
 
 
-def _set_expert_layout(args, ep, expert_tensor_parallelism):
+def _set_expert_layout(args, ep, expert_tensor_parallelism, tp):
     """Record the expert-parallel size the checkpoint is meant for (the files hold every expert either way), and
-    whether its experts are split over TP ("on") or whole ("off"; None: as they are)."""
+    whether its experts are split over TP ("on") or whole ("off"; None: as they are). DeepSpeed-MoE's split experts
+    are split in the files; the dropless layer's are written whole (expert TP 1 in the saved flags, which the reader
+    goes by), and any expert TP loads them: returns the expert TP size to train them with (None: no dropless
+    layer)."""
     if ep is not None:
         args["moe_expert_parallel_size"] = ep
         if args.get("dropless_moe"):  # Megatron-Core's flag of the same size
             args["expert_model_parallel_size"] = ep
-    if expert_tensor_parallelism is not None:
-        args["enable_expert_tensor_parallelism"] = expert_tensor_parallelism == "on"
+    if not args.get("dropless_moe"):
+        if expert_tensor_parallelism is not None:
+            args["enable_expert_tensor_parallelism"] = expert_tensor_parallelism == "on"
+        return None
+    split = (args.get("expert_tensor_parallel_size") or 1) > 1 if expert_tensor_parallelism is None else \
+        expert_tensor_parallelism == "on"
+    args["expert_tensor_parallel_size"] = 1
+    return tp if split and tp > 1 else 1
 
 
 def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=None, expert_tensor_parallelism=None,
@@ -163,7 +185,7 @@ def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=
     stage_layers = _check_target(full.model, tp, pp, ep, expert_tensor_parallelism, split)
     source = (full.args["tensor_model_parallel_size"], full.args["pipeline_model_parallel_size"],
               full.args.get("moe_expert_parallel_size") or 1)
-    _set_expert_layout(full.args, ep, expert_tensor_parallelism)
+    expert_tp = _set_expert_layout(full.args, ep, expert_tensor_parallelism, tp)
     _retarget(full, tp, pp, split=split)
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, with_optimizer=with_optimizer, source=path,
                                             stage_layers=stage_layers)
@@ -172,7 +194,7 @@ def reshape(load_dir, save_dir, tp, pp, iteration=None, with_optimizer=True, ep=
     target_text = f"TP {tp} x PP {pp}" + (f" x EP {full.args.get('moe_expert_parallel_size') or 1}" if experts else "")
     _log(f"reshaped {path} ({source_text}) to {folder} ({target_text}), iteration "
          f"{full.iteration}, {'with' if full.optimizer is not None else 'without'} optimizer states; "
-         + _training_hint(full, tp, pp))
+         + _training_hint(full, tp, pp, expert_tp))
     return folder
 
 
@@ -360,7 +382,7 @@ def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_
             moe_layer=None, split=PipelineSplit()):
     full = read_hf(hf_dir, divisible_by, tp, moe_layer)
     stage_layers = _check_target(full.model, tp, pp, ep, expert_tensor_parallelism, split)
-    _set_expert_layout(full.args, ep, expert_tensor_parallelism)
+    expert_tp = _set_expert_layout(full.args, ep, expert_tensor_parallelism, tp)
     full.args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
                      **split_flags(split))
     folder = state.write_sharded_checkpoint(full, save_dir, tp, pp, tag=files.RELEASE_TAG, with_optimizer=False,
@@ -373,7 +395,8 @@ def from_hf(hf_dir, save_dir, tp, pp, divisible_by=None, ep=None, expert_tensor_
     _log(f"wrote {folder} ({files.model_family(shape)} family, {layout_text}, weights only) from {hf_dir}; "
          f"fine-tune it with pretrain.py --load {save_dir} --finetune and the model flags "
          f"{model_flags(shape, full.args)} --make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']}"
-         + (f" {_expert_parallel_flag(shape, full.args)}" if experts else ""))
+         + (f" {_expert_parallel_flag(shape, full.args)}" if experts else "")
+         + (f" --expert-tensor-parallel-size {expert_tp}" if expert_tp is not None else ""))
     return folder
 
 

@@ -4,7 +4,8 @@ in ZeRO-1's expert-data-parallel partitions; --async-save): resumed in place, it
 checkpoint equal the straight run's bit for bit (the expert bias included); resumed at EP 4 x PP 1 and at TP 2
 (Megatron SP) with the experts whole on each TP rank (expert TP 1) or split over TP (expert TP 2), resharded on
 load, the losses within 1e-5 of the in-place resume's. Saved at TP 2 with the experts split over TP: each expert
-written whole, the in-place resume bit for bit, resumed at expert TP 1 and at TP 1 within 1e-5."""
+written whole, the in-place resume bit for bit, resumed at expert TP 1 and at TP 1 within 1e-5, and converted by the
+tool to whole experts that resume at expert TP 2 or 1 as its printed flags say."""
 import glob
 import os
 
@@ -144,6 +145,30 @@ def test_experts_split_over_tensor_parallel_ranks_are_saved_whole_and_resume_in_
 def test_experts_saved_split_over_tensor_parallel_ranks_resume_whole(saved_with_split_experts, layout, ranks):
     folder, _, resumed = saved_with_split_experts
     other = _train([*layout, "--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT)], ranks=ranks)
+    assert f"resuming at iteration {SAVED_AT}" in other, other[-4000:]
+    expected, observed = losses(resumed), losses(other)
+    assert sorted(observed) == list(range(SAVED_AT + 1, ITERATIONS + 1)), other[-3000:]
+    for iteration, loss in expected.items():
+        assert observed[iteration] == pytest.approx(loss, rel=1e-5, abs=0), (iteration, observed, expected)
+
+
+@pytest.mark.parametrize("expert_tensor_parallelism", ["on", "off"])
+def test_the_conversion_tool_reshapes_experts_saved_split_over_tensor_parallel_ranks(
+        saved_with_split_experts, expert_tensor_parallelism, capsys):
+    """tools/convert_checkpoint.py on the expert-TP-2 checkpoint: the experts' F slices joined into whole experts
+    (the files of a converted checkpoint hold each expert whole: any expert TP loads them); with
+    --target-expert-tensor-parallelism on the printed flags train them split over TP 2 again, with off whole on
+    each TP rank; either resumes within 1e-5 of the in-place resume."""
+    folder, _, resumed = saved_with_split_experts
+    target = folder / f"converted_etp_{expert_tensor_parallelism}"
+    assert convert(["--load", str(folder / "straight"), "--load-iteration", str(SAVED_AT), "--save", str(target),
+                    "--target-tensor-parallel-size", "2", "--target-pipeline-model-parallel-size", "1",
+                    "--target-expert-tensor-parallelism", expert_tensor_parallelism]) == 0
+    printed = capsys.readouterr().out
+    expert_tp = "2" if expert_tensor_parallelism == "on" else "1"
+    assert f"--expert-tensor-parallel-size {expert_tp}" in printed, printed
+    layout = [*SPLIT_EXPERTS[:-1], expert_tp]
+    other = _train([*layout, "--load", str(target)])
     assert f"resuming at iteration {SAVED_AT}" in other, other[-4000:]
     expected, observed = losses(resumed), losses(other)
     assert sorted(observed) == list(range(SAVED_AT + 1, ITERATIONS + 1)), other[-3000:]

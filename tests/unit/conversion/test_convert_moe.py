@@ -42,6 +42,25 @@ def test_converter_refuses_an_expert_parallel_size_that_does_not_divide_the_expe
         convert._check_target(files.model_shape(_moe_args(expert_interval=2, num_layers=2)), 1, 2)
 
 
+def test_a_mixtral_imported_as_the_dropless_layer_may_split_its_experts_over_tp_where_they_divide(tmp_path, capsys):
+    """--target-expert-tensor-parallelism on with --moe-layer dropless: the files hold whole experts (expert TP 1 in
+    the saved flags) and the printed flags train them split over TP; TP 1, or a TP that does not divide an expert's
+    FFN size (Mixtral's 48 here), is refused before anything is written."""
+    tiny_mixtral(tmp_path / "hf")
+    from megatron_ds.conversion.convert_cli import main
+    common = ["--from-hf", str(tmp_path / "hf"), "--moe-layer", "dropless", "--target-expert-tensor-parallelism", "on"]
+    assert main([*common, "--save", str(tmp_path / "tp2"), "--target-tensor-parallel-size", "2"]) == 0
+    assert "--expert-tensor-parallel-size 2" in capsys.readouterr().out
+    saved = files.read_metadata(str(tmp_path / "tp2" / files.RELEASE_TAG))
+    assert saved["args"]["expert_tensor_parallel_size"] == 1
+    for tp, expected in (("1", "--target-tensor-parallel-size 1 has no TP ranks to split the experts over"),
+                         ("32", "each expert's FFN size 48 (--moe-ffn-hidden-size) is not divisible by "
+                                "--target-tensor-parallel-size 32")):
+        assert main([*common, "--save", str(tmp_path / tp), "--target-tensor-parallel-size", tp]) == 2
+        assert expected in capsys.readouterr().err
+        assert not (tmp_path / tp).exists()
+
+
 def test_a_truncated_hugging_face_weight_file_is_named(tmp_path, capsys):
     """--from-hf on a model.safetensors cut in half: one line naming the file, exit 2, nothing written."""
     tiny_mixtral(tmp_path / "hf")
