@@ -341,6 +341,14 @@ class _BlockDropouts:
         return self.dropout.block(query, self._positions(self.rank)[part.queries], keys[part.keys])
 
 
+def _kept_for_backward(ctx, tensors, group, causal, scale, dropout):
+    """Both variants' forward ends here: what their backward reads kept, the output returned in the query's dtype."""
+    ctx.save_for_backward(*tensors)
+    ctx.group, ctx.causal, ctx.scale, ctx.dropout = group, causal, scale, dropout
+    query, out = tensors[0], tensors[3]
+    return out.to(query.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention over a process group (see the module docstring); ring_attention checks the inputs."""
 
@@ -362,9 +370,7 @@ class RingAttention(torch.autograd.Function):
                 merge_block(out[:, :, part.queries], lse[:, :, part.queries], block_out, block_lse)
             if exchange is not None:
                 block = exchange.wait()
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.dropout = group, causal, scale, dropout
-        return out.to(query.dtype)
+        return _kept_for_backward(ctx, (query, key, value, out, lse), group, causal, scale, dropout)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -424,9 +430,7 @@ class AllGatherAttention(torch.autograd.Function):
             block_out, block_lse = attention_block(queries, whole_key[:, :, part.keys], whole_value[:, :, part.keys],
                                                    scale, part.causal, dropouts.of(queries, part))
             merge_block(out[:, :, part.queries], lse[:, :, part.queries], block_out, block_lse)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.dropout = group, causal, scale, dropout
-        return out.to(query.dtype)
+        return _kept_for_backward(ctx, (query, key, value, out, lse), group, causal, scale, dropout)
 
     @staticmethod
     def backward(ctx, grad_out):
