@@ -31,7 +31,7 @@ free_gib() {  # on the filesystem that will hold the environment
   df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }'
 }
 
-NEEDED_GIB=7  # the environment is ~5 GiB installed (torch's CUDA libraries), plus the wheel being unpacked
+NEEDED_GIB=9  # ~5 GiB installed (torch's CUDA libraries) + ~3 GiB of wheels pip holds in its temporary folder until done
 if ! "$VENV/bin/python" -c "import torch, transformers, triton; assert torch.__version__.startswith('$(image_torch)')" \
     2>/dev/null; then
   rm -rf "$VENV"
