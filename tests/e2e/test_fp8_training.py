@@ -50,10 +50,11 @@ def test_fp8_follows_bf16_closely_but_computes_in_fp8(recipe):
 @pytest.mark.parametrize("schedule", ["zbh1", "dualpipev", "interleaved"])
 def test_every_pipeline_schedule_trains_as_1f1b_under_fp8(schedule):
     """ZB-H1 splits the backward by the autograd graph: the FP8 linear's node gives the input gradient in B and
-    its weight gradient in W, from the same saved FP8 copies (DualPipeV's zero-bubble steps the same way), so the
-    update is 1F1B's bitwise. DualPipeV and the interleaved schedule place the layers otherwise (stage 0 holds the
-    first and last layers, or every other one), which reorders bf16's sums: bf16's own runs differ from 1F1B by
-    1.4e-4 (DualPipeV) and 1.7e-4 (interleaved) here, FP8's by 1.2e-4; held to the TP test's tolerance."""
+    its weight gradient in W, from the same saved FP8 copies, so its update is 1F1B's bitwise. DualPipeV (whose
+    zero-bubble steps split the backward the same way) and the interleaved schedule place the layers otherwise
+    (stage 0 holds the first and last layers, or every other one), which reorders bf16's sums: bf16's own runs
+    differ from 1F1B by 1.4e-4 (DualPipeV) and 1.7e-4 (interleaved) here, FP8's by 1.2e-4; held to the TP test's
+    tolerance."""
     flags = _fp8("rowwise", "hybrid")
     one_f_one_b = run_layout("gpt2", 1, 2, 1, flags)
     other = run_layout("gpt2", 1, 2, 1, flags + SCHEDULE_FLAGS[schedule])
