@@ -18,7 +18,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+sys.path.insert(0, str(REPO))
+
+from megatron_ds.core.tensor_parallel.fp8 import RECIPES  # noqa: E402
+
 # megatron_ds/observability/metrics.py's iteration line (Megatron-LM's)
 ITERATION_LINE = re.compile(r" iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|")
 

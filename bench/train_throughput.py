@@ -73,6 +73,7 @@ from bench.turns import (  # noqa: E402
     sequential,
     total_rotations,
 )
+from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES  # noqa: E402
 from megatron_ds.core.transformer.transformer_config import default_ffn_hidden_size  # noqa: E402
 from megatron_ds.launch.runtime import free_port  # noqa: E402
 
@@ -81,7 +82,6 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--use-rotary-position-
                "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 ENGINE, PLAIN, HF, GEMM = "pretrain.py", "plain loop", "HF loop", "gemm"
 NO_DROPOUT = "pretrain.py without dropout"
-FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")  # megatron_ds.core.tensor_parallel.fp8's
 
 
 def transformer_config(args):
@@ -411,12 +411,18 @@ def report(args, seconds, parameters, device):
     if len(set(parameters.values())) > 1:
         print("  warning: the parameter counts differ: the models are not the same shape")
     for name in (ENGINE, *baselines(args)):
-        time_ = statistics.median(seconds[name][WARM_UP:])
-        tflops = flops / time_ / 1e12
-        print(f"  {labels[name]:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  "
-              f"{tflops:.3f} TFLOP/s  MFU vs GEMM {100 * tflops / gemm:5.1f}%")
+        print(rate_line(labels[name], seconds[name], tokens, flops, gemm, "MFU vs GEMM"))
     for name in baselines(args):
         print(f"  pretrain.py / {name} tokens/s: {ratio(args, seconds[name], seconds[ENGINE])}")
+
+
+def rate_line(label, turns, tokens, flops, gemm, share):
+    """One side's median ms/iter, tokens/s and TFLOP/s over its measured turns, and its TFLOP/s as a share of the
+    GEMM rate (`share` names that share)."""
+    time_ = statistics.median(turns[WARM_UP:])
+    tflops = flops / time_ / 1e12
+    return (f"  {label:<44} {time_ * 1000:9.1f} ms/iter  {tokens / time_:9.1f} tokens/s  {tflops:.3f} TFLOP/s  "
+            f"{share} {100 * tflops / gemm:5.1f}%")
 
 
 def ratio(args, numerator, denominator):
@@ -446,11 +452,8 @@ def report_fp8(args, seconds, gemm):
     flops = model_flops_per_sample(args) * args.micro_batch_size
     for recipe in args.fp8_recipes:
         turns = seconds[fp8_name(recipe)]
-        time_ = statistics.median(turns[WARM_UP:])
-        tflops = flops / time_ / 1e12
-        print(f"  {fp8_name(recipe) + ' (' + args.fp8_format + ')':<44} {time_ * 1000:9.1f} ms/iter  "
-              f"{args.micro_batch_size * args.seq_length / time_:9.1f} tokens/s  {tflops:.3f} TFLOP/s  "
-              f"of the bf16 GEMM rate {100 * tflops / gemm:5.1f}%")
+        print(rate_line(f"{fp8_name(recipe)} ({args.fp8_format})", turns, args.micro_batch_size * args.seq_length,
+                        flops, gemm, "of the bf16 GEMM rate"))
         print(f"  {fp8_name(recipe)} / bf16 tokens/s: {ratio(args, seconds[ENGINE], turns)}")
 
 
@@ -518,17 +521,13 @@ def check_args(parser, args):
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.family == "gpt2" and args.num_key_value_heads not in (None, args.num_attention_heads):
         parser.error("--num-key-value-heads: GQA is for --family llama")
-    if pinned(args) and (args.layouts != [(1, 1)] or args.profile):
+    if pinned(args) and (args.layouts != [(1, 1)] or args.profile or args.fp8_recipes or args.baseline == "none"):
         parser.error("--method pinned runs two sides, a core each: pretrain.py at TP=PP=1 and one loop (no "
-                     "--layouts, no --profile)")
+                     "--layouts, no --profile, no --fp8-recipes, no --baseline none)")
     if args.family == "llama" and args.baseline == "hf" and args.hidden_dropout:
         parser.error("--family llama --baseline hf: LlamaForCausalLM has no hidden dropout; use --hidden-dropout 0")
-    if args.baseline == "none" and pinned(args):
-        parser.error("--method pinned compares pretrain.py with one loop: --baseline none leaves none")
     if args.baseline == "none" and args.layouts == [(1, 1)] and not args.fp8_recipes:
         parser.error("--baseline none leaves pretrain.py nothing to be compared with; add --layouts or --fp8-recipes")
-    if pinned(args) and args.fp8_recipes:
-        parser.error("--method pinned runs two sides, a core each: no --fp8-recipes")
     if args.no_plain_loop and args.baseline != "hf":
         parser.error("--no-plain-loop leaves pretrain.py nothing to be compared with; add --baseline hf")
     args.gemm_size = args.gemm_size or (8192 if torch.cuda.is_available() else 2048)
@@ -549,11 +548,11 @@ def main(argv=None):
     report(args, seconds, parameters, device)
     if args.profile:
         print(profile_table(args))
-    if not pinned(args):
-        report_other_layouts(args, seconds, statistics.median(gemm_rates(args, seconds)))
+    if not pinned(args):  # no GEMM side under --method pinned, and neither other layouts nor FP8 sides
+        gemm = statistics.median(gemm_rates(args, seconds))
+        report_other_layouts(args, seconds, gemm)
+        report_fp8(args, seconds, gemm)
     report_dropout_cost(args, seconds)
-    if args.fp8_recipes:
-        report_fp8(args, seconds, statistics.median(gemm_rates(args, seconds)))
     return 0
 
 

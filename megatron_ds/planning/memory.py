@@ -142,9 +142,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts:
     (fp8_layer_change)."""
     if recompute == "full":
         return _saved_layer_input_bytes(model, layout)
-    config, s, b = model.config, model.seq_length, layout.micro_batch_size
-    width = _activation_width(model)
-    replicated_tokens, split_tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    config, s, width = model.config, model.seq_length, _activation_width(model)
+    replicated_tokens, split_tokens = micro_batch_tokens(model, layout)
     attention = (replicated_tokens * (_replicated_attention_bytes_per_token(config, width)
                                       + _mla_latent_bytes_per_token(config, width))
                  + split_tokens * _split_attention_bytes_per_token(config, layout, s, recompute, width, device)
@@ -194,8 +193,8 @@ def _fp8_attention_change(model, layout, recompute, device):
     """QKV attention in FP8: QKV's and the projection's copies, less QKV's 16-bit input and, where freed, the
     projection's."""
     config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
-    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
-    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    t, h = layout.tp, config.hidden_size
+    replicated, tokens = micro_batch_tokens(model, layout)
     heads_width = config.num_attention_heads * config.kv_channels
     qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
     projection_input = width * heads_width / t * tokens
@@ -211,8 +210,8 @@ def _fp8_mla_change(model, layout, recompute, device):
     query down and the key-value down projections' input), each latent norm's output (its up projection's input)
     and, where freed, the output projection's."""
     config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
-    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
-    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    t, h = layout.tp, config.hidden_size
+    replicated, tokens = micro_batch_tokens(model, layout)
     a, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank or 0, config.kv_lora_rank
     query_width = a * (config.qk_head_dim + config.qk_pos_emb_head_dim)
     down = fp8_copies_bytes(h, kv_rank + config.qk_pos_emb_head_dim, replicated, recipe) \
@@ -241,8 +240,8 @@ def _fp8_mlp_change(model, layout, ffn_hidden_size, whole_input_freed):
     """A dense MLP of width F in FP8: fc1's and fc2's copies, less fc2's 16-bit input (the activation's output)
     and, where fc1 alone keeps it (whole_input_freed), fc1's (the norm's output; 16-bit on this rank's tokens)."""
     config, width, recipe = model.config, _activation_width(model), model.config.fp8_recipe
-    s, b, t, h = model.seq_length, layout.micro_batch_size, layout.tp, config.hidden_size
-    replicated, tokens = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    t, h = layout.tp, config.hidden_size
+    replicated, tokens = micro_batch_tokens(model, layout)
     fc1_width = ffn_hidden_size * (2 if config.gated_linear_unit else 1)
     return (fp8_copies_bytes(h, fc1_width / t, tokens, recipe) - (width * h * replicated if whole_input_freed else 0)
             + fp8_copies_bytes(ffn_hidden_size // t, h, tokens, recipe) - width * ffn_hidden_size / t * tokens)
@@ -277,6 +276,13 @@ def fp8_deepspeed_experts_change(model: ModelSpec, layout: Layout, experts: int)
     rows, fc1_width = slots / local_experts, ffn * (2 if config.gated_linear_unit else 1)
     per_expert = fp8_copies_bytes(h, fc1_width, rows, recipe) + fp8_copies_bytes(ffn, h, rows, recipe)
     return local_experts * per_expert - width * slots * (h + ffn)
+
+
+def micro_batch_tokens(model: ModelSpec, layout: Layout) -> tuple:
+    """(replicated, whole): a micro-batch's tokens on this rank in tensors Megatron SP splits over TP, and in those
+    it keeps whole over TP (both split by Ulysses and CP)."""
+    s, b = model.seq_length, layout.micro_batch_size
+    return b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
 
 
 def _activation_width(model):
@@ -415,10 +421,10 @@ def _shared_expert_bytes(model, layout, width):
     """The shared expert as a dense MLP of its width (SwiGLU 3 w F_s per token / t; its input is the router's, or
     under TP without SP the whole input, w h s b / U) and its gate: the MLP's output and the sigmoid, w (h + 1) per
     token."""
-    config, b, s = model.config, layout.micro_batch_size, model.seq_length
+    config = model.config
     if not config.moe_shared_expert_intermediate_size:
         return 0.0
-    replicated, split = b * layout.tokens_per_rank(s), b * layout.tokens_per_rank(s, split_over_tp=False)
+    replicated, split = micro_batch_tokens(model, layout)
     whole_input = width * config.hidden_size * split if layout.tp > 1 and not layout.sequence_parallel else 0.0
     mlp = split * _mlp_bytes_per_token(config, width, config.moe_shared_expert_intermediate_size) / layout.tp
     gate = replicated * width * (config.hidden_size + 1) if config.moe_shared_expert_gate else 0.0
