@@ -1,19 +1,33 @@
 """Dense model vs Mixture of Experts with the same active parameters, through pretrain.py on CPU ranks.
 
     python bench/moe.py [--ranks 2] [--experts 8] [--topk 2] [--hidden-size 256] [--ffn-hidden-size 1024] ...
-    python bench/moe.py --dropless ...   # SwiGLU models; the dropless layer beside DeepSpeed-MoE
+    python bench/moe.py --dropless ...   # SwiGLU models; the dropless layer beside dense and DeepSpeed-MoE
     python bench/moe.py --dropless --expert-bias ...   # the dropless layer balancing its experts' loads
 
 The MoE replaces the MLP of every other layer by `--experts` experts of FFN width ffn / topk, so a token's
-active MLP parameters equal the dense model's (plus the router); experts are spread over all ranks (EP =
---ranks). Printed for each: tokens/s and model TFLOP/s per rank (median iteration), the MoE's tokens/s over the
-dense model's, and the share of the MoE's rank 0 time spent in the all-to-alls (torch.profiler over two iterations
-after the timed ones: dispatch and combine, forward and backward). With --dropless every model is SwiGLU and a
-third launch runs the dropless layer (Megatron-Core's flags, grouped GEMMs, the same layers and experts): its
-tokens/s over the dense model's and over DeepSpeed-MoE's.
+active parameters in that layer equal the dense model's (plus the router); experts are spread over all ranks (EP =
+--ranks). DeepSpeed-MoE's experts take the model's --ffn-hidden-size (Megatron-DeepSpeed's flags have no other), so
+its dense layers are ffn / topk wide too: the DeepSpeed-MoE model is lighter than the dense one, and its "MoE /
+dense" ratio is of two models of different FLOPs (the TFLOP/s per rank printed beside says by how much). Printed
+for each: tokens/s and model TFLOP/s per rank (median iteration), the MoE's tokens/s over the dense model's, and
+the share of the MoE's rank 0 time spent in the all-to-alls, their waits for the other ranks included
+(torch.profiler over two iterations after the timed ones: dispatch and combine, forward and backward).
 
-Method (bench/turns.py): both launches start together and take turns iteration by iteration, so that a slowdown of
-this shared host falls on both alike; the ratio is taken within each rotation, a round's is the median of its
+With --dropless every model is SwiGLU and two more launches run the dropless layer (Megatron-Core's flags, grouped
+GEMMs, the same layers and experts): one in the dense model's shape (its dense layers ffn wide), compared with the
+dense model; one in DeepSpeed-MoE's shape (its dense layers ffn / topk wide), compared with DeepSpeed-MoE, so that
+each ratio is between two models of the same FLOPs. Each dropless launch's load prints beside it: the median over
+the timed iterations of its log line's tokens per expert max / mean.
+
+Every side's learning rate warms up over --lr-warmup-iters (1000 by default, longer than the bench), as a
+pretraining run's does. Without it, at lr 1e-3 from the first step, this small model's routers collapse within ten
+iterations: on 2026-12-07 one dropless layer at these shapes sent 2,031 and 1,623 of its 4,096 choices per step to
+two experts by iteration 9, its other six experts receiving almost none, and its ranks' rows stayed 2-4x apart with
+or without the expert bias (max / mean per expert 2.1-4.0 over 130 iterations). A dropless layer computes every
+row it is sent, so its ranks then wait for each other; DeepSpeed-MoE's capacity drops the overflow instead.
+
+Method (bench/turns.py): the launches start together and take turns iteration by iteration, so that a slowdown of
+this shared host falls on all alike; the ratio is taken within each rotation, a round's is the median of its
 rotations', and the median of --rounds rounds prints with their range, or "unstable" beyond --max-spread.
 
 Rounds are 24 rotations long, not 8 as elsewhere: each side's iteration time jitters by ~4% from one turn to the
@@ -27,6 +41,7 @@ of 24, 1 in 12 at 48.
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -55,7 +70,8 @@ def _flags(args, iterations):
             "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
             str(args.micro_batch_size * args.ranks), "--train-iters", str(iterations), "--lr", "1e-3",
             "--mock-data", "--vocab-size", str(args.vocab_size), "--make-vocab-size-divisible-by", "1",
-            "--log-interval", "1", "--eval-interval", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--log-interval", "1", "--eval-interval", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--lr-warmup-iters", str(args.lr_warmup_iters)]
 
 
 def _moe_flags(args, profile_dir):
@@ -63,14 +79,16 @@ def _moe_flags(args, profile_dir):
     last = total_rotations(args) + 3  # --profile-step-end is exclusive
     return ["--ffn-hidden-size", str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts),
             "--topk", str(args.topk), "--moe-expert-parallel-size", str(args.ranks), "--moe-min-capacity", "0",
+            *(["--disable-moe-token-dropping"] if args.disable_moe_token_dropping else []),
             "--profile", "--use-pytorch-profiler", "--profile-step-start", str(last - 2), "--profile-step-end",
             str(last), "--profile-dir", str(profile_dir)]
 
 
-def _dropless_flags(args):
-    """The dropless layer in the same layers as DeepSpeed-MoE's (every 2nd, 1-based), the same experts."""
+def _dropless_flags(args, dense_ffn):
+    """The dropless layer in the same layers as DeepSpeed-MoE's (every 2nd, 1-based), the same experts; the dense
+    layers dense_ffn wide."""
     pattern = "([0]+[1])*" + str(args.num_layers // 2)
-    return ["--ffn-hidden-size", str(args.ffn_hidden_size), "--moe-ffn-hidden-size",
+    return ["--ffn-hidden-size", str(dense_ffn), "--moe-ffn-hidden-size",
             str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts), "--moe-router-topk",
             str(args.topk), "--expert-model-parallel-size", str(args.ranks), "--moe-layer-freq", pattern,
             "--moe-grouped-gemm", *(["--moe-router-enable-expert-bias"] if args.expert_bias else [])]
@@ -85,12 +103,13 @@ def _teraflop_per_rank_per_iteration(args, side):
     """Model TFLOP of one iteration per rank, by the formula MFU uses (an MoE's: its active parameters)."""
     from megatron_ds.core.models.gpt import model_flops_per_iteration
     from megatron_ds.core.transformer import TransformerConfig
+    dropless = dict(num_moe_experts=args.experts, moe_ffn_hidden_size=args.ffn_hidden_size // args.topk,
+                    moe_router_topk=args.topk, moe_layer_pattern=(0, 1) * (args.num_layers // 2))
     experts = {"dense": dict(ffn_hidden_size=args.ffn_hidden_size),
                "moe": dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, num_experts=(args.experts,),
                            moe_router_topk=args.topk),
-               "dropless": dict(ffn_hidden_size=args.ffn_hidden_size, num_moe_experts=args.experts,
-                                moe_ffn_hidden_size=args.ffn_hidden_size // args.topk, moe_router_topk=args.topk,
-                                moe_layer_pattern=(0, 1) * (args.num_layers // 2))}[side]
+               "dropless": dict(ffn_hidden_size=args.ffn_hidden_size, **dropless),
+               "dropless_ds": dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, **dropless)}[side]
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                num_attention_heads=args.num_attention_heads, gated_linear_unit=args.dropless,
                                **experts)
@@ -99,13 +118,20 @@ def _teraflop_per_rank_per_iteration(args, side):
 
 
 def _all_to_all_share(profile_dir):
-    """Rank 0's time in all-to-all operators over the profiled window, as a fraction of the window."""
+    """Rank 0's time in the all-to-alls over the profiled window, as a fraction of the window: DeepSpeed-MoE's
+    autograd functions around each exchange (forward and backward), which hold the wait for the other ranks too (on
+    gloo the c10d operator's own time leaves the wait out: 0.2% of one profile of 2026-12-07 where these give 4.3%)."""
     trace = json.loads(next(Path(profile_dir).glob("profile_rank0_*.json")).read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     window = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    # the c10d operator, not its nested backend calls, so each all-to-all is counted once
-    all_to_all = sum(e["dur"] for e in events if e["name"] in ("c10d::alltoall_base_", "c10d::alltoall_"))
+    all_to_all = sum(e["dur"] for e in events if e["name"] in ("_AllToAll", "_AllToAllBackward"))
     return all_to_all / window
+
+
+def _median_load(output, args):
+    """The median over the timed iterations of a dropless launch's logged tokens per expert max / mean."""
+    loads = [float(load) for load in re.findall(r"tokens per expert max/mean: (\S+) \|", output)]
+    return statistics.median(loads[WARM_UP:total_rotations(args)])
 
 
 def main(argv=None):
@@ -124,6 +150,11 @@ def main(argv=None):
     parser.add_argument("--expert-bias", action="store_true",
                         help="--dropless: with the expert bias (auxiliary-loss-free balancing, as DeepSeek-V3), so "
                              "its ranks' loads even out during the run as a training run's do")
+    parser.add_argument("--disable-moe-token-dropping", action="store_true",
+                        help="DeepSpeed-MoE's own dropless mode (Megatron-DeepSpeed's flag): every expert padded to "
+                             "the largest load of the step instead of a capacity dropping the overflow")
+    parser.add_argument("--lr-warmup-iters", type=int, default=1000,
+                        help="every side's learning-rate warm-up (the docstring says why the routers need it)")
     add_arguments(parser, rotations_per_round=24)
     args = parser.parse_args(argv)
     tokens = args.micro_batch_size * args.ranks * args.seq_length
@@ -134,8 +165,10 @@ def main(argv=None):
                                    total_rotations(args)),
                  "moe": _command(args, _moe_flags(args, profile_dir) + family, total_rotations(args) + 2)}
         if args.dropless:
-            sides["dropless"] = _command(args, _dropless_flags(args) + family, total_rotations(args))
-        seconds, _ = run_in_turns({name: (command, args.ranks) for name, command in sides.items()}, folder,
+            for name, dense_ffn in (("dropless", args.ffn_hidden_size), ("dropless_ds", args.ffn_hidden_size //
+                                                                          args.topk)):
+                sides[name] = _command(args, _dropless_flags(args, dense_ffn) + family, total_rotations(args))
+        seconds, outputs = run_in_turns({name: (command, args.ranks) for name, command in sides.items()}, folder,
                                   {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
     timed = {name: statistics.median(turns[WARM_UP:total_rotations(args)]) for name, turns in seconds.items()}
@@ -145,18 +178,23 @@ def main(argv=None):
     print(host_line())
     experts = f"{args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, top-{args.topk}, every 2nd layer"
     bias = ", expert bias" if args.expert_bias else ""
+    narrow = f"dense layers FFN {args.ffn_hidden_size // args.topk}"
     labels = {"dense": f"dense  (FFN {args.ffn_hidden_size})",
-              "moe": f"MoE    ({experts}, EP {args.ranks})",
-              "dropless": f"dropless MoE ({experts}, grouped GEMMs{bias}, EP {args.ranks})"}
+              "moe": f"MoE    ({experts}, EP {args.ranks}; {narrow}"
+                     f"{'; no token dropped' if args.disable_moe_token_dropping else ''})",
+              "dropless": f"dropless MoE ({experts}, grouped GEMMs{bias}, EP {args.ranks})",
+              "dropless_ds": f"dropless MoE in DeepSpeed-MoE's model ({narrow})"}
     for name in seconds:
+        load = f", load max/mean {_median_load(outputs[name], args):.2f}" if name.startswith("dropless") else ""
         print(f"{labels[name]}: {tokens / timed[name]:,.0f} tokens/s, "
-              f"{_teraflop_per_rank_per_iteration(args, name) / timed[name]:.4f} TFLOP/s per rank")
+              f"{_teraflop_per_rank_per_iteration(args, name) / timed[name]:.4f} TFLOP/s per rank{load}")
     ratio = Ratio.of(seconds["dense"], seconds["moe"], args.rounds, WARM_UP).text(args.max_spread)
     print(f"MoE / dense tokens/s: {ratio}; all-to-all share of the MoE's rank 0 time: {100 * share:.1f}%")
     if args.dropless:
-        for other in ("dense", "moe"):
-            ratio = Ratio.of(seconds[other], seconds["dropless"], args.rounds, WARM_UP).text(args.max_spread)
-            print(f"dropless / {'DeepSpeed-MoE' if other == 'moe' else 'dense'} tokens/s: {ratio}")
+        for other, mine, words in (("dense", "dropless", "dense"),
+                                   ("moe", "dropless_ds", "DeepSpeed-MoE (the same model)")):
+            ratio = Ratio.of(seconds[other], seconds[mine], args.rounds, WARM_UP).text(args.max_spread)
+            print(f"dropless / {words} tokens/s: {ratio}")
 
 
 if __name__ == "__main__":

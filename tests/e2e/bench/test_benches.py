@@ -98,32 +98,28 @@ def test_ops_bench_times_an_op_s_backends_in_turns_and_prints_each_one_s_ratio_t
     assert compiled, out
 
 
-def test_moe_bench_prints_dense_and_moe_rates_and_the_all_to_all_share():
-    command = [sys.executable, "bench/moe.py", "--ranks", "2", "--experts", "4", "--num-layers", "2",
-               "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",
-               "--rounds", "1", "--rotations-per-round", "2"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert_succeeded(result, tail=2000)
-    for expected in ("dense  (FFN 64):", "MoE    (4 experts of FFN 32, top-2, every 2nd layer, EP 2):",
-                     "MoE / dense tokens/s:", "all-to-all share of the MoE's rank 0 time:"):
-        assert expected in result.stdout, f"{expected!r} missing from:\n{result.stdout}"
-    assert re.search(r"MoE / dense tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)", result.stdout)
-    share = float(result.stdout.split("all-to-all share of the MoE's rank 0 time: ")[1].split("%")[0])
-    assert share > 0  # the profiler saw the all-to-alls
-
-
 def test_moe_bench_puts_the_dropless_layer_beside_dense_and_deepspeed_moe():
+    """Four launches in turns: dense, DeepSpeed-MoE (here its dropless mode), the dropless layer in the dense model's
+    shape and in DeepSpeed-MoE's; each side's rates, the dropless sides' loads, the three ratios and the profiled
+    all-to-all share."""
     command = [sys.executable, "bench/moe.py", "--dropless", "--ranks", "2", "--experts", "4", "--num-layers", "2",
                "--hidden-size", "32", "--ffn-hidden-size", "64", "--seq-length", "32", "--vocab-size", "256",
-               "--rounds", "1", "--rotations-per-round", "2"]
+               "--rounds", "1", "--rotations-per-round", "2", "--disable-moe-token-dropping"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert_succeeded(result, tail=2000)
-    assert "dropless MoE (4 experts of FFN 32, top-2, every 2nd layer, grouped GEMMs, EP 2):" in result.stdout
-    for other in ("dense", "DeepSpeed-MoE"):
-        assert re.search(rf"dropless / {other} tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)",
-                         result.stdout), result.stdout
+    rate = r": [0-9,]+ tokens/s, [0-9.]+ TFLOP/s per rank"
+    experts = r"4 experts of FFN 32, top-2, every 2nd layer"
+    for side in (r"dense  \(FFN 64\)" + rate,
+                 rf"MoE    \({experts}, EP 2; dense layers FFN 32; no token dropped\){rate}",
+                 rf"dropless MoE \({experts}, grouped GEMMs, EP 2\){rate}, load max/mean [0-9.]+",
+                 rf"dropless MoE in DeepSpeed-MoE's model \(dense layers FFN 32\){rate}, load max/mean [0-9.]+"):
+        assert re.search(rf"^{side}$", result.stdout, re.M), f"{side!r} missing from:\n{result.stdout}"
+    ratio = r"tokens/s: [0-9.]+x \(rounds [0-9.]+-[0-9.]+, 1 round of 2\)"
+    for pair in ("MoE / dense", "dropless / dense", r"dropless / DeepSpeed-MoE \(the same model\)"):
+        assert re.search(rf"^{pair} {ratio}", result.stdout, re.M), f"{pair!r} missing from:\n{result.stdout}"
+    share = float(result.stdout.split("all-to-all share of the MoE's rank 0 time: ")[1].split("%")[0])
+    assert share > 0  # the profiler saw the all-to-alls
 
 
 def test_long_context_bench_finds_the_longest_sequence_per_sequence_parallel_size():
