@@ -62,6 +62,7 @@ from bench.turns import (  # noqa: E402
     total_rotations,
 )
 from megatron_ds.launch.runtime import free_port  # noqa: E402
+from megatron_ds.observability.metrics import EXPERT_LOAD  # noqa: E402
 
 
 def _flags(args, iterations):
@@ -130,7 +131,7 @@ def _all_to_all_share(profile_dir):
 
 def _median_load(output, args):
     """The median over the timed iterations of a dropless launch's logged tokens per expert max / mean."""
-    loads = [float(load) for load in re.findall(r"tokens per expert max/mean: (\S+) \|", output)]
+    loads = [float(load) for load in re.findall(rf"{re.escape(EXPERT_LOAD)}: (\S+) \|", output)]
     return statistics.median(loads[WARM_UP:total_rotations(args)])
 
 
