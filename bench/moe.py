@@ -65,6 +65,17 @@ from megatron_ds.launch.runtime import free_port  # noqa: E402
 from megatron_ds.observability.metrics import EXPERT_LOAD  # noqa: E402
 
 
+def _expert_ffn(args):
+    """Each expert's FFN: the dense model's over topk, so a token's active parameters match."""
+    return args.ffn_hidden_size // args.topk
+
+
+def _dense_ffn(args, side):
+    """The FFN of a side's dense layers: DeepSpeed-MoE's are its experts' (its one --ffn-hidden-size), and so are
+    those of the dropless side in DeepSpeed-MoE's model."""
+    return _expert_ffn(args) if side in ("moe", "dropless_ds") else args.ffn_hidden_size
+
+
 def _flags(args, iterations):
     return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
@@ -78,19 +89,19 @@ def _flags(args, iterations):
 def _moe_flags(args, profile_dir):
     """The MoE launch runs two more iterations than the dense one, profiled after the timed ones."""
     last = total_rotations(args) + 3  # --profile-step-end is exclusive
-    return ["--ffn-hidden-size", str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts),
+    return ["--ffn-hidden-size", str(_dense_ffn(args, "moe")), "--num-experts", str(args.experts),
             "--topk", str(args.topk), "--moe-expert-parallel-size", str(args.ranks), "--moe-min-capacity", "0",
             *(["--disable-moe-token-dropping"] if args.disable_moe_token_dropping else []),
             "--profile", "--use-pytorch-profiler", "--profile-step-start", str(last - 2), "--profile-step-end",
             str(last), "--profile-dir", str(profile_dir)]
 
 
-def _dropless_flags(args, dense_ffn):
+def _dropless_flags(args, side):
     """The dropless layer in the same layers as DeepSpeed-MoE's (every 2nd, 1-based), the same experts; the dense
-    layers dense_ffn wide."""
+    layers as wide as `side`'s."""
     pattern = "([0]+[1])*" + str(args.num_layers // 2)
-    return ["--ffn-hidden-size", str(dense_ffn), "--moe-ffn-hidden-size",
-            str(args.ffn_hidden_size // args.topk), "--num-experts", str(args.experts), "--moe-router-topk",
+    return ["--ffn-hidden-size", str(_dense_ffn(args, side)), "--moe-ffn-hidden-size",
+            str(_expert_ffn(args)), "--num-experts", str(args.experts), "--moe-router-topk",
             str(args.topk), "--expert-model-parallel-size", str(args.ranks), "--moe-layer-freq", pattern,
             "--moe-grouped-gemm", *(["--moe-router-enable-expert-bias"] if args.expert_bias else [])]
 
@@ -104,16 +115,13 @@ def _teraflop_per_rank_per_iteration(args, side):
     """Model TFLOP of one iteration per rank, by the formula MFU uses (an MoE's: its active parameters)."""
     from megatron_ds.core.models.gpt import model_flops_per_iteration
     from megatron_ds.core.transformer import TransformerConfig
-    dropless = dict(num_moe_experts=args.experts, moe_ffn_hidden_size=args.ffn_hidden_size // args.topk,
-                    moe_router_topk=args.topk, moe_layer_pattern=(0, 1) * (args.num_layers // 2))
-    experts = {"dense": dict(ffn_hidden_size=args.ffn_hidden_size),
-               "moe": dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, num_experts=(args.experts,),
-                           moe_router_topk=args.topk),
-               "dropless": dict(ffn_hidden_size=args.ffn_hidden_size, **dropless),
-               "dropless_ds": dict(ffn_hidden_size=args.ffn_hidden_size // args.topk, **dropless)}[side]
+    dropless = dict(num_moe_experts=args.experts, moe_ffn_hidden_size=_expert_ffn(args), moe_router_topk=args.topk,
+                    moe_layer_pattern=(0, 1) * (args.num_layers // 2))
+    experts = {"dense": {}, "moe": dict(num_experts=(args.experts,), moe_router_topk=args.topk),
+               "dropless": dropless, "dropless_ds": dropless}[side]
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                num_attention_heads=args.num_attention_heads, gated_linear_unit=args.dropless,
-                               **experts)
+                               ffn_hidden_size=_dense_ffn(args, side), **experts)
     return model_flops_per_iteration(config, args.vocab_size, args.micro_batch_size * args.ranks,
                                      args.seq_length) / args.ranks / 1e12
 
@@ -162,13 +170,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         profile_dir = os.path.join(folder, "profile")
         family = ["--swiglu"] if args.dropless else []
-        sides = {"dense": _command(args, ["--ffn-hidden-size", str(args.ffn_hidden_size), *family],
+        sides = {"dense": _command(args, ["--ffn-hidden-size", str(_dense_ffn(args, "dense")), *family],
                                    total_rotations(args)),
                  "moe": _command(args, _moe_flags(args, profile_dir) + family, total_rotations(args) + 2)}
         if args.dropless:
-            for name, dense_ffn in (("dropless", args.ffn_hidden_size), ("dropless_ds", args.ffn_hidden_size //
-                                                                          args.topk)):
-                sides[name] = _command(args, _dropless_flags(args, dense_ffn) + family, total_rotations(args))
+            for name in ("dropless", "dropless_ds"):
+                sides[name] = _command(args, _dropless_flags(args, name) + family, total_rotations(args))
         seconds, outputs = run_in_turns({name: (command, args.ranks) for name, command in sides.items()}, folder,
                                   {**bench_environment(args), "OMP_NUM_THREADS": "1"}, sequential(args))
         share = _all_to_all_share(profile_dir)
@@ -177,10 +184,10 @@ def main(argv=None):
           f"{args.micro_batch_size} per rank; both launches {method_words(args)}: {WARM_UP} warm-up "
           f"rotations, then {rounds_of(args.rounds, args.rotations_per_round)}")
     print(host_line())
-    experts = f"{args.experts} experts of FFN {args.ffn_hidden_size // args.topk}, top-{args.topk}, every 2nd layer"
+    experts = f"{args.experts} experts of FFN {_expert_ffn(args)}, top-{args.topk}, every 2nd layer"
     bias = ", expert bias" if args.expert_bias else ""
-    narrow = f"dense layers FFN {args.ffn_hidden_size // args.topk}"
-    labels = {"dense": f"dense  (FFN {args.ffn_hidden_size})",
+    narrow = f"dense layers FFN {_dense_ffn(args, 'moe')}"
+    labels = {"dense": f"dense  (FFN {_dense_ffn(args, 'dense')})",
               "moe": f"MoE    ({experts}, EP {args.ranks}; {narrow}"
                      f"{'; no token dropped' if args.disable_moe_token_dropping else ''})",
               "dropless": f"dropless MoE ({experts}, grouped GEMMs{bias}, EP {args.ranks})",
