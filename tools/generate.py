@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.launch.runtime import prepare_host  # noqa: E402
+from megatron_ds.launch.runtime import finish_distributed, prepare_host  # noqa: E402
 
 prepare_host()  # DeepSpeed picks its accelerator at import time
 
@@ -165,7 +165,7 @@ def main(argv=None):
             shown = completion if completion is not None else ",".join(map(str, generated))
             print(f"{','.join(map(str, ids))} -> {shown.lstrip()}", flush=True)
     if dist.is_initialized():
-        dist.barrier()
+        finish_distributed()
     return 0
 
 

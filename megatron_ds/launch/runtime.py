@@ -123,6 +123,14 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
     return _use_shared_memory_all_reduce() if shared_memory else None
 
 
+def finish_distributed():
+    """The ranks' last meeting, then the process groups torn down while the interpreter still runs. Left to the
+    interpreter's exit, a gloo process group is destroyed among its finalizers: one rank of tools/generate.py
+    aborted there ("terminate called without an active exception") after all its output, failing its launch."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _init_process_group_of_this_launch(backend, timeout, launcher, device_id):
     """torchrun's agent keeps its store across --max-restarts, and torch keys the process groups' rendezvous in it
     the same way in every launch: the ranks of a launch started again would read the addresses the previous

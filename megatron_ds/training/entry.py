@@ -17,6 +17,7 @@ from megatron_ds.core.tensor_parallel.mappings import use_tensor_parallel_all_re
 from megatron_ds.data.builder import build_datasets, data_problems
 from megatron_ds.launch.launcher_env import Attempt, read_attempt
 from megatron_ds.launch.runtime import (
+    finish_distributed,
     init_distributed,
     print_rank_0,
 )
@@ -64,9 +65,10 @@ def pretrain(argv=None, start_time=None):
         if args.save and dist.get_rank() == 0:
             folder_lock.release(args.save)
     watchdog.stop()  # before the last barrier: after it, rank 0 (the store's host) may be gone
-    dist.barrier()
-    if status == 0:
-        print_rank_0("training done")
+    rank = dist.get_rank()
+    finish_distributed()
+    if status == 0 and rank == 0:
+        print("megatron_ds: training done", flush=True)
     return status
 
 
