@@ -124,9 +124,9 @@ def init_distributed(backend=None, timeout_minutes=10.0, distributed_port=None, 
 
 
 def finish_distributed():
-    """The ranks' last meeting, then the process groups torn down while the interpreter still runs. Left to the
-    interpreter's exit, a gloo process group is destroyed among its finalizers: one rank of tools/generate.py
-    aborted there ("terminate called without an active exception") after all its output, failing its launch."""
+    """The ranks' last meeting, then the process groups torn down while the interpreter still runs, as torch asks.
+    Left to the interpreter's exit, they go among its finalizers; there, once, one rank of tools/generate.py
+    aborted after all its output ("terminate called without an active exception"), failing its launch."""
     dist.barrier()
     dist.destroy_process_group()
 
