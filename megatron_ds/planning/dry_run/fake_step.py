@@ -12,7 +12,9 @@ iteration reads back are answered instead:
   - a fake tensor's value read in Python (the loss's .item(), the overflow and gradient-norm checks) as 0;
   - the dropless MoE layer's per-expert counts (the splits of its all-to-alls) with uniform routing: each rank's
     k x tokens rows spread evenly over the experts, the remainder on the first ones, and every rank receiving the
-    counts it sends (AllToAllDispatcher.uniform_routing), what the planner plans.
+    counts it sends (AllToAllDispatcher.uniform_routing), what the planner plans;
+  - the dropout's keep-masks, made without hashing (core/fusions/dropout.hashes_keep_masks): a fake tensor has no
+    values, and the fused kernels make no hash temporaries either.
 Context-parallel attention runs its ring (or all-gather) on the fake tensors, so that its sends are recorded; its
 blocks take the CPU flash kernel's fake, which keeps no s x s scores.
 
@@ -33,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import deepspeed_internals, parallel_state
+from megatron_ds.core.fusions import dropout as dropout_masks
 from megatron_ds.core.models.gpt.gpt_model import activation_between_stages
 from megatron_ds.core.transformer.dropless_moe import AllToAllDispatcher
 from megatron_ds.data.builder import model_batch
@@ -194,6 +197,7 @@ def run_step(engine, args, micro_batches=None):
         answers = deepspeed_internals.pipeline_integer_messages(engine, activation)
     loop.begin_iteration(args.parallel, engine, plan)
     AllToAllDispatcher.uniform_routing = True
+    dropout_masks.hashes_keep_masks = False
     recorder = StepRecorder(answers, next(engine.module.parameters()).fake_mode)
     with recorder:
         loop.run_global_batch(engine, itertools.repeat(batch), plan.micro_batches, train=True)
