@@ -50,7 +50,8 @@ def tensor_keep_mask(x, mixes, threshold: int):
 
 # tools/dry_run.py turns this off: its fake tensors hold no values to hash, and hashing them chunk by chunk took 49 of
 # a rank's 55 s in a dry run at s 2048 x b 480. The mask is still made and kept (1 byte an element, what the planner
-# plans); the hash's temporaries, which the fused kernels never make, are not
+# plans); the hash's temporaries, which the fused kernels never make, are not. The seed is drawn all the same, so
+# the generator moves as in a real run
 hashes_keep_masks = True
 
 

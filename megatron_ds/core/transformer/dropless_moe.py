@@ -117,8 +117,8 @@ def _expert_major_order(counts_by_source):
 
 
 def _rows(tensor, index):
-    """tensor's rows at index. index_select, not tensor[index]: on CPUs 6x faster forward (2,048 rows of 256 fp32:
-    0.06 ms against 0.38), and its backward an index_add_ where indexing's is a slower index_put_."""
+    """tensor's rows at index. index_select, not tensor[index]: on CPUs indexing's forward kernel is the slower one
+    (bench/RESULTS.md, 2026-12-07), and its backward an index_put_ where index_select's is an index_add_."""
     return tensor.index_select(0, index)
 
 
