@@ -21,14 +21,14 @@ LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "MPI_", "SLURM_")
 
 def launch(nproc, flags, launcher="torchrun", timeout=300, env=None, program=("pretrain.py",)):
     """Run pretrain.py (or program, e.g. ("-m", "tests.support.backdated_start", "61")) on nproc local ranks; return
-    the CompletedProcess (stdout and stderr merged). A plain pretrain.py launch under "torchrun" forks its ranks from
-    tests/support/zygote.py (imports paid once per test session; TESTS_REAL_LAUNCHER=1 starts torchrun instead); one
-    with its own environment or program, or under "deepspeed", starts the real launcher."""
+    the CompletedProcess (stdout and stderr merged). A launch under "torchrun" without an environment of its own
+    forks its ranks from tests/support/zygote.py (imports paid once per test session; TESTS_REAL_LAUNCHER=1 starts
+    torchrun instead); one with its own environment (a hook that must run at interpreter start, or torchrun's own
+    report), or under "deepspeed", starts the real launcher."""
     from tests.support.distributed import free_port
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    if launcher == "torchrun" and env is None and program == ("pretrain.py",) and not os.environ.get(
-            "TESTS_REAL_LAUNCHER"):
-        return _launch_forked(nproc, flags, timeout, environment)
+    if launcher == "torchrun" and env is None and not os.environ.get("TESTS_REAL_LAUNCHER"):
+        return _launch_forked(nproc, program, flags, timeout, environment)
     port = str(free_port())
     if launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
@@ -58,11 +58,11 @@ def _zygote_process():
     return _zygote[0]
 
 
-def _launch_forked(nproc, flags, timeout, environment):
+def _launch_forked(nproc, program, flags, timeout, environment):
     zygote = _zygote_process()
     with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-        request = {"nproc": nproc, "argv": [os.fspath(flag) for flag in flags], "environ": environment,
-                   "log": log.name, "timeout": timeout}
+        request = {"nproc": nproc, "program": list(program), "argv": [os.fspath(flag) for flag in flags],
+                   "environ": environment, "log": log.name, "timeout": timeout}
         zygote.stdin.write(json.dumps(request) + "\n")
         zygote.stdin.flush()
         answer = zygote.stdout.readline()
@@ -73,7 +73,7 @@ def _launch_forked(nproc, flags, timeout, environment):
     answer = json.loads(answer)
     if answer["timed_out"]:
         raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n{output[-12000:]}")
-    return subprocess.CompletedProcess(["tests/support/zygote.py", str(nproc), "pretrain.py", *flags],
+    return subprocess.CompletedProcess(["tests/support/zygote.py", str(nproc), *program, *flags],
                                        answer["returncode"], output)
 
 

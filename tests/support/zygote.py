@@ -2,11 +2,12 @@
 megatron_ds (and what their start-up imports lazily: torch's dynamo and inductor, which DeepSpeed's optimizer
 check and torch's AdamW pull in, ~4 s a rank here), then forks the ranks of each launch from that state. Each
 rank is a real process of its own, as under torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT in its environment, pretrain.py run as __main__, stdout and stderr into one log.
-As torchrun does, when a rank fails the others are stopped (SIGTERM, then SIGKILL), and the launch exits 1.
+MASTER_ADDR and MASTER_PORT in its environment, the program (pretrain.py, or -m MODULE ARGS as `torchrun -m`
+runs it) run as __main__, stdout and stderr into one log. As torchrun does, when a rank fails the others are
+stopped (SIGTERM, then SIGKILL), and the launch exits 1.
 
     python -m tests.support.zygote        # reads one JSON request a line, answers one JSON line each:
-    {"nproc": 4, "argv": [...], "environ": {...}, "log": "/path", "timeout": 300}
+    {"nproc": 4, "program": ["pretrain.py"], "argv": [...], "environ": {...}, "log": "/path", "timeout": 300}
     -> {"returncode": 0, "timed_out": false}
 
 Only this module's request loop runs in the zygote: it never trains, so every rank starts from a process that
@@ -54,8 +55,7 @@ def _run_rank(rank, request, port):
         os.environ.clear()
         os.environ.update(request["environ"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(request["nproc"]),
                           LOCAL_WORLD_SIZE=str(request["nproc"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        sys.argv = ["pretrain.py", *request["argv"]]
-        runpy.run_path("pretrain.py", run_name="__main__")
+        _run_program(request["program"], request["argv"])
         code = 0
     except SystemExit as error:
         code = _exit_code(error)
@@ -66,6 +66,18 @@ def _run_rank(rank, request, port):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_program(program, argv):
+    """program (["pretrain.py"] or ["-m", MODULE, *ARGS]) with argv after it, as __main__."""
+    if program[0] == "-m":
+        module, *arguments = program[1:]
+        sys.argv = [module, *arguments, *argv]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        path, *arguments = program
+        sys.argv = [path, *arguments, *argv]
+        runpy.run_path(path, run_name="__main__")
 
 
 def _stop(pids):

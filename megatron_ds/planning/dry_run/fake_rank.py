@@ -18,6 +18,10 @@ stay real. For each rank it writes what the rank built as one JSON object, OUT_D
     python -m megatron_ds.planning.dry_run.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR RANKS [--digest] \
         -- <tools/dry_run.py flags>
 
+RANKS is a list (0,5,8-11), or - for ranks read from stdin one a line as they come (tools/dry_run.py's workers:
+each pays the imports once and takes the next rank when it is free). Each rank done is answered on stdout by a
+line `fake_rank: done rank R`.
+
 start-up runs each of RANKS (0,5,8-11) in a child forked from this process once the imports are done (a fresh
 process per rank, without its seconds of imports), the child's output in OUT_DIR/rank<R>.log: the whole
 start-up.
@@ -50,7 +54,12 @@ from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer
 from megatron_ds.planning.dry_run.fake_step import run_step
-from megatron_ds.planning.dry_run.launch_check import FAKE_RANK_DEVICE_ENVIRONMENT, chosen_ranks, resolve_flags
+from megatron_ds.planning.dry_run.launch_check import (
+    DONE,
+    FAKE_RANK_DEVICE_ENVIRONMENT,
+    chosen_ranks,
+    resolve_flags,
+)
 from megatron_ds.training import initialize
 
 
@@ -246,24 +255,30 @@ def main(argv):
     mode, world_size, gpus_per_node, folder, ranks = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
     digest = "--digest" in argv[5:argv.index("--")]
     flags = argv[argv.index("--") + 1:]
-    ranks = chosen_ranks(ranks, None, world_size)
-    _environment(ranks[0], world_size, gpus_per_node)
+    _environment(0, world_size, gpus_per_node)
     deepspeed_internals.skip_shared_memory_comm_build()
     args = _with_reference_model_ops(resolve_flags(flags))
-    if mode == "groups":
-        for rank in ranks:
-            _environment(rank, world_size, gpus_per_node)
+    for index, rank in enumerate(_ranks_to_run(ranks, world_size)):
+        _environment(rank, world_size, gpus_per_node)
+        if mode == "groups":
             record = group_rank(rank, world_size, args)
             _write(os.path.join(folder, f"rank{rank}.json"), digested(record) if digest else record)
-        return 0
-    for index, rank in enumerate(ranks):
-        _environment(rank, world_size, gpus_per_node)
-        modules = os.path.join(folder, f"rank{rank}.modules") if index == 0 else None
-        in_child(lambda: _start_up_rank(rank, world_size, args, folder, modules),
-                 os.path.join(folder, f"rank{rank}.log"))
-        if modules is not None and os.path.exists(modules):
-            _import_listed(modules)
+        else:
+            modules = os.path.join(folder, f"rank{rank}.modules") if index == 0 else None
+            in_child(lambda: _start_up_rank(rank, world_size, args, folder, modules),
+                     os.path.join(folder, f"rank{rank}.log"))
+            if modules is not None and os.path.exists(modules):
+                _import_listed(modules)
+        print(f"{DONE}{rank}", flush=True)
     return 0
+
+
+def _ranks_to_run(selection, world_size):
+    if selection != "-":
+        yield from chosen_ranks(selection, None, world_size)
+        return
+    for line in sys.stdin:
+        yield int(line)
 
 
 def _start_up_rank(rank, world_size, args, folder, modules):

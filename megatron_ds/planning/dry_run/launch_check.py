@@ -18,6 +18,7 @@ many ranks to a process; --ranks all --step runs every rank's whole start-up and
 """
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from megatron_ds.planning.planner import make_plan
 # The rank processes' device environment: the fake process group and fake tensors run on the CPU, and DeepSpeed
 # reads its accelerator when it is imported, so the environment gives it before the process starts
 FAKE_RANK_DEVICE_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+# what a rank worker (fake_rank.py, RANKS -) prints when it is done with a rank, followed by the rank
+DONE = "fake_rank: done rank "
 
 
 def build_dry_run_parser():
@@ -105,27 +108,80 @@ def chosen_ranks(selection, topology, world_size):
 
 
 def run_ranks(ranks, argv, args, folder):
-    """Each rank's record, or its failure (the end of its output), --jobs processes at a time, each given a batch
-    of ranks: the whole start-up, or for --ranks all without --step the process groups only."""
+    """Each rank's record, or its failure (the end of its output), on --jobs workers (fake_rank.py processes that
+    each pay the imports once) taking the next rank as each becomes free: the whole start-up, or for --ranks all
+    without --step the process groups only. A worker that dies fails the rank it held; a new one takes the next."""
     groups_only = args.ranks == "all" and not args.step
+    command = [sys.executable, "-m", "megatron_ds.planning.dry_run.fake_rank", "groups" if groups_only else "start-up",
+               str(args.world_size), str(args.gpus_per_node), folder, "-",
+               *(["--digest"] if groups_only else []), "--", *argv]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _repository_path(),
+                   **FAKE_RANK_DEVICE_ENVIRONMENT}
+    waiting = queue.SimpleQueue()
+    for rank in ranks:
+        waiting.put(rank)
 
-    def run(batch):
-        command = [sys.executable, "-m", "megatron_ds.planning.dry_run.fake_rank",
-                   "groups" if groups_only else "start-up", str(args.world_size), str(args.gpus_per_node), folder,
-                   ",".join(map(str, batch)),
-                   *(["--digest"] if groups_only else []), "--", *argv]
-        environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _repository_path(),
-                       **FAKE_RANK_DEVICE_ENVIRONMENT}
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=environment)
-        return {rank: _record_or_failure(folder, rank, result) for rank in batch}
+    def serve(_):
+        records, worker = {}, None
+        for rank in _taken(waiting):
+            worker = worker or _RankWorker(command, environment)
+            answered = worker.run(rank)
+            records[rank] = _record_or_failure(folder, rank, None if answered else worker.close())
+            if not answered:
+                worker = None
+        if worker is not None:
+            worker.close()
+        return records
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return {rank: record for records in pool.map(run, _batches(ranks, args.jobs))
+        return {rank: record for records in pool.map(serve, range(min(args.jobs, len(ranks))))
                 for rank, record in records.items()}
 
 
-def _record_or_failure(folder, rank, result):
+def _taken(waiting):
+    while True:
+        try:
+            yield waiting.get_nowait()
+        except queue.Empty:
+            return
+
+
+class _RankWorker:
+    """A fake_rank.py process reading ranks from its stdin and answering each on its stdout (DONE); what else it
+    prints (its own warnings, its traceback if it dies) is kept for a failure's message."""
+
+    def __init__(self, command, environment):
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env=environment)
+        self.output = []
+
+    def run(self, rank):
+        """Whether the worker answered for rank (False: it died first)."""
+        try:
+            self.process.stdin.write(f"{rank}\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass
+        for line in self.process.stdout:
+            if line.rstrip("\n") == f"{DONE}{rank}":
+                return True
+            self.output.append(line)
+        return False
+
+    def close(self):
+        """Ends the worker; everything it printed of its own."""
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.output += self.process.stdout.readlines()
+        self.process.wait()
+        return "".join(self.output)
+
+
+def _record_or_failure(folder, rank, worker_output):
+    """rank's record; else its failure: the end of its own log where its start-up failed, else of its worker's
+    output (worker_output: None where the worker answered for it)."""
     path = os.path.join(folder, f"rank{rank}.json")
     if os.path.exists(path):
         with open(path) as handle:
@@ -134,14 +190,7 @@ def _record_or_failure(folder, rank, result):
     if os.path.exists(log):  # its start-up failed
         with open(log) as handle:
             return {"failed": _last_lines(handle.read())}
-    # its process failed before reaching it
-    return {"failed": _last_lines(result.stdout) if result.returncode else "no record"}
-
-
-def _batches(ranks, jobs):
-    """Consecutive runs of ranks, four per job, so that the processes end at about the same time."""
-    size = max(1, -(-len(ranks) // (4 * jobs)))
-    return [ranks[start:start + size] for start in range(0, len(ranks), size)]
+    return {"failed": "no record" if worker_output is None else _last_lines(worker_output)}
 
 
 def _repository_path():

@@ -248,6 +248,33 @@ def test_a_rank_whose_start_up_fails_is_named_with_its_error_and_the_next_rank_s
     assert "covered 1 of 8 (pipeline stage, TP position) classes with 1 ranks" in result.stdout
 
 
+def test_a_worker_that_dies_fails_the_rank_it_held_and_a_new_worker_takes_the_next(tmp_path):
+    """--ranks all checks the process groups of many ranks in each worker process, without a child per rank: an
+    error there ends the worker. One worker (--jobs 1) over a world of 4: it dies in rank 1's groups, rank 1 is
+    named with its error, and a new worker runs ranks 2 and 3."""
+    hook = sitecustomize(tmp_path, """
+        import os
+        if os.environ.get("DRY_RUN_TEST_DYING_WORKER"):
+            from megatron_ds.training import initialize
+            initialize_groups = initialize.initialize_groups
+
+            def failing_on_rank_1(args):
+                if os.environ["RANK"] == "1":
+                    raise RuntimeError("injected error in the groups of rank 1")
+                return initialize_groups(args)
+
+            initialize.initialize_groups = failing_on_rank_1
+    """)
+    environment = {"PYTHONPATH": str(hook), "DRY_RUN_TEST_DYING_WORKER": "1"}
+    world = MODEL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--world-size", "4"]
+    result = dry(world + ["--ranks", "all", "--jobs", "1"], environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    failures = re.findall(r"rank (\d+) failed its start-up:", result.stderr)
+    assert failures == ["1"], result.stderr
+    assert "RuntimeError: injected error in the groups of rank 1" in result.stderr
+    assert "covered 3 of 4 (pipeline stage, TP position) classes with 3 ranks (process groups only)" in result.stdout
+
+
 def test_memory_held_beyond_the_plan_on_one_rank_is_named(tmp_path):
     hook = sitecustomize(tmp_path, """
         import os
