@@ -103,7 +103,8 @@ def _recorded(case, swapped_receives_on=None):
             environment[SWAP_RECEIVES] = str(swapped_receives_on)
         started = time.monotonic()
         with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-            request = {"nproc": ranks, "argv": flags, "environ": environment, "log": log.name, "timeout": 120}
+            request = {"nproc": ranks, "program": ["pretrain.py"], "argv": flags, "environ": environment,
+                       "log": log.name, "timeout": 120}
             launcher.stdin.write(json.dumps(request) + "\n")
             launcher.stdin.flush()
             answer = launcher.stdout.readline()
