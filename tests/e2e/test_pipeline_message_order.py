@@ -25,7 +25,7 @@ import pytest
 
 from megatron_ds.core.deepspeed_internals.interleaved_pipeline import ACTIVATION_TAG, GRADIENT_TAG
 from megatron_ds.core.pipeline_schedules import pipeline_messages_per_micro_batch
-from tests.support.launch import REPO, clean_env, losses
+from tests.support.launch import REPO, clean_env, losses, request_launch
 from tests.support.layouts import COMMON, SCHEDULE_FLAGS
 from tests.support.p2p_recorder import RECORD_DIR, SWAP_RECEIVES, load, payload_mismatches, untagged_fifo_mispairings
 
@@ -102,14 +102,8 @@ def _recorded(case, swapped_receives_on=None):
         if swapped_receives_on is not None:
             environment[SWAP_RECEIVES] = str(swapped_receives_on)
         started = time.monotonic()
-        with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-            request = {"nproc": ranks, "program": ["pretrain.py"], "argv": flags, "environ": environment,
-                       "log": log.name, "timeout": 120}
-            launcher.stdin.write(json.dumps(request) + "\n")
-            launcher.stdin.flush()
-            answer = launcher.stdout.readline()
-            output = log.read()
-        assert answer and json.loads(answer) == {"returncode": 0, "timed_out": False}, output[-6000:]
+        answer, output = request_launch(launcher, ranks, ("pretrain.py",), flags, environment, timeout=120)
+        assert answer == {"returncode": 0, "timed_out": False}, output[-6000:]
         assert "validation loss at iteration 2" in output, output[-4000:]
         _records[key] = load(folder), output, time.monotonic() - started
     return _records[key]

@@ -60,21 +60,27 @@ def _zygote_process():
 
 def _launch_forked(nproc, program, flags, timeout, environment):
     zygote = _zygote_process()
-    with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-        request = {"nproc": nproc, "program": list(program), "argv": [os.fspath(flag) for flag in flags],
-                   "environ": environment, "log": log.name, "timeout": timeout}
-        zygote.stdin.write(json.dumps(request) + "\n")
-        zygote.stdin.flush()
-        answer = zygote.stdout.readline()
-        output = log.read()
-    if not answer:
+    answer, output = request_launch(zygote, nproc, program, flags, environment, timeout)
+    if answer is None:
         raise AssertionError(f"tests/support/zygote.py died (exit {zygote.wait()}); the launch's output:\n"
                              f"{output[-12000:]}")
-    answer = json.loads(answer)
     if answer["timed_out"]:
         raise AssertionError(f"the launch did not finish within {timeout} s; its last output:\n{output[-12000:]}")
     return subprocess.CompletedProcess(["tests/support/zygote.py", str(nproc), *program, *flags],
                                        answer["returncode"], output)
+
+
+def request_launch(server, nproc, program, flags, environment, timeout):
+    """One launch through a tests/support/zygote.py request loop (server: its Popen, stdin and stdout piped): its
+    answer ({"returncode": ..., "timed_out": ...}; None where the server died) and the launch's output."""
+    with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
+        request = {"nproc": nproc, "program": list(program), "argv": [os.fspath(flag) for flag in flags],
+                   "environ": environment, "log": log.name, "timeout": timeout}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        output = log.read()
+    return (json.loads(answer) if answer else None), output
 
 
 def clean_env(**extra):

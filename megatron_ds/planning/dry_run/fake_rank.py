@@ -15,17 +15,17 @@ stay real. For each rank it writes what the rank built as one JSON object, OUT_D
     step, bytes_after_step with --step: one iteration's ops and allocation peak (planning/dry_run/fake_step.py), and the
                            bytes of the weights and optimizer after it
 
-    python -m megatron_ds.planning.dry_run.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR RANKS [--digest] \
+    python -m megatron_ds.planning.dry_run.fake_rank start-up|groups WORLD_SIZE GPUS_PER_NODE OUT_DIR [--digest] \
         -- <tools/dry_run.py flags>
 
-RANKS is a list (0,5,8-11), or - for ranks read from stdin one a line as they come (tools/dry_run.py's workers:
-each pays the imports once and takes the next rank when it is free). Each rank done is answered on stdout by a
-line `fake_rank: done rank R`.
+The ranks come on stdin, one a line, as tools/dry_run.py hands them out (each of its --jobs workers pays the imports
+once and takes the next rank when it is free); each rank done is answered on stdout by a line `fake_rank: done
+rank R`.
 
-start-up runs each of RANKS (0,5,8-11) in a child forked from this process once the imports are done (a fresh
+start-up runs each rank in a child forked from this process once the imports are done (a fresh
 process per rank, without its seconds of imports), the child's output in OUT_DIR/rank<R>.log: the whole
 start-up.
-groups runs each of RANKS in turn in this process: only the process groups (initialize_groups) and
+groups runs each rank in turn in this process: only the process groups (initialize_groups) and
 DeepSpeed's pipeline grid over them, the check --ranks all makes of every rank. Not run: data loading, the
 watchdog, storage checks, the save-folder lock, TensorBoard. Both build the model with the reference fused ops
 (the launch's --fusion-backend does not matter to shapes, and fake tensors go through no kernel); the optimizer
@@ -54,12 +54,7 @@ from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.transformer.fused_ops import cuda_op_backend, runs_flash_attention
 from megatron_ds.core.transformer.transformer_layer import TransformerLayer
 from megatron_ds.planning.dry_run.fake_step import run_step
-from megatron_ds.planning.dry_run.launch_check import (
-    DONE,
-    FAKE_RANK_DEVICE_ENVIRONMENT,
-    chosen_ranks,
-    resolve_flags,
-)
+from megatron_ds.planning.dry_run.launch_check import DONE, FAKE_RANK_DEVICE_ENVIRONMENT, resolve_flags
 from megatron_ds.training import initialize
 
 
@@ -252,13 +247,13 @@ def _with_reference_model_ops(args):
 
 
 def main(argv):
-    mode, world_size, gpus_per_node, folder, ranks = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
-    digest = "--digest" in argv[5:argv.index("--")]
+    mode, world_size, gpus_per_node, folder = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    digest = "--digest" in argv[4:argv.index("--")]
     flags = argv[argv.index("--") + 1:]
     _environment(0, world_size, gpus_per_node)
     deepspeed_internals.skip_shared_memory_comm_build()
     args = _with_reference_model_ops(resolve_flags(flags))
-    for index, rank in enumerate(_ranks_to_run(ranks, world_size)):
+    for index, rank in enumerate(int(line) for line in sys.stdin):
         _environment(rank, world_size, gpus_per_node)
         if mode == "groups":
             record = group_rank(rank, world_size, args)
@@ -271,14 +266,6 @@ def main(argv):
                 _import_listed(modules)
         print(f"{DONE}{rank}", flush=True)
     return 0
-
-
-def _ranks_to_run(selection, world_size):
-    if selection != "-":
-        yield from chosen_ranks(selection, None, world_size)
-        return
-    for line in sys.stdin:
-        yield int(line)
 
 
 def _start_up_rank(rank, world_size, args, folder, modules):

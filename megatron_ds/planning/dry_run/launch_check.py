@@ -39,7 +39,7 @@ from megatron_ds.planning.planner import make_plan
 # The rank processes' device environment: the fake process group and fake tensors run on the CPU, and DeepSpeed
 # reads its accelerator when it is imported, so the environment gives it before the process starts
 FAKE_RANK_DEVICE_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-# what a rank worker (fake_rank.py, RANKS -) prints when it is done with a rank, followed by the rank
+# what a rank worker (fake_rank.py) prints when it is done with a rank, followed by the rank
 DONE = "fake_rank: done rank "
 
 
@@ -113,7 +113,7 @@ def run_ranks(ranks, argv, args, folder):
     without --step the process groups only. A worker that dies fails the rank it held; a new one takes the next."""
     groups_only = args.ranks == "all" and not args.step
     command = [sys.executable, "-m", "megatron_ds.planning.dry_run.fake_rank", "groups" if groups_only else "start-up",
-               str(args.world_size), str(args.gpus_per_node), folder, "-",
+               str(args.world_size), str(args.gpus_per_node), folder,
                *(["--digest"] if groups_only else []), "--", *argv]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _repository_path(),
                    **FAKE_RANK_DEVICE_ENVIRONMENT}
