@@ -50,7 +50,7 @@ from bench.turns import (  # noqa: E402
     total_rotations,
 )
 from megatron_ds.core import fusions  # noqa: E402
-from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES  # noqa: E402
+from megatron_ds.core.tensor_parallel.fp8 import DYNAMIC_RECIPES as FP8_RECIPES  # noqa: E402  (delayed: tensorwise GEMMs)
 from megatron_ds.core.tensor_parallel.fp8 import fp8_linear, fp8_support_problems  # noqa: E402
 from megatron_ds.core.transformer.rotary import RotaryEmbedding  # noqa: E402
 

@@ -10,7 +10,12 @@ import re
 
 import torch
 
-from megatron_ds.arguments.flags import DEFAULT_FP8_RECIPE, UNBUILT_FP8_RECIPES, flag_defaults
+from megatron_ds.arguments.flags import (
+    DEFAULT_FP8_RECIPE,
+    DELAYED_SCALING_DEFAULTS,
+    UNBUILT_FP8_RECIPES,
+    flag_defaults,
+)
 from megatron_ds.core.batch_schedule import rampup_errors
 from megatron_ds.core.parallel_layout import ModelShape, ParallelLayout, micro_batches_per_step
 from megatron_ds.core.pipeline_split import PipelineSplit, split_from_flags
@@ -702,19 +707,33 @@ def fp8_errors(args):
     fmt = fp8_format_of(args)
     if fmt is None:
         return errors
-    if args.fp8_recipe in UNBUILT_FP8_RECIPES:
-        errors.append(f"--fp8-recipe {args.fp8_recipe} with --fp8-format {fmt}: "
-                      f"{UNBUILT_FP8_RECIPES[args.fp8_recipe]} is not built in megatron_ds; use "
-                      f"{', '.join(FP8_RECIPES)} (scales from each GEMM's own operands; without the flag: "
+    recipe = args.fp8_recipe or DEFAULT_FP8_RECIPE
+    if recipe in UNBUILT_FP8_RECIPES:
+        errors.append(f"--fp8-recipe {recipe} with --fp8-format {fmt}: {UNBUILT_FP8_RECIPES[recipe]} is not "
+                      f"built in megatron_ds; use one of {', '.join(FP8_RECIPES)} (without the flag: "
                       f"{DEFAULT_FP8_RECIPE})")
-    delayed = [f"{_flag(name)} {getattr(args, name)}" for name in ("fp8_amax_history_len", "fp8_amax_compute_algo")
-               if getattr(args, name) is not None]
-    if delayed:
-        errors.append(f"{', '.join(delayed)}: delayed scaling's amax history is not built in megatron_ds (the "
-                      f"scales come from each GEMM's own operands); drop the flag")
     if args.fp8_margin < 0:
         errors.append(f"--fp8-margin {args.fp8_margin}: must be >= 0 (the amax lands on fp8_max / 2**margin)")
-    return errors + _fp8_bf16_layer_errors(args) + (fp8_precision_errors(args) if args.fp16 else [])
+    return (errors + _delayed_scaling_errors(args, recipe) + _fp8_bf16_layer_errors(args)
+            + (fp8_precision_errors(args) if args.fp16 else []))
+
+
+def _delayed_scaling_errors(args, recipe):
+    """Delayed scaling's flags with another recipe, a history shorter than 1, and delayed scaling with experts (one
+    amax history per expert is not built)."""
+    given = [f"{_flag(name)} {getattr(args, name)}" for name in DELAYED_SCALING_DEFAULTS
+             if getattr(args, name) is not None]
+    if recipe != "delayed":
+        return [f"{', '.join(given)}: delayed scaling's, but this run's --fp8-recipe is {recipe} (scales from each "
+                f"GEMM's own operands); drop the flag, or the --fp8-recipe for delayed (the default)"] if given else []
+    errors = []
+    if args.fp8_amax_history_len is not None and args.fp8_amax_history_len < 1:
+        errors.append(f"--fp8-amax-history-len {args.fp8_amax_history_len}: must be >= 1")
+    if max(args.num_experts) > 1:
+        errors.append(f"--fp8-recipe delayed (the default) with --num-experts "
+                      f"{' '.join(map(str, args.num_experts))}: an amax history per expert is not built in "
+                      f"megatron_ds; give --fp8-recipe tensorwise, rowwise or blockwise")
+    return errors
 
 
 def _fp8_bf16_layer_errors(args):

@@ -581,9 +581,10 @@ def _add_multi_token_prediction_args(parser):
 
 
 # Megatron-LM's --fp8-recipe choices built elsewhere only (Transformer Engine's), refused by name (checks.fp8_errors)
-UNBUILT_FP8_RECIPES = {"delayed": "delayed scaling (scales from an amax history of earlier iterations)",
-                       "mxfp8": "MXFP8 (Blackwell's 1x32 E8M0 block scales)"}
-DEFAULT_FP8_RECIPE = "tensorwise"
+UNBUILT_FP8_RECIPES = {"mxfp8": "MXFP8 (Blackwell's 1x32 E8M0 block scales)"}
+DEFAULT_FP8_RECIPE = "delayed"  # Megatron-LM's, and Transformer Engine's (Megatron-DeepSpeed's FP8)
+# delayed scaling's flags: Megatron-LM's defaults, taken when --fp8-recipe delayed leaves them out
+DELAYED_SCALING_DEFAULTS = {"fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent"}
 
 
 def _add_fp8_args(parser):
@@ -597,16 +598,17 @@ def _add_fp8_args(parser):
     group.add_argument("--fp8-hybrid", action="store_true",
                        help="Megatron-DeepSpeed's spelling of --fp8-format hybrid")
     group.add_argument("--fp8-recipe", choices=(*FP8_RECIPES, *UNBUILT_FP8_RECIPES), default=None,
-                       help=f"how widely a scale is shared: tensorwise, rowwise, or blockwise (DeepSeek-V3's 1x128 "
-                            f"tiles and 128x128 weight blocks); default {DEFAULT_FP8_RECIPE} (Megatron-LM's default, "
-                            f"delayed, is not built; delayed and mxfp8 are refused)")
+                       help=f"how the scales are chosen: tensorwise, rowwise, or blockwise (DeepSeek-V3's 1x128 "
+                            f"tiles and 128x128 weight blocks) from each GEMM's own operands, or delayed (one scale "
+                            f"per tensor from earlier steps' amaxes, Transformer Engine's); default "
+                            f"{DEFAULT_FP8_RECIPE}, as in Megatron-LM; mxfp8 is refused")
     group.add_argument("--fp8-margin", type=int, default=0, help="scale = fp8_max / amax / 2**margin")
     group.add_argument("--fp8-amax-history-len", type=int, default=None,
-                       help="delayed scaling's amax history (Megatron-LM's default 1): refused, delayed scaling is "
-                            "not built")
+                       help=f"--fp8-recipe delayed: the steps whose amaxes choose each scale (default "
+                            f"{DELAYED_SCALING_DEFAULTS['fp8_amax_history_len']}, Megatron-LM's)")
     group.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"), default=None,
-                       help="delayed scaling's amax from its history (Megatron-LM's default most_recent): refused, "
-                            "delayed scaling is not built")
+                       help=f"--fp8-recipe delayed: the amax a scale comes from, the newest of the history or its "
+                            f"largest (default {DELAYED_SCALING_DEFAULTS['fp8_amax_compute_algo']}, Megatron-LM's)")
     group.add_argument("--fp8-param-gather", action="store_true",
                        help="FP8 parameters gathered in FP8: refused, not built (the weights stay bf16 and are "
                             "quantised at each GEMM)")

@@ -38,7 +38,7 @@ import re
 import torch
 
 from megatron_ds.arguments import checks, compat, configs
-from megatron_ds.arguments.flags import DEFAULT_FP8_RECIPE
+from megatron_ds.arguments.flags import DEFAULT_FP8_RECIPE, DELAYED_SCALING_DEFAULTS
 from megatron_ds.core.batch_schedule import build_batch_schedule
 from megatron_ds.core.pipeline_schedules import chunks_per_rank
 from megatron_ds.core.transformer import TransformerConfig
@@ -182,8 +182,13 @@ def rope_values(args):
 
 def fp8_values(args):
     """The FP8 format (--fp8-format or Megatron-DeepSpeed's --fp8-e4m3 / --fp8-hybrid; None: off) and recipe
-    (tensorwise unless given: Megatron-LM's default, delayed, is not built)."""
-    return {"fp8_format": checks.fp8_format_of(args), "fp8_recipe": args.fp8_recipe or DEFAULT_FP8_RECIPE}
+    (delayed unless given, as in Megatron-LM), with delayed scaling's history and algorithm."""
+    recipe = args.fp8_recipe or DEFAULT_FP8_RECIPE
+    values = {"fp8_format": checks.fp8_format_of(args), "fp8_recipe": recipe}
+    if recipe == "delayed":
+        values.update({name: default if getattr(args, name, None) is None else getattr(args, name)
+                       for name, default in DELAYED_SCALING_DEFAULTS.items()})
+    return values
 
 
 def moe_family_values(args, ffn_hidden_size):

@@ -363,6 +363,17 @@ def model_shape(args):
     }
 
 
+def fp8_scaling_state(args):
+    """The FP8 state a run's linears keep (args: a namespace or a saved dict): delayed scaling's history length and
+    the layers --first-last-layers-bf16 keeps out, as a list; None without delayed scaling. Not part of the model's
+    shape: a load between runs that differ in it places or starts the state per rank."""
+    get = args.get if isinstance(args, dict) else lambda name, default=None: getattr(args, name, default)
+    if get("fp8_format") is None or get("fp8_recipe") != "delayed":
+        return None
+    kept_out = [get("num_layers_at_start_in_bf16"), get("num_layers_at_end_in_bf16")]
+    return [get("fp8_amax_history_len"), kept_out if get("first_last_layers_bf16") else None]
+
+
 def _mla_shape(get):
     """Multi-latent attention's sizes (None each without it)."""
     mla = bool(get("multi_latent_attention"))

@@ -47,6 +47,11 @@ The dropless MoE layer (Megatron-Core's flags; core/transformer/dropless_moe.py)
     decoder.layers.{i}.mlp.shared_experts.*                      the shared expert: split over TP as the dense MLP
     decoder.layers.{i}.mlp.shared_gate.weight                    its sigmoid gate [1, h]
 
+FP8 delayed scaling (--fp8-recipe delayed; core/tensor_parallel/fp8_delayed.py), buffers of each FP8 linear, whole and
+identical on every rank of a stage; optional (a checkpoint without them starts them fresh):
+    <linear>.fp8_recipe.amax_history                             [history, 3] fp32: input, weight, gradient
+    <linear>.fp8_recipe.scale                                    [3] fp32
+
 The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
 `output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,
 1..L transformer layers, L+1 final norm, then the MTP modules `{index}.layers.{k}.` and the untied head
@@ -129,6 +134,14 @@ def live_buffer_names(module, num_layers, pipelined):
     return [(canonical_name(local, num_layers, pipelined), tensor)
             for local, tensor in module.state_dict(keep_vars=True).items()
             if isinstance(tensor, torch.Tensor) and id(tensor) not in parameters]
+
+
+_FP8_SCALING_STATE = (".fp8_recipe.amax_history", ".fp8_recipe.scale")
+
+
+def is_fp8_scaling_state(name):
+    """A buffer of FP8 delayed scaling: optional in a checkpoint (absent, it starts fresh)."""
+    return name.endswith(_FP8_SCALING_STATE)
 
 
 def _canonical_module_name(local_name, num_layers, pipelined):

@@ -41,12 +41,13 @@ class LoadRequest:
     checkpointing: object        # arguments.configs.CheckpointingConfig
     lr_schedule: LRSchedule
     checkpoint_layout: dict      # this run's layout as a checkpoint records it (the manager's, with its engine)
+    fp8_scaling: object = None   # the FP8 scaling state its linears keep (files.fp8_scaling_state)
 
     @classmethod
     def of_run(cls, args, checkpoint_layout=None):
         """The request of resolved arguments (checkpoint_layout: None where no engine exists yet)."""
         return cls(args.parallel, files.model_shape(args), args.vocab_size, args.seq_length, args.checkpointing,
-                   args.optimization.lr_schedule, checkpoint_layout or {})
+                   args.optimization.lr_schedule, checkpoint_layout or {}, files.fp8_scaling_state(args))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +129,12 @@ def same_deepspeed_layout(request: LoadRequest, metadata):
              **metadata["layout"]}
     keys = ("data_parallel_size", "zero_stage", "precision", "engine", "optimizer", "expert_parallel_size",
             "sequence_parallel_size", "context_parallel_size")
-    # DeepSpeed's load knows only its own MoE layers: the dropless layer's experts are read per rank, by expert
+    # DeepSpeed's load knows only its own MoE layers: the dropless layer's experts are read per rank, by expert;
+    # and it wants every buffer the module has: FP8 delayed scaling's state, when the saved run kept another, is
+    # placed (or started fresh) per rank
     return (metadata["format"] == files.FORMAT_DEEPSPEED and not needs_resharding(request, metadata)
             and not files.is_dropless_moe(request.shape)
+            and files.fp8_scaling_state(metadata["args"]) == request.fp8_scaling
             and all(saved.get(k) == request.checkpoint_layout[k] for k in keys))
 
 

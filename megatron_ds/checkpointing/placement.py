@@ -25,10 +25,17 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
             else:
                 param.copy_(tensor.to(param.dtype))
         for name, buffer in layout.live_buffer_names(engine.module, num_layers, pipelined):
-            if name not in state.weights:
+            saved = state.weights.get(name)
+            if saved is None and layout.is_fp8_scaling_state(name):
+                continue  # saved without FP8 delayed scaling: its scales start fresh
+            if saved is None:
                 problems.append(f"{name} is missing")
+                continue
+            saved = _fitted_history(name, saved, buffer)
+            if tuple(saved.shape) != tuple(buffer.shape):
+                problems.append(f"{name} has shape {tuple(saved.shape)}, the model {tuple(buffer.shape)}")
             else:
-                buffer.copy_(state.weights[name].to(buffer.dtype))
+                buffer.copy_(saved.to(buffer.dtype))
     if problems:
         raise CheckpointError("the checkpoint does not fit this rank's model:\n  - " + "\n  - ".join(problems))
     optimizer = engine.optimizer
@@ -36,6 +43,16 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
         place_optimizer_state(optimizer, names, state)
     elif hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()  # fp32 master weights from the loaded weights
+
+
+def _fitted_history(name, saved, buffer):
+    """An FP8 amax history saved at another --fp8-amax-history-len: its newest rows, zeros where it has fewer."""
+    if not name.endswith(".amax_history") or saved.shape == buffer.shape:
+        return saved
+    rows = min(saved.shape[0], buffer.shape[0])
+    fitted = torch.zeros_like(buffer)
+    fitted[:rows] = saved[:rows]
+    return fitted
 
 
 def restore_loss_scale(optimizer, path, metadata):

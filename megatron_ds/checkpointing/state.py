@@ -329,6 +329,8 @@ def read_resharded_rank_state(path, metadata, target, names, vocab_rows, with_op
         if optimizer is not None and any(shard.optimizer is None for shard in shards):
             optimizer = None  # saved before the first optimizer step
         for name in [name for name in stage_of if stage_of[name] == stage]:
+            if layout.is_fp8_scaling_state(name) and name not in shards[0].weights:
+                continue  # saved without FP8 delayed scaling
             weights[name] = reshard([shard.weights.pop(name) for shard in shards], name)
             if optimizer is not None and name not in buffer_names:
                 states = [shard.optimizer.pop(name) for shard in shards]

@@ -432,6 +432,9 @@ def to_megatron_deepspeed(load_dir, save_dir, tp=None, pp=None, dp=None, iterati
     dp = dp or full.args.get("data_parallel_size") or 1
     _check_target(full.model, tp, pp)
     _retarget(full, tp, pp)
+    fp8_state = [name for name in full.weights if layout.is_fp8_scaling_state(name)]
+    for name in fp8_state:  # its format has no place for them
+        del full.weights[name]
     folder = megatron_deepspeed.write_checkpoint(full, save_dir, tp, pp, dp, with_optimizer)
     optimizer = (f"fp32 master weights and Adam moments (step {full.optimizer_step}) in ZeRO-1 files over DP {dp}"
                  if full.optimizer is not None and with_optimizer else "no optimizer states")
@@ -441,7 +444,9 @@ def to_megatron_deepspeed(load_dir, save_dir, tp=None, pp=None, dp=None, iterati
          f"{optimizer}, {schedule}) from {path} (TP {source_tp} x PP {source_pp}); in Megatron-DeepSpeed load it "
          f"with --load {save_dir} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
          f"--make-vocab-size-divisible-by {full.args['make_vocab_size_divisible_by']} on {tp * pp * dp} ranks and "
-         f"--no-load-rng (no RNG states are carried)")
+         f"--no-load-rng (no RNG states are carried)"
+         + (f"; FP8 delayed scaling's amax histories and scales ({len(fp8_state)} tensors) are not carried: a run "
+            f"loading it back starts them fresh" if fp8_state else ""))
     return folder
 
 

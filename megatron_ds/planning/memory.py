@@ -160,7 +160,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute, experts:
 
 
 def fp8_copies_bytes(inputs: int, outputs: float, tokens: float, recipe: str) -> float:
-    """What one FP8 linear keeps for backward (core/tensor_parallel/fp8.py's _Fp8Linear): x^T [inputs, tokens] and
+    """What one FP8 linear keeps for backward (core/tensor_parallel/fp8.py's Fp8Linear): x^T [inputs, tokens] and
     W^T [inputs, outputs] in FP8, one byte an element, and their fp32 dequantisation scales: tensorwise one each,
     rowwise one per row of each; blockwise x^T per 1x128 tile of tokens (padded to whole tiles) and W^T per
     128x128 block (padded to whole blocks)."""

@@ -239,10 +239,17 @@ def _read_weights(teacher, path, metadata, num_layers, vocab_rows):
     names = dict(layout.live_parameter_names(teacher, num_layers, pipelined=False))
     target = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
               False)
-    state = read_resharded_rank_state(path, metadata, target, list(names), vocab_rows, with_optimizer=False)
+    # a teacher trained with FP8 delayed scaling quantises at its saved scales (absent: fresh ones)
+    scalings = {name: buffer for name, buffer in layout.live_buffer_names(teacher, num_layers, pipelined=False)
+                if layout.is_fp8_scaling_state(name)}
+    state = read_resharded_rank_state(path, metadata, target, list(names), vocab_rows, with_optimizer=False,
+                                      buffer_names=list(scalings))
     with torch.no_grad():
         for name, param in names.items():
             param.copy_(state.weights[name].to(param.dtype))
+        for name, buffer in scalings.items():
+            if name in state.weights:
+                buffer.copy_(state.weights[name])
 
 
 def _describe(metadata, path, config, teacher):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import parallel_state
+from megatron_ds.core.tensor_parallel.fp8_delayed import delayed_scalings, update_delayed_scales
 from megatron_ds.core.transformer.dropless_moe import (
     dropless_layers,
     stage_token_groups,
@@ -53,6 +54,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
     evaluating = will_evaluate(data)
     experts = moe_layers(engine.module) if args.model.is_moe else None
     dropless = dropless_layers(engine.module) if args.model.is_dropless_moe else None
+    fp8_scalings = delayed_scalings(engine.module)
     skipped = ConsecutiveSkips(args.optimization.max_consecutive_skipped_steps)
     validator = result_validator(args.rerun, engine)
     observers = iteration_observers(args.logging, args.parallel, args.model, engine, progress.iteration + 1,
@@ -79,6 +81,7 @@ def train(args, engine, datasets, logger, progress=None, checkpoints=None, watch
                                                  validator, iteration)
         if dropless is not None:
             other_losses.update(_balance_experts(dropless, args.model.moe_layer_pattern_with_mtp))
+        update_delayed_scales(fp8_scalings, stage_token_groups())
         observers.end(iteration)
         progress.iteration = iteration
         progress.consumed_train_samples += plan.global_batch_size

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from megatron_ds.checkpointing import files, state
+from megatron_ds.checkpointing import files, layout, state
+from megatron_ds.conversion.convert import to_megatron_deepspeed
 from tests.support.checkpoints import (
     TINY,
     assert_previous_checkpoint_published,
@@ -42,20 +43,21 @@ def _run(nproc, flags):
     return result.stdout
 
 
-FP8 = ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--sequence-parallel")
+FP8 = ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
+       "--fp8-amax-compute-algo", "max", "--sequence-parallel")
 
 
 @pytest.mark.parametrize("family,tp,pp,dp,extra", [("gpt2", 2, 2, 1, ()),
                                                   ("llama", 1, 1, 2, ("--async-save", "--attention-backend", "flash")),
                                                   ("gpt2", 2, 1, 1, FP8)],
-                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save", "gpt2-tp2-sp-fp8-tensorwise"])
+                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save", "gpt2-tp2-sp-fp8-delayed"])
 def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, pp, dp, extra):
     """8 iterations straight (saving at 4 and 8) vs a new process that loads iteration 4 and trains 5-8:
     every printed lm loss (and validation loss) is identical, and so is every saved tensor at iteration 8
     (weights, fp32 master weights, Adam moments). The LLaMA runs write their checkpoints in the background
     (--async-save) while training goes on, and draw their attention dropout as flash_attention's hashed mask. Under
-    FP8 (bf16 master weights in DeepSpeed's BF16_Optimizer) the checkpoint holds no FP8 state: the scales are
-    recomputed from the restored weights and activations, with their amaxes reduced over TP, so the resume is exact."""
+    FP8 with delayed scaling (bf16 master weights in DeepSpeed's BF16_Optimizer) the scales come from earlier steps'
+    amaxes: the checkpoint holds each linear's amax history and scales, and the resume restores them exactly."""
     flags = TINY + (LLAMA if family == "llama" else []) + layout_flags(tp, pp) + [
         "--train-iters", "8", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
         "--eval-interval", "4", "--eval-iters", "1", *extra]
@@ -74,9 +76,15 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, 
 
     expected, observed = full_state(straight / "global_step8"), full_state(resumed / "global_step8")
     assert expected.optimizer_step == observed.optimizer_step == 8
+    histories = [name for name in expected.weights if name.endswith("fp8_recipe.amax_history")]
+    if "delayed" in extra:  # QKV, projection, fc1, fc2 of each layer, three steps of amaxes each
+        assert len(histories) == 4 * 2 and expected.weights[histories[0]].shape == (3, 3), histories
+        assert bool((expected.weights[histories[0]] > 0).all()), expected.weights[histories[0]]
+    else:
+        assert not histories, histories
     for name, tensor in expected.weights.items():
         assert torch.equal(tensor, observed.weights[name]), name
-        for key in state.OPTIMIZER_KEYS:
+        for key in () if layout.is_fp8_scaling_state(name) else state.OPTIMIZER_KEYS:  # buffers: no moments
             assert torch.equal(expected.optimizer[name][key], observed.optimizer[name][key]), (name, key)
     metadata = files.read_metadata(resumed / "global_step8")
     assert (metadata["iteration"], metadata["consumed_train_samples"], metadata["consumed_valid_samples"]) == \
@@ -86,6 +94,50 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, 
     assert (resumed / files.MEGATRON_TRACKER).read_text().strip() == "8"
     assert (resumed / files.DEEPSPEED_POINTER).read_text().strip() == "global_step8"
     assert (resumed / "global_step8" / files.DS_CONFIG_FILE).is_file()
+
+
+DELAYED = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
+           "--fp8-amax-compute-algo", "max"]
+
+
+def _histories(folder):
+    """{canonical name: amax history} of FP8 delayed scaling in a checkpoint folder."""
+    return {name: tensor for name, tensor in full_state(folder).weights.items()
+            if name.endswith("fp8_recipe.amax_history")}
+
+
+def test_fp8_delayed_scaling_state_loads_across_layouts_history_lengths_and_recipes(tmp_path):
+    """Saved at TP 2 + SP after 4 iterations (history 3), each load trains iteration 5 and saves it: after one more
+    step each history holds the saved one moved down a row (so it was loaded, whole), at TP 1 (resharded) and at a
+    longer history (its newest rows, then zeros); a run with another recipe loads the weights without the state; and
+    a bf16 checkpoint, or the checkpoint written in Megatron-DeepSpeed's format, starts delayed scaling fresh."""
+    flags = TINY + ["--train-iters", "5", "--eval-interval", "0"]
+    delayed = tmp_path / "delayed"
+    _run(2, flags + layout_flags(2, 1) + DELAYED + ["--sequence-parallel", "--save", str(delayed),
+                                                      "--save-interval", "4", "--exit-interval", "4"])
+    saved = _histories(delayed / "global_step4")
+    assert len(saved) == 8 and all(bool((history > 0).all()) for history in saved.values()), saved
+
+    def load(into, nproc, extra, source=delayed):
+        _run(nproc, flags + layout_flags(nproc, 1) + extra + ["--load", str(source), "--save", str(tmp_path / into)])
+        return _histories(tmp_path / into / "global_step5")
+
+    for name, history in load("tp1", 1, DELAYED).items():
+        assert torch.equal(history[1:], saved[name][:2]), name
+    longer = DELAYED[:-3] + ["5", "--fp8-amax-compute-algo", "max", "--sequence-parallel"]
+    for name, history in load("longer", 2, longer).items():
+        assert torch.equal(history[1:4], saved[name]) and not history[4].any(), (name, history, saved[name])
+    assert load("tensorwise", 2, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]) == {}
+
+    to_megatron_deepspeed(str(delayed), str(tmp_path / "mds"))  # its format has no place for the state
+    converted = load("from-mds", 2, DELAYED + ["--sequence-parallel"], source=tmp_path / "mds")
+    assert len(converted) == 8 and all(not history[1:].any() for history in converted.values()), converted
+
+    bf16 = tmp_path / "bf16"
+    _run(1, flags + layout_flags(1, 1) + ["--bf16", "--save", str(bf16), "--save-interval", "4",
+                                          "--exit-interval", "4"])
+    fresh = load("fresh", 1, DELAYED, source=bf16)
+    assert len(fresh) == 8 and all(not history[1:].any() and history[0].all() for history in fresh.values()), fresh
 
 
 def _assert_every_file_has_its_checksum(folder):

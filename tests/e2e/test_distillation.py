@@ -157,14 +157,18 @@ def test_a_distillation_run_resumes_exactly_and_saves_no_teacher(straight, teach
 
 
 
-def test_a_teacher_equal_to_the_student_at_step_0_changes_nothing(tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]],
+                         ids=["fp32", "fp8-delayed"])
+def test_a_teacher_equal_to_the_student_at_step_0_changes_nothing(tmp_path, precision):
     """The student starts from the teacher's checkpoint (--load with --finetune) and distils from it with
     --kd-alpha-ce 1 --kd-beta-ce 0: the first iteration's KL term is 0, and every iteration's loss is the plain run's
-    from the same start, bit for bit."""
+    from the same start, bit for bit. Under FP8 delayed scaling the teacher quantises at the scales its checkpoint
+    saved, as the student does."""
     from tests.support.launch import launch, losses
-    start = launch(1, MODEL + ["--num-layers", "2", "--train-iters", "2", "--lr", "1e-2", "--save", str(tmp_path)])
+    model = MODEL + ["--num-layers", "2", *precision]
+    start = launch(1, model + ["--train-iters", "2", "--lr", "1e-2", "--save", str(tmp_path)])
     assert_succeeded(start, tail=3000)
-    run = MODEL + ["--num-layers", "2", "--train-iters", "3", "--lr", "1e-3", "--load", str(tmp_path), "--finetune"]
+    run = model + ["--train-iters", "3", "--lr", "1e-3", "--load", str(tmp_path), "--finetune"]
     plain = launch(1, run)
     distilled = launch(1, run + ["--kd", "--load-teacher", str(tmp_path), "--kd-alpha-ce", "1", "--kd-beta-ce", "0"])
     assert_succeeded(plain, tail=3000)

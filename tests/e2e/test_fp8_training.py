@@ -1,6 +1,7 @@
 """FP8 training through pretrain.py (--fp8-format, docs/fp8.md): on a model of hidden size 256 (TP 2 shards of whole
 128-wide blockwise tiles), TP 2 with --sequence-parallel trains as TP 1 does under each recipe, FP8 follows bf16
-closely but not exactly (the GEMMs really are FP8), and ZB-H1's deferred weight gradients take the FP8 GEMMs too."""
+closely but not exactly (the GEMMs really are FP8), and ZB-H1's deferred weight gradients take the FP8 GEMMs too;
+delayed scaling (scales from earlier steps, moved once per step) keeps ZB-H1 bitwise with 1F1B, DP 2 with one rank."""
 import pytest
 
 from megatron_ds.core.tensor_parallel.fp8 import RECIPES
@@ -63,6 +64,18 @@ def test_every_pipeline_schedule_trains_as_1f1b_under_fp8(schedule):
     tolerance = 0 if schedule == "zbh1" else TP_TOLERANCE
     for iteration, loss in one_f_one_b.items():
         assert other[iteration] == pytest.approx(loss, rel=tolerance, abs=0), (iteration, other, one_f_one_b)
+
+
+def test_delayed_scaling_under_zbh1_equals_1f1b_bitwise_and_dp2_trains_as_one_rank():
+    """Delayed scaling's scales move once per step, from the amaxes of the whole global batch (reduced over the stage's
+    ranks): ZB-H1's deferred weight gradients (the gradient's amax seen again) give 1F1B's losses bitwise, and DP 2
+    holds one rank's within the TP test's tolerance (its bf16 sums split otherwise)."""
+    flags = _fp8("delayed", "hybrid")
+    one_f_one_b = run_layout("gpt2", 1, 2, 1, flags)
+    assert run_layout("gpt2", 1, 2, 1, flags + SCHEDULE_FLAGS["zbh1"]) == one_f_one_b
+    one_rank, two_ranks = run_layout("gpt2", 1, 1, 1, flags), run_layout("gpt2", 1, 1, 2, flags)
+    for iteration, loss in one_rank.items():
+        assert two_ranks[iteration] == pytest.approx(loss, rel=TP_TOLERANCE), (iteration, two_ranks, one_rank)
 
 
 def test_dropless_moe_trains_with_fp8_experts_at_expert_parallel_2():

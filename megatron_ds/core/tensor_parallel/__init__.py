@@ -6,6 +6,7 @@
     cross_entropy.py  cross entropy over vocab-parallel logits
     kl_divergence.py  the distillation term over vocab-parallel logits
     fp8.py            FP8 GEMMs (tensorwise, rowwise, DeepSeek's blockwise) forward and backward, exact under TP
+    fp8_delayed.py    FP8 delayed scaling: each linear's amax history, its scales moved once per step
 """
 from megatron_ds.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

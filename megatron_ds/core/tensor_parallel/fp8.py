@@ -6,6 +6,8 @@ Recipes (how finely a scale is shared) and formats (which FP8 type each operand 
     rowwise     one scale per row along the contraction dimension (torchao's rowwise)
     blockwise   DeepSeek-V3's: activations and gradients per 1x128 tile along the contraction dimension,
                 weights per 128x128 block; partial products promoted to fp32 every 128 elements of K
+    delayed     one scale per tensor from the amaxes of earlier steps (fp8_delayed.py: Transformer Engine's
+                recipe, Megatron-LM's default); the GEMMs are tensorwise ones
     e4m3        every operand E4M3;  hybrid: gradients E5M2, activations and weights E4M3
 
 Quantisation follows Megatron's --fp8-margin: scale = fp8_max / amax / 2**margin, so a tensor's amax
@@ -43,7 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+DYNAMIC_RECIPES = ("tensorwise", "rowwise", "blockwise")  # scales from each GEMM's own operands: Fp8Recipe
+RECIPES = (*DYNAMIC_RECIPES, "delayed")  # delayed: scales from earlier steps' amaxes, fp8_delayed.DelayedScaling
 FORMATS = ("e4m3", "hybrid")
 SPLIT_DIMS = ("tokens", "inputs", "outputs")
 BLOCK = 128
@@ -162,8 +165,8 @@ class Fp8Recipe:
     split: str | None = None
 
     def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise ValueError(f"FP8 recipe {self.recipe!r} is not one of {RECIPES}")
+        if self.recipe not in DYNAMIC_RECIPES:
+            raise ValueError(f"FP8 recipe {self.recipe!r} is not one of {DYNAMIC_RECIPES}")
         fp8_dtypes(self.fmt)
         if (self.amax_group is None) != (self.split is None):
             raise ValueError("amax_group and split come together: the group and the dimension it splits")
@@ -189,7 +192,7 @@ class Fp8Recipe:
 
     def linear(self, input_, weight):
         """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8."""
-        return _Fp8Linear.apply(input_, weight, self)
+        return Fp8Linear.apply(input_, weight, self)
 
     def _amax_group(self, kind, dims):
         """The group whose shards share this operand's scales: where the scaling region spans the split."""
@@ -197,7 +200,10 @@ class Fp8Recipe:
         return self.amax_group if spans_split else None
 
 
-class _Fp8Linear(torch.autograd.Function):
+class Fp8Linear(torch.autograd.Function):
+    """input_ @ weight^T in FP8, its operands quantised by `recipe` (an Fp8Recipe, or fp8_delayed.DelayedScaling):
+    quantize(tensor, dims, role) and quantize_transposed(operand, tensor, dims, role)."""
+
     @staticmethod
     def forward(ctx, input_, weight, recipe):
         x = input_.reshape(-1, input_.shape[-1])
@@ -272,7 +278,7 @@ def cuda_capability_problems(name: str, capability: tuple[int, int]) -> list[str
 
 
 # the _scaled_mm scaling each recipe calls: blockwise runs rowwise GEMMs, one per 128 of K
-SCALED_MM_SCALING = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "rowwise"}
+SCALED_MM_SCALING = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "rowwise", "delayed": "tensorwise"}
 
 
 def _probe_problems(device, recipe):

@@ -9,7 +9,8 @@ FP8: a linear whose config has an `fp8_format` runs its GEMMs through core/tenso
 `fp8_recipe`; `keep_out_of_fp8` sets it back to None for the output layer and the layers kept in bf16). Its
 amaxes are reduced over the TP group across the split dimension, so TP t quantises to the bytes TP 1 would:
 column-parallel splits the outputs, and takes whole tokens (gathered along the sequence under sequence
-parallelism, where the bf16 path gathers them inside its GEMM); row-parallel splits the contraction.
+parallelism, where the bf16 path gathers them inside its GEMM); row-parallel splits the contraction. Under delayed
+scaling the recipe is a child module holding the layer's amax history (fp8_delayed.py), reduced once per step.
 """
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from megatron_ds.core.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from megatron_ds.core.tensor_parallel.fp8 import Fp8Recipe
+from megatron_ds.core.tensor_parallel.fp8_delayed import DelayedScaling
 from megatron_ds.core.tensor_parallel.mappings import (
     _reduce,
     _reduce_scatter_first_dim,
@@ -70,9 +72,13 @@ def mark_sequence_parallel_parameter(param):
 
 def fp8_recipe_of(config, split=None):
     """The FP8 recipe of a linear built from `config` (None: no fp8_format, its GEMMs stay in high precision);
-    split: the dimension ("outputs", "inputs" or "tokens") the TP group splits, whose amaxes it reduces."""
+    split: the dimension ("outputs", "inputs" or "tokens") the TP group splits, whose amaxes it reduces. Delayed
+    scaling is a module of its own state (its amaxes are reduced once per step, over the whole stage)."""
     if getattr(config, "fp8_format", None) is None:
         return None
+    if config.fp8_recipe == DelayedScaling.recipe:
+        return DelayedScaling(config.fp8_format, config.fp8_margin, config.fp8_amax_history_len,
+                              config.fp8_amax_compute_algo)
     if split is None or get_tensor_model_parallel_world_size() == 1:
         return Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_margin)
     return Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_margin, get_tensor_model_parallel_group(), split)

@@ -7,6 +7,7 @@ import torch
 from megatron_ds.core.fusions.backends import BACKENDS as FUSION_BACKENDS
 from megatron_ds.core.tensor_parallel.fp8 import FORMATS as FP8_FORMATS
 from megatron_ds.core.tensor_parallel.fp8 import RECIPES as FP8_RECIPES
+from megatron_ds.core.tensor_parallel.fp8_delayed import AMAX_COMPUTE_ALGOS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -135,8 +136,10 @@ class TransformerConfig:
     mtp_num_layers: int = 0
     # FP8 GEMMs (core/tensor_parallel/fp8.py) in the transformer layers' linears and experts; fp8_format None: off
     fp8_format: Optional[str] = None             # "e4m3", or "hybrid" (E5M2 gradients)
-    fp8_recipe: str = "tensorwise"               # "tensorwise", "rowwise" or "blockwise"
+    fp8_recipe: str = "delayed"                  # "delayed", "tensorwise", "rowwise" or "blockwise"
     fp8_margin: int = 0                          # scale = fp8_max / amax / 2**margin
+    fp8_amax_history_len: int = 1                # delayed: the steps whose amaxes choose the scale
+    fp8_amax_compute_algo: str = "most_recent"   # delayed: the newest of them, or "max"
     first_last_layers_bf16: bool = False         # the first and last layers' GEMMs out of FP8 (Megatron-LM's names)
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
@@ -179,6 +182,12 @@ class TransformerConfig:
             return
         self._check_choice("fp8_format", FP8_FORMATS)
         self._check_choice("fp8_recipe", FP8_RECIPES)
+        self._check_choice("fp8_amax_compute_algo", AMAX_COMPUTE_ALGOS)
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"fp8_amax_history_len {self.fp8_amax_history_len} must be >= 1")
+        if self.fp8_recipe == "delayed" and (self.is_moe or self.num_moe_experts):
+            raise ValueError("fp8_recipe delayed with experts: each expert's amax history is not built; use "
+                             "tensorwise, rowwise or blockwise")
         if min(self.fp8_margin, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16) < 0:
             raise ValueError(f"fp8_margin {self.fp8_margin}, num_layers_at_start_in_bf16 "
                              f"{self.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16 "

@@ -1,5 +1,6 @@
 """One training iteration of a dry-run rank (tools/dry_run.py --step), after its start-up (dry_run/fake_rank.py):
-DeepSpeed's engine.train_batch on a micro-batch of zeros, repeated, on the fake process group, with every
+DeepSpeed's engine.train_batch on a micro-batch of zeros, repeated, then the step's FP8 delayed-scaling update (if
+any), on the fake process group, with every
 collective and point-to-point op the rank issues recorded as it reaches the process group (ours, DeepSpeed's,
 from any caller) and the bytes of the tensors the iteration allocates followed to their peak.
 
@@ -37,7 +38,8 @@ from megatron_ds.checkpointing import TrainingProgress
 from megatron_ds.core import deepspeed_internals, parallel_state
 from megatron_ds.core.fusions import dropout as dropout_masks
 from megatron_ds.core.models.gpt.gpt_model import activation_between_stages
-from megatron_ds.core.transformer.dropless_moe import AllToAllDispatcher
+from megatron_ds.core.tensor_parallel.fp8_delayed import delayed_scalings, update_delayed_scales
+from megatron_ds.core.transformer.dropless_moe import AllToAllDispatcher, stage_token_groups
 from megatron_ds.data.builder import model_batch
 from megatron_ds.planning import communication as comm
 from megatron_ds.training import loop
@@ -201,5 +203,6 @@ def run_step(engine, args, micro_batches=None):
     recorder = StepRecorder(answers, next(engine.module.parameters()).fake_mode)
     with recorder:
         loop.run_global_batch(engine, itertools.repeat(batch), plan.micro_batches, train=True)
+        update_delayed_scales(delayed_scalings(engine.module), stage_token_groups())
     return {"micro_batches": plan.micro_batches, "ops": recorder.ops, "peak_bytes": recorder.peak_bytes,
             "held_bytes": recorder.live_bytes, "transient_peak_bytes": recorder.transient_peak_bytes()}

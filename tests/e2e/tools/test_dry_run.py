@@ -388,8 +388,19 @@ def test_an_fp8_world_steps_as_planned(tmp_path):
     traffic (the amax all-reduces, and no all-gathers again of QKV's and fc1's saved shards) and each rank's peak
     (the FP8 copies in place of the 16-bit inputs) as the planner's. Rank 0, stage 0: 4 FP8 layers x 8
     micro-batches x 8 amax all-reduces (6 forward, 2 backward) of 4 bytes over its TP group."""
-    rank_0 = stepped_as_planned(tmp_path, MODEL + FP8_WORLD + ["--device", "h100-80gb"])["0"]
+    rank_0 = stepped_as_planned(tmp_path, MODEL + FP8_WORLD + ["--fp8-recipe", "tensorwise", "--device",
+                                                               "h100-80gb"])["0"]
     assert _count(rank_0, "allreduce", group=[0, 1], size=4) >= 4 * 8 * 8
+
+
+def test_delayed_fp8_reduces_its_amaxes_once_per_step_over_the_stage(tmp_path):
+    """Delayed scaling (E4M3, the default recipe) in the same world: no amax all-reduce per GEMM; after the step, one
+    all-reduce over TP and one over DP of stage 0's 4 layers x 4 linears x 3 amaxes (input, weight, gradient) x 4
+    bytes = 192."""
+    rank_0 = stepped_as_planned(tmp_path, MODEL + FP8_WORLD + ["--device", "h100-80gb"])["0"]
+    assert _count(rank_0, "allreduce", group=[0, 1], size=4) == 0
+    assert _count(rank_0, "allreduce", group=[0, 1], size=192) == 1
+    assert _count(rank_0, "allreduce", group=[0, 2], size=192) == 1
 
 
 def test_fp8_on_a_device_without_it_is_refused_before_any_rank_starts():

@@ -24,16 +24,16 @@ def _problems(argv):
     return raised.value.problems
 
 
-def test_megatron_lms_defaults_off_and_tensorwise_when_no_recipe_is_given():
+def test_megatron_lms_defaults_off_and_delayed_scaling_when_no_recipe_is_given():
     defaults = flag_defaults()
     assert {name: defaults[name] for name in FIELDS} == {
         "fp8_format": None, "fp8_recipe": None, "fp8_margin": 0, "first_last_layers_bf16": False,
         "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1}
     assert _fp8(BF16)["fp8_format"] is None
     assert _fp8(BF16 + ["--fp8-format", "e4m3"]) == {
-        "fp8_format": "e4m3", "fp8_recipe": "tensorwise", "fp8_margin": 0, "first_last_layers_bf16": False,
+        "fp8_format": "e4m3", "fp8_recipe": "delayed", "fp8_margin": 0, "first_last_layers_bf16": False,
         "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1}
-    assert "default tensorwise" in " ".join(build_parser().format_help().split())
+    assert "default delayed, as in Megatron-LM" in " ".join(build_parser().format_help().split())
 
 
 def test_the_flags_and_megatron_deepspeeds_spellings_reach_the_config():
@@ -51,24 +51,36 @@ def test_delayed_scalings_flags_are_inert_with_fp8_off_as_in_megatron_lm():
                         "max"])["fp8_format"] is None
 
 
+def test_delayed_scaling_takes_megatron_lms_defaults_for_its_history():
+    def delayed(extra):
+        config = parse_args(BF16 + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"] + extra, world_size=1).model
+        return config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo
+
+    assert delayed([]) == ("delayed", 1, "most_recent")
+    assert delayed(["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]) == ("delayed", 1024, "max")
+
+
 def test_what_fp8_is_not_built_with_is_refused_together():
-    problems = _problems(BF16 + ["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+    problems = _problems(BF16 + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--fp8-amax-history-len", "1024",
                                  "--fp8-amax-compute-algo", "max", "--fp8-param-gather", "--fp8-margin", "-1",
                                  "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
                                  "--num-layers-at-end-in-bf16", "2"])
     assert problems == [
         "--fp8-param-gather: FP8 parameters gathered in FP8 are not built in megatron_ds; drop the flag (the "
         "weights stay bf16 and are quantised at each GEMM)",
-        "--fp8-recipe delayed with --fp8-format e4m3: delayed scaling (scales from an amax history of earlier "
-        "iterations) is not built in megatron_ds; use tensorwise, rowwise, blockwise (scales from each GEMM's own "
-        "operands; without the flag: tensorwise)",
-        "--fp8-amax-history-len 1024, --fp8-amax-compute-algo max: delayed scaling's amax history is not built in "
-        "megatron_ds (the scales come from each GEMM's own operands); drop the flag",
         "--fp8-margin -1: must be >= 0 (the amax lands on fp8_max / 2**margin)",
+        "--fp8-amax-history-len 1024, --fp8-amax-compute-algo max: delayed scaling's, but this run's --fp8-recipe "
+        "is rowwise (scales from each GEMM's own operands); drop the flag, or the --fp8-recipe for delayed (the "
+        "default)",
         "--first-last-layers-bf16 with --num-layers-at-start-in-bf16 2 and --num-layers-at-end-in-bf16 2 leaves none "
         "of --num-layers 4 in FP8; drop --first-last-layers-bf16 or --fp8-format"], problems
     assert any(problem.startswith("--fp8-recipe mxfp8 with --fp8-format hybrid: MXFP8")
                for problem in _problems(BF16 + ["--fp8-hybrid", "--fp8-recipe", "mxfp8"]))
+    assert _problems(BF16 + ["--fp8-hybrid", "--fp8-amax-history-len", "0", "--num-experts", "4",
+                             "--moe-ffn-hidden-size", "64"]) == [
+        "--fp8-amax-history-len 0: must be >= 1",
+        "--fp8-recipe delayed (the default) with --num-experts 4: an amax history per expert is not built in "
+        "megatron_ds; give --fp8-recipe tensorwise, rowwise or blockwise"]
 
 
 def test_two_formats_fp16_and_fp32_are_refused_by_name():
@@ -87,4 +99,4 @@ def test_a_device_without_fp8_gemms_is_refused_naming_what_it_lacks(monkeypatch)
     monkeypatch.setattr(checks, "fp8_support_problems",
                         lambda device, recipe: [f"{device}: torch refuses a {recipe} FP8 GEMM (no kernel)"])
     assert _problems(BF16 + ["--fp8-format", "e4m3"]) == [
-        "--fp8-format e4m3: this machine cannot run FP8 GEMMs: cpu: torch refuses a tensorwise FP8 GEMM (no kernel)"]
+        "--fp8-format e4m3: this machine cannot run FP8 GEMMs: cpu: torch refuses a delayed FP8 GEMM (no kernel)"]

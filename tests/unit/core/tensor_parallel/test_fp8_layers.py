@@ -1,5 +1,6 @@
 """FP8 in the parallel linears (core/tensor_parallel/layers.py): a column-parallel then row-parallel pair at TP 2
-with sequence parallelism computes the FP8 products one rank computes with the whole weights (each recipe); the
+with sequence parallelism computes the FP8 products one rank computes with the whole weights (each recipe; delayed
+scaling over two steps, its amax history that of the whole tensors); the
 transformer layers' linears and the dropless experts run torch._scaled_mm, the output layer and the layers
 --first-last-layers-bf16 names run none."""
 import types
@@ -11,7 +12,8 @@ import torch.distributed as dist
 from megatron_ds.core import parallel_state
 from megatron_ds.core.models.gpt.gpt_model import OutputLayer
 from megatron_ds.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
-from megatron_ds.core.tensor_parallel.fp8 import RECIPES
+from megatron_ds.core.tensor_parallel.fp8 import DYNAMIC_RECIPES
+from megatron_ds.core.tensor_parallel.fp8_delayed import delayed_scalings, update_delayed_scales
 from megatron_ds.core.transformer import TransformerConfig, TransformerLayer
 from tests.support.distributed import run_distributed
 
@@ -20,7 +22,7 @@ HIDDEN, FFN, SEQUENCE, BATCH = 256, 512, 16, 2  # TP 2 shards of 128 and 256: wh
 
 def _fp8_config(recipe, **fields):
     return types.SimpleNamespace(params_dtype=torch.float32, fp8_format="hybrid", fp8_recipe=recipe, fp8_margin=0,
-                                 **fields)
+                                 fp8_amax_history_len=2, fp8_amax_compute_algo="max", **fields)
 
 
 def _pair(config, tensor_parallel):
@@ -58,35 +60,80 @@ def _gathered(tensor, dim):
     return torch.cat(pieces, dim=dim)
 
 
-def _check_tp2_sequence_parallel_pair_equals_one_rank(recipe):
+def _inputs():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(SEQUENCE, BATCH, HIDDEN, generator=generator),
+            torch.randn(SEQUENCE, BATCH, HIDDEN, generator=generator))
+
+
+def _whole_and_split(recipe):
+    """The pair whole on this rank, and split over TP 2 with sequence parallelism (this rank's shard)."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
     rank = parallel_state.get_tensor_model_parallel_rank()
-    generator = torch.Generator().manual_seed(1)
-    hidden = torch.randn(SEQUENCE, BATCH, HIDDEN, generator=generator)
-    output_grad = torch.randn(SEQUENCE, BATCH, HIDDEN, generator=generator)
-
     whole = _pair(_fp8_config(recipe), tensor_parallel=False)
     _load(*whole, shard=lambda tensor, dim: tensor)
-    expected = _run_pair(*whole, hidden, output_grad)
-
     split = _pair(_fp8_config(recipe, sequence_parallel=True), tensor_parallel=True)
-    assert split[0].fp8_recipe.amax_group is parallel_state.get_tensor_model_parallel_group()
     _load(*split, shard=lambda tensor, dim: tensor.chunk(2, dim=dim)[rank])
-    mine = lambda tensor: tensor.chunk(2)[rank]  # noqa: E731  this rank's tokens under SP
+    return whole, split
+
+
+def _run_split_gathered(split, hidden, output_grad):
+    """The split pair's results on this rank's tokens (SP), gathered whole: output, input grad, weight grads."""
+    mine = lambda tensor: tensor.chunk(2)[parallel_state.get_tensor_model_parallel_rank()]  # noqa: E731
     output, hidden_grad, fc1_grad, fc2_grad = _run_pair(*split, mine(hidden), mine(output_grad))
-    observed = (_gathered(output, 0), _gathered(hidden_grad, 0), _gathered(fc1_grad, 0), _gathered(fc2_grad, 1))
+    return _gathered(output, 0), _gathered(hidden_grad, 0), _gathered(fc1_grad, 0), _gathered(fc2_grad, 1)
+
+
+def _assert_one_ranks_products(observed, expected, recipe):
     for name, got, want in zip(("output", "input grad", "fc1 weight grad", "fc2 weight grad"), observed, expected):
         # the same FP8 bytes; the row-parallel sums and the reduce-scattered input gradient differ in fp32
         # summation order only
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{recipe} {name}")
     # the column-parallel weight gradient contracts whole tokens against whole FP8 bytes: bitwise
     assert torch.equal(observed[2], expected[2]), recipe
+
+
+def _check_tp2_sequence_parallel_pair_equals_one_rank(recipe):
+    whole, split = _whole_and_split(recipe)
+    assert split[0].fp8_recipe.amax_group is parallel_state.get_tensor_model_parallel_group()
+    hidden, output_grad = _inputs()
+    expected = _run_pair(*whole, hidden, output_grad)
+    _assert_one_ranks_products(_run_split_gathered(split, hidden, output_grad), expected, recipe)
     dist.barrier()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", DYNAMIC_RECIPES)
 def test_tp2_with_sequence_parallelism_computes_one_ranks_fp8_products(recipe):
     run_distributed(_check_tp2_sequence_parallel_pair_equals_one_rank, 2, recipe, timeout=120)
+
+
+def _check_delayed_scaling_at_tp2_keeps_one_ranks_history():
+    whole, split = _whole_and_split("delayed")
+    hidden, output_grad = _inputs()
+    for step in range(2):
+        expected = _run_pair(*whole, hidden * (step + 1), output_grad)
+        _assert_one_ranks_products(_run_split_gathered(split, hidden * (step + 1), output_grad), expected, "delayed")
+        update_delayed_scales(delayed_scalings(torch.nn.ModuleList(whole)))
+        update_delayed_scales(delayed_scalings(torch.nn.ModuleList(split)),
+                              [parallel_state.get_tensor_model_parallel_group()])
+        for kept, wanted in zip(delayed_scalings(torch.nn.ModuleList(split)),
+                                delayed_scalings(torch.nn.ModuleList(whole))):
+            assert torch.equal(kept.amax_history, wanted.amax_history), (step, kept.amax_history, wanted.amax_history)
+            assert torch.equal(kept.scale, wanted.scale)
+    column = whole[0].fp8_recipe
+    # the input's amaxes, newest first, of the whole tensors (hidden, then 2 x hidden), the weight's unchanged,
+    # and the scale from the largest of them (compute algorithm max): E4M3's 448 / amax
+    amax = hidden.abs().amax()
+    assert torch.equal(column.amax_history[:, 0], torch.stack([2 * amax, amax]))
+    assert torch.equal(column.amax_history[0, 1], column.amax_history[1, 1])
+    assert torch.equal(column.scale[0], torch.tensor(448.0) / (2 * amax))
+    dist.barrier()
+
+
+def test_delayed_scaling_at_tp2_with_sequence_parallelism_keeps_one_ranks_history_and_products():
+    """Two steps: the first at the starting scales (1), the second at the scales of the first step's amaxes, reduced
+    over TP: each rank's history and scales equal one rank's with the whole weights and tokens, bitwise."""
+    run_distributed(_check_delayed_scaling_at_tp2_keeps_one_ranks_history, 2, timeout=120)
 
 
 def _count_scaled_mm(monkeypatch):

@@ -1,0 +1,96 @@
+"""Delayed scaling (`--fp8-recipe delayed`): Transformer Engine's FP8 recipe, and Megatron-LM's default.
+
+Each operand of a linear's GEMMs (its input, its weight, its output gradient) is one tensor-scaled FP8 tensor whose
+scale was fixed before the step, from the amaxes of earlier steps: `amax_history` holds the last
+--fp8-amax-history-len steps' amaxes, newest first, and the scale is fp8_max / amax / 2**margin with amax the newest
+(`most_recent`) or the largest (`max`) of them. Values beyond fp8_max / scale saturate. Before the first update the
+scales are 1, as in Transformer Engine.
+
+Once per optimizer step (`update_delayed_scales`, after the step) the amaxes each linear saw during it (its
+forward's in training mode and its backward's, the largest over the micro-batches; recompute and reruns see the
+same tensors again) are all-reduced (MAX) over every rank of the pipeline stage: TP, then the sequence-, context- and
+data-parallel ranks. So each rank holds the same history and scales, those of the unsplit tensors of the whole
+global batch: every TP, SP, CP and DP layout quantises to the bytes one rank would, and the pipeline schedules
+agree, since no scale moves between micro-batches. No GEMM waits on a collective.
+
+The history and scales are persistent buffers (`<linear>.fp8_recipe.amax_history` / `.scale`), identical on every
+rank of a stage, so checkpoints carry them, whole, under any resharding; a checkpoint without them (saved in bf16 or
+with another recipe) starts them fresh.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron_ds.core.tensor_parallel.fp8 import Fp8Linear, Fp8Operand, fp8_dtypes
+
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+ROLES = ("input", "weight", "grad")
+
+
+class DelayedScaling(torch.nn.Module):
+    """One linear layer's delayed scaling: the recipe its GEMMs run (`linear`), and its state (the module
+    docstring)."""
+    recipe = "delayed"
+
+    def __init__(self, fmt, margin=0, history_len=1, compute_algo="most_recent"):
+        super().__init__()
+        if history_len < 1:
+            raise ValueError(f"FP8 amax history length {history_len}: must be >= 1")
+        if compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"FP8 amax compute algorithm {compute_algo!r} is not one of {AMAX_COMPUTE_ALGOS}")
+        self.fmt, self.margin, self.compute_algo = fmt, margin, compute_algo
+        activations, gradients = fp8_dtypes(fmt)
+        self.dtypes = (activations, activations, gradients)
+        self.register_buffer("amax_history", torch.zeros(history_len, len(ROLES)))
+        self.register_buffer("scale", torch.ones(len(ROLES)))
+        self.register_buffer("step_amax", torch.zeros(len(ROLES)), persistent=False)
+
+    def extra_repr(self):
+        return (f"{self.fmt}, margin={self.margin}, history={self.amax_history.shape[0]}, "
+                f"compute_algo={self.compute_algo}")
+
+    def linear(self, input_, weight):
+        """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8."""
+        return Fp8Linear.apply(input_, weight, self)
+
+    def quantize(self, tensor, dims, role) -> Fp8Operand:
+        """`tensor` in FP8 at its role's scale, its amax kept for the step's update (dims: see fp8.Fp8Recipe)."""
+        index = ROLES.index(role)
+        if role == "grad" or self.training:
+            with torch.no_grad():
+                self.step_amax[index] = torch.maximum(self.step_amax[index], tensor.detach().abs().amax().float())
+        scale, dtype = self.scale[index], self.dtypes[index]
+        fp8_max = torch.finfo(dtype).max
+        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+        return Fp8Operand(data, scale.reciprocal(), "tensor", tuple(tensor.shape))
+
+    def quantize_transposed(self, operand, tensor, dims, role) -> Fp8Operand:
+        """A tensor scale survives the transpose: the same bytes."""
+        return operand.transposed()
+
+    @torch.no_grad()
+    def advance(self, amax):
+        """The step's amaxes (reduced over the stage) into the history, and the scales they give."""
+        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
+        self.amax_history[0] = amax
+        chosen = self.amax_history[0] if self.compute_algo == "most_recent" else self.amax_history.amax(dim=0)
+        fp8_max = torch.tensor([torch.finfo(dtype).max for dtype in self.dtypes], device=chosen.device)
+        fresh = fp8_max / chosen / 2 ** self.margin
+        self.scale.copy_(torch.where((chosen > 0) & torch.isfinite(chosen), fresh, self.scale))
+        self.step_amax.zero_()
+
+
+def delayed_scalings(module) -> list[DelayedScaling]:
+    """Every delayed scaling under `module`, in module order (the same on every rank of a pipeline stage)."""
+    return [submodule for submodule in module.modules() if isinstance(submodule, DelayedScaling)]
+
+
+def update_delayed_scales(scalings, groups=()):
+    """After an optimizer step: every scaling's amaxes of the step all-reduced (MAX) over `groups` (together the
+    ranks of the pipeline stage), in one all-reduce per group, then each history and scale moved on."""
+    if not scalings:
+        return
+    amax = torch.stack([scaling.step_amax for scaling in scalings])
+    for group in groups:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for scaling, row in zip(scalings, amax):
+        scaling.advance(row)
