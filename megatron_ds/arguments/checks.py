@@ -719,8 +719,8 @@ def fp8_errors(args):
 
 
 def _delayed_scaling_errors(args, recipe):
-    """Delayed scaling's flags with another recipe, a history shorter than 1, and delayed scaling with experts (one
-    amax history per expert is not built)."""
+    """Delayed scaling's flags with another recipe, a history shorter than 1, and delayed scaling with DeepSpeed-MoE's
+    experts (not built; the dropless layer's are)."""
     given = [f"{_flag(name)} {getattr(args, name)}" for name in DELAYED_SCALING_DEFAULTS
              if getattr(args, name) is not None]
     if recipe != "delayed":
@@ -729,10 +729,11 @@ def _delayed_scaling_errors(args, recipe):
     errors = []
     if args.fp8_amax_history_len is not None and args.fp8_amax_history_len < 1:
         errors.append(f"--fp8-amax-history-len {args.fp8_amax_history_len}: must be >= 1")
-    if max(args.num_experts) > 1:
+    if max(args.num_experts) > 1 and not getattr(args, "dropless_moe", False):
         errors.append(f"--fp8-recipe delayed (the default) with --num-experts "
-                      f"{' '.join(map(str, args.num_experts))}: an amax history per expert is not built in "
-                      f"megatron_ds; give --fp8-recipe tensorwise, rowwise or blockwise")
+                      f"{' '.join(map(str, args.num_experts))} of DeepSpeed-MoE (Megatron-DeepSpeed's MoE flags): "
+                      f"an amax history of its experts is not built in megatron_ds; give --fp8-recipe tensorwise, "
+                      f"rowwise or blockwise, or the dropless layer (Megatron-Core's MoE flags)")
     return errors
 
 

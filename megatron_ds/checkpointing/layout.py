@@ -51,6 +51,8 @@ FP8 delayed scaling (--fp8-recipe delayed; core/tensor_parallel/fp8_delayed.py),
 identical on every rank of a stage; optional (a checkpoint without them starts them fresh):
     <linear>.fp8_recipe.amax_history                             [history, 3] fp32: input, weight, gradient
     <linear>.fp8_recipe.scale                                    [3] fp32
+    decoder.layers.{i}.mlp.fp8_recipe.amax_history / .scale      a dropless layer's experts: [history, experts, 3
+                                                                  GEMMs (w1, w3, w2), 3], every expert on every rank
 
 The live modules use other names: GPTModel (PP = 1) `layers.{i}.`, `final_layernorm.norm.`,
 `output_layer.linear.`; DeepSpeed's PipelineModule (PP > 1) `{index}.` for its layer list (0 embedding,

@@ -45,12 +45,16 @@ def _run(nproc, flags):
 
 FP8 = ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
        "--fp8-amax-compute-algo", "max", "--sequence-parallel")
+FP8_DROPLESS = ("--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "3", "--swiglu", "--num-experts", "4",
+                "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                "--moe-grouped-gemm")
 
 
 @pytest.mark.parametrize("family,tp,pp,dp,extra", [("gpt2", 2, 2, 1, ()),
                                                   ("llama", 1, 1, 2, ("--async-save", "--attention-backend", "flash")),
-                                                  ("gpt2", 2, 1, 1, FP8)],
-                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save", "gpt2-tp2-sp-fp8-delayed"])
+                                                  ("gpt2", 2, 1, 1, FP8), ("gpt2", 1, 1, 2, FP8_DROPLESS)],
+                         ids=["gpt2-tp2-pp2-dp1", "llama-tp1-pp1-dp2-async-save", "gpt2-tp2-sp-fp8-delayed",
+                              "gpt2-ep2-dropless-fp8-delayed"])
 def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, pp, dp, extra):
     """8 iterations straight (saving at 4 and 8) vs a new process that loads iteration 4 and trains 5-8:
     every printed lm loss (and validation loss) is identical, and so is every saved tensor at iteration 8
@@ -77,8 +81,9 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, family, tp, 
     expected, observed = full_state(straight / "global_step8"), full_state(resumed / "global_step8")
     assert expected.optimizer_step == observed.optimizer_step == 8
     histories = [name for name in expected.weights if name.endswith("fp8_recipe.amax_history")]
-    if "delayed" in extra:  # QKV, projection, fc1, fc2 of each layer, three steps of amaxes each
-        assert len(histories) == 4 * 2 and expected.weights[histories[0]].shape == (3, 3), histories
+    if "--fp8-format" in extra:  # delayed scaling (the default), three steps of amaxes each: of each layer's QKV,
+        # projection, fc1 and fc2, or QKV, projection and its experts (a row per expert and GEMM)
+        assert len(histories) == (3 if "--num-experts" in extra else 4) * 2, histories
         assert bool((expected.weights[histories[0]] > 0).all()), expected.weights[histories[0]]
     else:
         assert not histories, histories

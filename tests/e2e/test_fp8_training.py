@@ -78,16 +78,22 @@ def test_delayed_scaling_under_zbh1_equals_1f1b_bitwise_and_dp2_trains_as_one_ra
         assert two_ranks[iteration] == pytest.approx(loss, rel=TP_TOLERANCE), (iteration, two_ranks, one_rank)
 
 
-def test_dropless_moe_trains_with_fp8_experts_at_expert_parallel_2():
-    """The dropless layer's experts (w1, w3, w2 through fp8_grouped_linear, each expert's own scales) at EP 2 with
-    the alltoall dispatcher, against the same model in bf16."""
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_dropless_moe_trains_with_fp8_experts_at_expert_parallel_2(recipe):
+    """The dropless layer's experts (w1, w3, w2 through fp8_grouped_linear, each expert's own scales; delayed: a row
+    of the layer's history per expert and GEMM, reduced over the stage) at EP 2 with the alltoall dispatcher, against
+    the same model in bf16; delayed scaling at EP 2 trains as at EP 1 (the same scales wherever an expert runs)."""
     moe = ["--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
-           "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm", "--expert-model-parallel-size", "2"]
-    fp8 = run_layout("gpt2", 1, 1, 2, _fp8("rowwise") + moe)
-    bf16 = run_layout("gpt2", 1, 1, 2, MODEL + moe)
-    print(f"dropless MoE: max relative difference FP8 vs bf16 {_max_relative_difference(fp8, bf16):.2e}")
+           "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"]
+    fp8 = run_layout("gpt2", 1, 1, 2, _fp8(recipe) + moe + ["--expert-model-parallel-size", "2"])
+    bf16 = run_layout("gpt2", 1, 1, 2, MODEL + moe + ["--expert-model-parallel-size", "2"])
+    print(f"dropless MoE, {recipe}: max relative difference FP8 vs bf16 {_max_relative_difference(fp8, bf16):.2e}")
     assert fp8[ITERATIONS] < fp8[1], f"the FP8 MoE did not learn: {fp8}"
     assert FP8_AT_LEAST < _max_relative_difference(fp8, bf16) < BF16_TOLERANCE, (fp8, bf16)
+    if recipe == "delayed":
+        one_expert_rank = run_layout("gpt2", 1, 1, 2, _fp8(recipe) + moe)
+        for iteration, loss in one_expert_rank.items():
+            assert fp8[iteration] == pytest.approx(loss, rel=TP_TOLERANCE), (iteration, fp8, one_expert_rank)
 
 
 def test_deepspeed_moe_trains_with_fp8_experts_split_over_tensor_parallel_ranks():

@@ -13,9 +13,10 @@ data-parallel ranks. So each rank holds the same history and scales, those of th
 global batch: every TP, SP, CP and DP layout quantises to the bytes one rank would, and the pipeline schedules
 agree, since no scale moves between micro-batches. No GEMM waits on a collective.
 
-The history and scales are persistent buffers (`<linear>.fp8_recipe.amax_history` / `.scale`), identical on every
-rank of a stage, so checkpoints carry them, whole, under any resharding; a checkpoint without them (saved in bf16 or
-with another recipe) starts them fresh.
+The history and scales are persistent buffers (`<linear>.fp8_recipe.amax_history` / `.scale`; a dropless MoE layer's
+experts share one of its own, a row per global expert and GEMM), identical on every rank of a stage, so checkpoints
+carry them, whole, under any resharding; a checkpoint without them (saved in bf16 or with another recipe) starts them
+fresh.
 """
 import torch
 import torch.distributed as dist
@@ -27,11 +28,12 @@ ROLES = ("input", "weight", "grad")
 
 
 class DelayedScaling(torch.nn.Module):
-    """One linear layer's delayed scaling: the recipe its GEMMs run (`linear`), and its state (the module
-    docstring)."""
+    """The delayed scaling of one linear layer, or of a layer's experts (slots: (experts, 3 GEMMs), a row of scales
+    per expert and GEMM, by global expert index: every rank keeps all of them, each records its own experts'): the
+    recipe their GEMMs run (`linear`, `grouped_linear`), and its state (the module docstring)."""
     recipe = "delayed"
 
-    def __init__(self, fmt, margin=0, history_len=1, compute_algo="most_recent"):
+    def __init__(self, fmt, margin=0, history_len=1, compute_algo="most_recent", slots=()):
         super().__init__()
         if history_len < 1:
             raise ValueError(f"FP8 amax history length {history_len}: must be >= 1")
@@ -40,32 +42,23 @@ class DelayedScaling(torch.nn.Module):
         self.fmt, self.margin, self.compute_algo = fmt, margin, compute_algo
         activations, gradients = fp8_dtypes(fmt)
         self.dtypes = (activations, activations, gradients)
-        self.register_buffer("amax_history", torch.zeros(history_len, len(ROLES)))
-        self.register_buffer("scale", torch.ones(len(ROLES)))
-        self.register_buffer("step_amax", torch.zeros(len(ROLES)), persistent=False)
+        self.register_buffer("amax_history", torch.zeros(history_len, *slots, len(ROLES)))
+        self.register_buffer("scale", torch.ones(*slots, len(ROLES)))
+        self.register_buffer("step_amax", torch.zeros(*slots, len(ROLES)), persistent=False)
 
     def extra_repr(self):
         return (f"{self.fmt}, margin={self.margin}, history={self.amax_history.shape[0]}, "
-                f"compute_algo={self.compute_algo}")
+                f"compute_algo={self.compute_algo}, slots={tuple(self.scale.shape[:-1])}")
 
-    def linear(self, input_, weight):
-        """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8."""
-        return Fp8Linear.apply(input_, weight, self)
+    def linear(self, input_, weight, slot=()):
+        """input_ @ weight^T (no bias) with the forward and both backward GEMMs in FP8, at `slot`'s scales."""
+        return Fp8Linear.apply(input_, weight, _Slot(self, slot))
 
-    def quantize(self, tensor, dims, role) -> Fp8Operand:
-        """`tensor` in FP8 at its role's scale, its amax kept for the step's update (dims: see fp8.Fp8Recipe)."""
-        index = ROLES.index(role)
-        if role == "grad" or self.training:
-            with torch.no_grad():
-                self.step_amax[index] = torch.maximum(self.step_amax[index], tensor.detach().abs().amax().float())
-        scale, dtype = self.scale[index], self.dtypes[index]
-        fp8_max = torch.finfo(dtype).max
-        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-        return Fp8Operand(data, scale.reciprocal(), "tensor", tuple(tensor.shape))
-
-    def quantize_transposed(self, operand, tensor, dims, role) -> Fp8Operand:
-        """A tensor scale survives the transpose: the same bytes."""
-        return operand.transposed()
+    def grouped_linear(self, input_, weights, tokens_per_group, slots):
+        """Experts' GEMMs (fp8.fp8_grouped_linear's layout), group g at slots[g]'s scales."""
+        chunks = input_.split([int(count) for count in tokens_per_group])
+        return torch.cat([self.linear(chunk, weights[group], slots[group]) if len(chunk)
+                          else chunk.new_zeros((0, weights[group].shape[0])) for group, chunk in enumerate(chunks)])
 
     @torch.no_grad()
     def advance(self, amax):
@@ -79,6 +72,28 @@ class DelayedScaling(torch.nn.Module):
         self.step_amax.zero_()
 
 
+class _Slot:
+    """One linear's (or one expert's GEMM's) scales and step amaxes in a DelayedScaling: the recipe Fp8Linear runs."""
+
+    def __init__(self, scaling, slot):
+        self.scaling, self.scale, self.step_amax = scaling, scaling.scale[slot], scaling.step_amax[slot]
+
+    def quantize(self, tensor, dims, role) -> Fp8Operand:
+        """`tensor` in FP8 at its role's scale, its amax kept for the step's update (dims: see fp8.Fp8Recipe)."""
+        index = ROLES.index(role)
+        if role == "grad" or self.scaling.training:
+            with torch.no_grad():
+                self.step_amax[index] = torch.maximum(self.step_amax[index], tensor.detach().abs().amax().float())
+        scale, dtype = self.scale[index], self.scaling.dtypes[index]
+        fp8_max = torch.finfo(dtype).max
+        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+        return Fp8Operand(data, scale.reciprocal(), "tensor", tuple(tensor.shape))
+
+    def quantize_transposed(self, operand, tensor, dims, role) -> Fp8Operand:
+        """A tensor scale survives the transpose: the same bytes."""
+        return operand.transposed()
+
+
 def delayed_scalings(module) -> list[DelayedScaling]:
     """Every delayed scaling under `module`, in module order (the same on every rank of a pipeline stage)."""
     return [submodule for submodule in module.modules() if isinstance(submodule, DelayedScaling)]
@@ -89,8 +104,8 @@ def update_delayed_scales(scalings, groups=()):
     ranks of the pipeline stage), in one all-reduce per group, then each history and scale moved on."""
     if not scalings:
         return
-    amax = torch.stack([scaling.step_amax for scaling in scalings])
+    amax = torch.cat([scaling.step_amax.flatten() for scaling in scalings])
     for group in groups:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    for scaling, row in zip(scalings, amax):
-        scaling.advance(row)
+    for scaling, part in zip(scalings, amax.split([scaling.step_amax.numel() for scaling in scalings])):
+        scaling.advance(part.view_as(scaling.step_amax))

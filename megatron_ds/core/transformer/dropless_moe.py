@@ -43,6 +43,7 @@ from deepspeed.ops.triton_ops.swiglu_triton import swiglu as swiglu_triton
 from megatron_ds.core import parallel_state
 from megatron_ds.core.fusions.fused_swiglu import swiglu_of_halves_reference
 from megatron_ds.core.tensor_parallel.fp8 import fp8_grouped_linear
+from megatron_ds.core.tensor_parallel.fp8_delayed import DelayedScaling
 from megatron_ds.core.tensor_parallel.layers import fp8_recipe_of, mark_sequence_parallel_parameter
 from megatron_ds.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -381,8 +382,10 @@ class DroplessMoE(torch.nn.Module):
             self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](self.num_experts, expert_group, drops)
         self.experts = _grouped_experts(config, self.dispatcher.local_experts)
         expert_rank = dist.get_rank(expert_group) if expert_group is not None else 0
-        _name_experts(self.experts, f"{name or f'decoder.layers.{layer_number - 1}.mlp'}.experts",
-                      expert_rank * self.dispatcher.local_experts, config)
+        first_expert = expert_rank * self.dispatcher.local_experts
+        _name_experts(self.experts, f"{name or f'decoder.layers.{layer_number - 1}.mlp'}.experts", first_expert,
+                      config)
+        self.fp8_recipe = _delayed_expert_scaling(config, self.experts, first_expert)
         self.shared_experts = _shared_experts(config)
         self.shared_gate = None
         if config.moe_shared_expert_gate:
@@ -589,18 +592,24 @@ def expert_tensor_parallel_size(config):
 class Experts(GroupedExperts):
     """DeepSpeed's GroupedExperts, each expert's three GEMMs in FP8 (fp8_grouped_linear) when fp8_recipe is set.
     Under expert TP each rank scales its slice of F on its own: rowwise and blockwise scales match ETP 1's
-    (blockwise where the slice is a multiple of 128), tensorwise ones may not."""
+    (blockwise where the slice is a multiple of 128), tensorwise ones may not; delayed scaling's (the layer's
+    state, a row per expert and GEMM, reduced over the stage) do."""
     fp8_recipe = None
 
     def forward(self, x, num_tokens_per_expert):
         if self.fp8_recipe is None:
             return super().forward(x, num_tokens_per_expert)
-        gate, up = (self._fp8_gemm(x, weights, num_tokens_per_expert) for weights in (self.w1, self.w3))
+        gate, up = (self._fp8_gemm(x, weights, num_tokens_per_expert, gemm)
+                    for gemm, weights in enumerate((self.w1, self.w3)))
         hidden = apply_expert_activation(gate, up, self.activation, self.activation_alpha, self.activation_limit)
-        return self._fp8_gemm(hidden, self.w2, num_tokens_per_expert)
+        return self._fp8_gemm(hidden, self.w2, num_tokens_per_expert, 2)
 
-    def _fp8_gemm(self, rows, weights, counts):
+    def _fp8_gemm(self, rows, weights, counts, gemm):
+        """gemm: 0 w1, 1 w3, 2 w2 (delayed scaling's slot of each expert)."""
         recipe = self.fp8_recipe
+        if recipe.recipe == DelayedScaling.recipe:
+            slots = [(self.first_expert + expert, gemm) for expert in range(len(weights))]
+            return recipe.grouped_linear(rows, weights, counts.tolist(), slots)
         return fp8_grouped_linear(rows, weights, counts.tolist(), recipe.recipe, recipe.fmt, recipe.margin)
 
 
@@ -608,8 +617,22 @@ def _grouped_experts(config, local_experts):
     ffn = config.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
     experts = Experts(config.hidden_size, ffn, local_experts, use_grouped_mm=config.moe_grouped_gemm,
                       disable_triton_grouped_mm=True, activation=EXPERT_ACTIVATION)
-    experts.fp8_recipe = fp8_recipe_of(config)
+    if config.fp8_recipe != DelayedScaling.recipe:  # delayed scaling's state is the layer's: _delayed_expert_scaling
+        experts.fp8_recipe = fp8_recipe_of(config)
     return experts.to(config.params_dtype)
+
+
+def _delayed_expert_scaling(config, experts, first_expert):
+    """Under FP8 delayed scaling, the layer's one DelayedScaling of its experts: a row per global expert and GEMM (w1,
+    w3, w2), so every rank holds the whole state. It is the layer's submodule `fp8_recipe` (checkpointed as
+    `...mlp.fp8_recipe.*`, beside the experts' files) and only referred to by the experts. None otherwise."""
+    if config.fp8_format is None or config.fp8_recipe != DelayedScaling.recipe:
+        return None
+    scaling = DelayedScaling(config.fp8_format, config.fp8_margin, config.fp8_amax_history_len,
+                             config.fp8_amax_compute_algo, slots=(config.num_moe_experts, 3))
+    object.__setattr__(experts, "fp8_recipe", scaling)  # not the experts' submodule: not under `.experts.`
+    experts.first_expert = first_expert
+    return scaling
 
 
 # where F is in one expert's tensor: w1 (gate) and w3 (up) [F, h], w2 (down) [h, F]

@@ -185,9 +185,9 @@ class TransformerConfig:
         self._check_choice("fp8_amax_compute_algo", AMAX_COMPUTE_ALGOS)
         if self.fp8_amax_history_len < 1:
             raise ValueError(f"fp8_amax_history_len {self.fp8_amax_history_len} must be >= 1")
-        if self.fp8_recipe == "delayed" and (self.is_moe or self.num_moe_experts):
-            raise ValueError("fp8_recipe delayed with experts: each expert's amax history is not built; use "
-                             "tensorwise, rowwise or blockwise")
+        if self.fp8_recipe == "delayed" and self.is_moe:
+            raise ValueError("fp8_recipe delayed with DeepSpeed-MoE's experts: their amax histories are not built; "
+                             "use tensorwise, rowwise or blockwise")
         if min(self.fp8_margin, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16) < 0:
             raise ValueError(f"fp8_margin {self.fp8_margin}, num_layers_at_start_in_bf16 "
                              f"{self.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16 "

@@ -76,11 +76,14 @@ def test_what_fp8_is_not_built_with_is_refused_together():
         "of --num-layers 4 in FP8; drop --first-last-layers-bf16 or --fp8-format"], problems
     assert any(problem.startswith("--fp8-recipe mxfp8 with --fp8-format hybrid: MXFP8")
                for problem in _problems(BF16 + ["--fp8-hybrid", "--fp8-recipe", "mxfp8"]))
-    assert _problems(BF16 + ["--fp8-hybrid", "--fp8-amax-history-len", "0", "--num-experts", "4",
-                             "--moe-ffn-hidden-size", "64"]) == [
+    assert _problems(BF16 + ["--fp8-hybrid", "--fp8-amax-history-len", "0", "--num-experts", "4"]) == [
         "--fp8-amax-history-len 0: must be >= 1",
-        "--fp8-recipe delayed (the default) with --num-experts 4: an amax history per expert is not built in "
-        "megatron_ds; give --fp8-recipe tensorwise, rowwise or blockwise"]
+        "--fp8-recipe delayed (the default) with --num-experts 4 of DeepSpeed-MoE (Megatron-DeepSpeed's MoE flags): "
+        "an amax history of its experts is not built in megatron_ds; give --fp8-recipe tensorwise, rowwise or "
+        "blockwise, or the dropless layer (Megatron-Core's MoE flags)"]
+    dropless = parse_args(BF16 + ["--fp8-hybrid", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--swiglu"],
+                          world_size=1)
+    assert dropless.model.fp8_recipe == "delayed" and dropless.model.num_moe_experts == 4
 
 
 def test_two_formats_fp16_and_fp32_are_refused_by_name():

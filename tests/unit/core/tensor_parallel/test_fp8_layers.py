@@ -181,11 +181,12 @@ def test_layers_run_their_linears_in_fp8_and_first_last_layers_bf16_keeps_those_
     assert _scaled_mm_calls(OutputLayer(every_layer, 64), monkeypatch, hidden) == 0
 
 
-def test_dropless_experts_run_their_gemms_in_fp8(monkeypatch, one_rank):
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_dropless_experts_run_their_gemms_in_fp8(monkeypatch, one_rank, recipe):
     config = _transformer_config(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
-                                 gated_linear_unit=True, fp8_recipe="rowwise")
+                                 gated_linear_unit=True, fp8_recipe=recipe)
     layer = TransformerLayer(config, 2)
-    assert layer.mlp.experts.fp8_recipe.recipe == "rowwise"
+    assert layer.mlp.experts.fp8_recipe.recipe == recipe
     rows = torch.randn(32, 32, dtype=torch.bfloat16, requires_grad=True)
     calls = _count_scaled_mm(monkeypatch)
     output = layer.mlp.experts(rows, torch.tensor([8, 8, 0, 16]))
@@ -193,3 +194,23 @@ def test_dropless_experts_run_their_gemms_in_fp8(monkeypatch, one_rank):
     # three experts with tokens, three GEMMs each (w1, w3, w2), forward and both backward GEMMs
     assert len(calls) == 3 * 3 * 3
     assert layer.mlp.experts.w1.grad[2].abs().sum() == 0 and layer.mlp.experts.w1.grad[3].abs().sum() > 0
+
+
+def test_delayed_scaling_of_dropless_experts_keeps_a_row_per_expert_and_gemm_in_the_layer(one_rank):
+    """The layer's state, not under `.experts.` (whose tensors are saved per expert): [history, experts, 3 GEMMs,
+    3 operands]; the experts that ran record their amaxes (w1's input: each expert's own rows), the others none."""
+    config = _transformer_config(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                                 gated_linear_unit=True, fp8_amax_history_len=2)
+    layer = TransformerLayer(config, 2)
+    state = layer.state_dict()
+    assert state["mlp.fp8_recipe.amax_history"].shape == (2, 4, 3, 3)
+    assert not [name for name in state if ".experts." in name and "fp8" in name]
+    rows = torch.randn(32, 32, dtype=torch.bfloat16)
+    rows[16:] *= 4  # expert 3's rows
+    output = layer.mlp.experts(rows.clone().requires_grad_(), torch.tensor([8, 8, 0, 16]))
+    output.float().sum().backward()
+    recorded = layer.mlp.fp8_recipe.step_amax
+    expected_inputs = torch.stack([rows[:8].abs().amax(), rows[8:16].abs().amax(), torch.tensor(0.0),
+                                   rows[16:].abs().amax()]).float()
+    assert torch.equal(recorded[:, 0, 0], expected_inputs)  # w1's input per expert
+    assert (recorded[[0, 1, 3]] > 0).all() and not recorded[2].any()
