@@ -1,7 +1,7 @@
 """FP8 against bf16 over a real training run: the demo (scripts/demo.sh: its corpus, tokenizer and model, TP 2 x PP 2
 on 4 CPU ranks) trained --iters iterations in bf16 and once per FP8 recipe, from the same seed and data order.
 
-    python bench/fp8_convergence.py [--iters 300] [--window 50] [--recipes tensorwise rowwise blockwise]
+    python bench/fp8_convergence.py [--iters 300] [--window 50] [--recipes tensorwise rowwise blockwise delayed]
                                     [--format e4m3|hybrid] [-- extra pretrain.py flags]
 
 Printed per run: the mean lm loss over the last --window iterations, its difference from bf16's relative to
