@@ -108,6 +108,23 @@ def rope_scaling_change(request: LoadRequest, metadata):
             f"checkpoint's: {saved})")
 
 
+def fp8_scaling_change(request: LoadRequest, metadata):
+    """The note of a load between runs whose FP8 delayed scaling state differs (None where it is the same, or where
+    only this run keeps one: the load counts what it starts fresh)."""
+    saved, run = files.fp8_scaling_state(metadata["args"]), request.fp8_scaling
+    if saved == run:
+        return None
+    if run is None:
+        return "the checkpoint's FP8 delayed scaling state (amax histories and scales) is not used by this run"
+    if saved is None:
+        return None  # the load counts the histories it lacks (manager._note_fresh_fp8_histories)
+    if saved[0] != run[0]:
+        return (f"FP8 delayed scaling: the checkpoint's amax histories of {saved[0]} steps are read into "
+                f"--fp8-amax-history-len {run[0]}: their newest {min(saved[0], run[0])} steps kept")
+    return ("FP8 delayed scaling: the layers kept in bf16 differ from the checkpoint's (--first-last-layers-bf16); a "
+            "layer's amax history is read where both runs have one, fresh where only this run does")
+
+
 def needs_resharding(request: LoadRequest, metadata):
     """Saved at another TP or PP, with another placement of the stages on the pipeline ranks (dualpipev's V,
     interleaved's virtual stages) or another split of the layers over them, or with the experts split over TP

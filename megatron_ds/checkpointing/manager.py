@@ -65,6 +65,15 @@ def _expert_coordinates(expert_parallel_size):
             "edp": deepspeed_internals.expert_data_parallel_rank(name)}
 
 
+def _note_fresh_fp8_histories(count):
+    """One line where the checkpoint lacked FP8 amax histories on any rank (count: this rank's)."""
+    lacking = torch.tensor(int(count > 0), device=device())
+    dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
+    if lacking.item():
+        print_rank_0("note: FP8 delayed scaling: the checkpoint has no amax histories for this run's FP8 linears; "
+                     "they start fresh (scales 1)")
+
+
 def _peak_resident_gib_of_any_rank():
     """The largest peak RSS of the ranks (getrusage), in GiB: what loading cost at most, with what came before."""
     import resource
@@ -348,9 +357,10 @@ class CheckpointManager:
             print_rank_0(f"no checkpoint loaded: peak resident memory of a rank so far {peak_before:.2f} GiB")
             return TrainingProgress()
         plan = load_plan.plan_load(self.request, self.config.load, tag, metadata)
-        rescaled = load_plan.rope_scaling_change(self.request, metadata)
-        if rescaled:
-            print_rank_0(f"note: {rescaled}")
+        for change in (load_plan.rope_scaling_change(self.request, metadata),
+                       load_plan.fp8_scaling_change(self.request, metadata)):
+            if change:
+                print_rank_0(f"note: {change}")
         verified = self._verify_checksums(tag, metadata)
         start = time.perf_counter()
         how = plan.describe_method(self.layout)
@@ -384,7 +394,8 @@ class CheckpointManager:
             return plan.load_optimizer
         state = self._read_this_rank(plan.path, metadata, plan.load_optimizer, plan.resharded)
         load_optimizer = plan.load_optimizer and state.optimizer is not None
-        placement.place_rank_state(self.engine, state, self.model.num_layers, self.pipelined, load_optimizer)
+        fresh = placement.place_rank_state(self.engine, state, self.model.num_layers, self.pipelined, load_optimizer)
+        _note_fresh_fp8_histories(fresh)
         if load_optimizer and self.model.params_dtype == torch.float16:
             placement.restore_loss_scale(self.engine.optimizer, plan.path, metadata)
         return load_optimizer

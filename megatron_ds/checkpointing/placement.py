@@ -11,9 +11,10 @@ from megatron_ds.core import deepspeed_internals
 
 def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
     """Copy this rank's weights and persistent buffers (and fp32 master weights and Adam moments) into the
-    engine."""
+    engine. Returns how many FP8 amax histories of this rank's linears the checkpoint lacked (they start fresh)."""
     names = {}
     problems = []
+    fresh_histories = 0
     with torch.no_grad():
         for name, param in layout.live_parameter_names(engine.module, num_layers, pipelined):
             names[id(param)] = name
@@ -27,7 +28,8 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
         for name, buffer in layout.live_buffer_names(engine.module, num_layers, pipelined):
             saved = state.weights.get(name)
             if saved is None and layout.is_fp8_scaling_state(name):
-                continue  # saved without FP8 delayed scaling: its scales start fresh
+                fresh_histories += name.endswith(".amax_history")  # saved without FP8 delayed scaling
+                continue
             if saved is None:
                 problems.append(f"{name} is missing")
                 continue
@@ -43,6 +45,7 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
         place_optimizer_state(optimizer, names, state)
     elif hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()  # fp32 master weights from the loaded weights
+    return fresh_histories
 
 
 def _fitted_history(name, saved, buffer):

@@ -115,7 +115,8 @@ def test_fp8_delayed_scaling_state_loads_across_layouts_history_lengths_and_reci
     """Saved at TP 2 + SP after 4 iterations (history 3), each load trains iteration 5 and saves it: after one more
     step each history holds the saved one moved down a row (so it was loaded, whole), at TP 1 (resharded) and at a
     longer history (its newest rows, then zeros); a run with another recipe loads the weights without the state; and
-    a bf16 checkpoint, or the checkpoint written in Megatron-DeepSpeed's format, starts delayed scaling fresh."""
+    a bf16 checkpoint, or the checkpoint written in Megatron-DeepSpeed's format, starts delayed scaling fresh. Each load
+    that does not restore the state as it was saved says so in one note line."""
     flags = TINY + ["--train-iters", "5", "--eval-interval", "0"]
     delayed = tmp_path / "delayed"
     _run(2, flags + layout_flags(2, 1) + DELAYED + ["--sequence-parallel", "--save", str(delayed),
@@ -124,25 +125,40 @@ def test_fp8_delayed_scaling_state_loads_across_layouts_history_lengths_and_reci
     assert len(saved) == 8 and all(bool((history > 0).all()) for history in saved.values()), saved
 
     def load(into, nproc, extra, source=delayed):
-        _run(nproc, flags + layout_flags(nproc, 1) + extra + ["--load", str(source), "--save", str(tmp_path / into)])
-        return _histories(tmp_path / into / "global_step5")
+        """The histories saved after iteration 5 of a run loading `source`, and the run's load note on them."""
+        output = _run(nproc, flags + layout_flags(nproc, 1) + extra + ["--load", str(source), "--save",
+                                                                       str(tmp_path / into)])
+        notes = [line.removeprefix("megatron_ds: ") for line in output.splitlines()
+                 if line.startswith("megatron_ds: note: ") and "FP8" in line]
+        return _histories(tmp_path / into / "global_step5"), notes
 
-    for name, history in load("tp1", 1, DELAYED).items():
+    loaded, notes = load("tp1", 1, DELAYED)
+    assert not notes, notes
+    for name, history in loaded.items():
         assert torch.equal(history[1:], saved[name][:2]), name
     longer = DELAYED[:-3] + ["5", "--fp8-amax-compute-algo", "max", "--sequence-parallel"]
-    for name, history in load("longer", 2, longer).items():
+    loaded, notes = load("longer", 2, longer)
+    assert notes == ["note: FP8 delayed scaling: the checkpoint's amax histories of 3 steps are read into "
+                     "--fp8-amax-history-len 5: their newest 3 steps kept"], notes
+    for name, history in loaded.items():
         assert torch.equal(history[1:4], saved[name]) and not history[4].any(), (name, history, saved[name])
-    assert load("tensorwise", 2, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]) == {}
+    loaded, notes = load("tensorwise", 2, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    assert loaded == {} and notes == ["note: the checkpoint's FP8 delayed scaling state (amax histories and scales) "
+                                      "is not used by this run"], notes
+    fresh_note = ["note: FP8 delayed scaling: the checkpoint has no amax histories for this run's FP8 linears; they "
+                  "start fresh (scales 1)"]
 
     to_megatron_deepspeed(str(delayed), str(tmp_path / "mds"))  # its format has no place for the state
-    converted = load("from-mds", 2, DELAYED + ["--sequence-parallel"], source=tmp_path / "mds")
+    converted, notes = load("from-mds", 2, DELAYED + ["--sequence-parallel"], source=tmp_path / "mds")
     assert len(converted) == 8 and all(not history[1:].any() for history in converted.values()), converted
+    assert notes == fresh_note, notes
 
     bf16 = tmp_path / "bf16"
     _run(1, flags + layout_flags(1, 1) + ["--bf16", "--save", str(bf16), "--save-interval", "4",
                                           "--exit-interval", "4"])
-    fresh = load("fresh", 1, DELAYED, source=bf16)
+    fresh, notes = load("fresh", 1, DELAYED, source=bf16)
     assert len(fresh) == 8 and all(not history[1:].any() and history[0].all() for history in fresh.values()), fresh
+    assert notes == fresh_note, notes
 
 
 def _assert_every_file_has_its_checksum(folder):
