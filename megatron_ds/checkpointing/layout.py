@@ -138,12 +138,17 @@ def live_buffer_names(module, num_layers, pipelined):
             if isinstance(tensor, torch.Tensor) and id(tensor) not in parameters]
 
 
-_FP8_SCALING_STATE = (".fp8_recipe.amax_history", ".fp8_recipe.scale")
+_FP8_AMAX_HISTORY, _FP8_SCALE = ".fp8_recipe.amax_history", ".fp8_recipe.scale"
 
 
 def is_fp8_scaling_state(name):
     """A buffer of FP8 delayed scaling: optional in a checkpoint (absent, it starts fresh)."""
-    return name.endswith(_FP8_SCALING_STATE)
+    return name.endswith((_FP8_AMAX_HISTORY, _FP8_SCALE))
+
+
+def is_fp8_amax_history(name):
+    """FP8 delayed scaling's amax history [history, ...] (its scales are the other buffer)."""
+    return name.endswith(_FP8_AMAX_HISTORY)
 
 
 def _canonical_module_name(local_name, num_layers, pipelined):

@@ -28,7 +28,7 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
         for name, buffer in layout.live_buffer_names(engine.module, num_layers, pipelined):
             saved = state.weights.get(name)
             if saved is None and layout.is_fp8_scaling_state(name):
-                fresh_histories += name.endswith(".amax_history")  # saved without FP8 delayed scaling
+                fresh_histories += layout.is_fp8_amax_history(name)  # saved without FP8 delayed scaling
                 continue
             if saved is None:
                 problems.append(f"{name} is missing")
@@ -50,7 +50,7 @@ def place_rank_state(engine, state, num_layers, pipelined, load_optimizer):
 
 def _fitted_history(name, saved, buffer):
     """An FP8 amax history saved at another --fp8-amax-history-len: its newest rows, zeros where it has fewer."""
-    if not name.endswith(".amax_history") or saved.shape == buffer.shape:
+    if not layout.is_fp8_amax_history(name) or saved.shape == buffer.shape:
         return saved
     rows = min(saved.shape[0], buffer.shape[0])
     fitted = torch.zeros_like(buffer)

@@ -93,10 +93,15 @@ def quantize(tensor: torch.Tensor, kind: str, dtype: torch.dtype, margin: int = 
     amax = _amax(padded, kind)
     if amax_group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+    scale = torch.where(amax > 0, torch.finfo(dtype).max / amax / 2 ** margin, torch.ones_like(amax))
+    return Fp8Operand(saturating_cast(padded * _per_element(scale, kind), dtype), scale.reciprocal(), kind,
+                      tuple(tensor.shape))
+
+
+def saturating_cast(scaled, dtype):
+    """Scaled values in FP8 `dtype`, those beyond its range at its largest magnitude."""
     fp8_max = torch.finfo(dtype).max
-    scale = torch.where(amax > 0, fp8_max / amax / 2 ** margin, torch.ones_like(amax))
-    data = (padded * _per_element(scale, kind)).clamp(-fp8_max, fp8_max).to(dtype)
-    return Fp8Operand(data, scale.reciprocal(), kind, tuple(tensor.shape))
+    return scaled.clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def _padded(tensor, kind):
@@ -246,11 +251,16 @@ def fp8_grouped_linear(input_: torch.Tensor, weights, tokens_per_group, recipe: 
     """Experts' GEMMs: input_ [tokens, inputs] sorted by group, weights [groups, outputs, inputs] (or a
     sequence of [outputs, inputs]); each group's rows times its weight^T, every GEMM in FP8 with the group's
     own scales. Groups without tokens run no GEMM (their weights get no gradient from them)."""
+    return grouped_gemms(input_, weights, tokens_per_group,
+                         lambda group, rows, weight: fp8_linear(rows, weight, recipe, fmt, margin))
+
+
+def grouped_gemms(input_, weights, tokens_per_group, linear):
+    """linear(group, rows, weight) of each group's rows (input_ sorted by group) and its weight, concatenated; a
+    group without rows runs none."""
     chunks = input_.split([int(count) for count in tokens_per_group])
-    outputs = [fp8_linear(chunk, weights[group], recipe, fmt, margin) if len(chunk)
-               else chunk.new_zeros((0, weights[group].shape[0]))
-               for group, chunk in enumerate(chunks)]
-    return torch.cat(outputs)
+    return torch.cat([linear(group, chunk, weights[group]) if len(chunk)
+                      else chunk.new_zeros((0, weights[group].shape[0])) for group, chunk in enumerate(chunks)])
 
 
 def fp8_support_problems(device, recipe=None) -> list[str]:

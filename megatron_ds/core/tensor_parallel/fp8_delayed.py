@@ -21,7 +21,7 @@ fresh.
 import torch
 import torch.distributed as dist
 
-from megatron_ds.core.tensor_parallel.fp8 import Fp8Linear, Fp8Operand, fp8_dtypes
+from megatron_ds.core.tensor_parallel.fp8 import Fp8Linear, Fp8Operand, fp8_dtypes, grouped_gemms, saturating_cast
 
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 ROLES = ("input", "weight", "grad")
@@ -45,6 +45,8 @@ class DelayedScaling(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(history_len, *slots, len(ROLES)))
         self.register_buffer("scale", torch.ones(*slots, len(ROLES)))
         self.register_buffer("step_amax", torch.zeros(*slots, len(ROLES)), persistent=False)
+        self.register_buffer("fp8_max", torch.tensor([torch.finfo(dtype).max for dtype in self.dtypes]),
+                             persistent=False)
 
     def extra_repr(self):
         return (f"{self.fmt}, margin={self.margin}, history={self.amax_history.shape[0]}, "
@@ -56,9 +58,8 @@ class DelayedScaling(torch.nn.Module):
 
     def grouped_linear(self, input_, weights, tokens_per_group, slots):
         """Experts' GEMMs (fp8.fp8_grouped_linear's layout), group g at slots[g]'s scales."""
-        chunks = input_.split([int(count) for count in tokens_per_group])
-        return torch.cat([self.linear(chunk, weights[group], slots[group]) if len(chunk)
-                          else chunk.new_zeros((0, weights[group].shape[0])) for group, chunk in enumerate(chunks)])
+        return grouped_gemms(input_, weights, tokens_per_group,
+                             lambda group, rows, weight: self.linear(rows, weight, slots[group]))
 
     @torch.no_grad()
     def advance(self, amax):
@@ -66,8 +67,7 @@ class DelayedScaling(torch.nn.Module):
         self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
         self.amax_history[0] = amax
         chosen = self.amax_history[0] if self.compute_algo == "most_recent" else self.amax_history.amax(dim=0)
-        fp8_max = torch.tensor([torch.finfo(dtype).max for dtype in self.dtypes], device=chosen.device)
-        fresh = fp8_max / chosen / 2 ** self.margin
+        fresh = self.fp8_max / chosen / 2 ** self.margin
         self.scale.copy_(torch.where((chosen > 0) & torch.isfinite(chosen), fresh, self.scale))
         self.step_amax.zero_()
 
@@ -84,9 +84,8 @@ class _Slot:
         if role == "grad" or self.scaling.training:
             with torch.no_grad():
                 self.step_amax[index] = torch.maximum(self.step_amax[index], tensor.detach().abs().amax().float())
-        scale, dtype = self.scale[index], self.scaling.dtypes[index]
-        fp8_max = torch.finfo(dtype).max
-        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+        scale = self.scale[index]
+        data = saturating_cast(tensor.float() * scale, self.scaling.dtypes[index])
         return Fp8Operand(data, scale.reciprocal(), "tensor", tuple(tensor.shape))
 
     def quantize_transposed(self, operand, tensor, dims, role) -> Fp8Operand:
